@@ -1,0 +1,30 @@
+# Two entry points: `make demo` (the main job) and `make test`; both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test selfcheck zoo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU torch build (a CUDA build would be several GB); triton for its CPU interpreter.
+	$(BIN)/pip install -q torch==2.13.0 triton==3.6.0
+	$(BIN)/pip install -q -e '.[triton,transformers,test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvcanary demo
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+selfcheck: $(STAMP)
+	$(BIN)/kvcanary selfcheck
+
+zoo: $(STAMP)
+	$(BIN)/kvcanary zoo
+
+clean:
+	rm -rf $(VENV)

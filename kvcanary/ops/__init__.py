@@ -1,0 +1,39 @@
+"""The canary ops of SPEC section 4, each with reference, torch and Triton implementations."""
+
+from kvcanary.ops.api import (
+    BACKENDS,
+    fill_entries,
+    fingerprint,
+    launch_scatter_req_token_ids_kernel,
+    plan,
+    resolve_backend,
+    scatter_req_token_ids,
+    verify,
+    write,
+)
+from kvcanary.ops.types import (
+    Entries,
+    Plan,
+    RealKvSource,
+    ViolationRing,
+    allocate_canary_buffer,
+    allocate_counters,
+)
+
+__all__ = [
+    "BACKENDS",
+    "Entries",
+    "Plan",
+    "RealKvSource",
+    "ViolationRing",
+    "allocate_canary_buffer",
+    "allocate_counters",
+    "fill_entries",
+    "fingerprint",
+    "launch_scatter_req_token_ids_kernel",
+    "plan",
+    "resolve_backend",
+    "scatter_req_token_ids",
+    "verify",
+    "write",
+]

@@ -1,0 +1,210 @@
+"""Scalar reference of every op: Python integers and loops, written to be read.
+
+This is the oracle the torch and Triton paths must match bit for bit. It takes
+the same keyword arguments as the public functions in ``kvcanary.ops`` (after
+validation) and is only meant for tests and small inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.format import (
+    ATTRIBUTION_STRIDE,
+    CHAIN_HEAD,
+    MASK64,
+    PARTIAL_READ_BYTES,
+    Counter,
+    FailReason,
+    RealKvMode,
+    RecordField,
+    link,
+    splitmix64,
+    to_signed,
+)
+
+
+def _words(buf: torch.Tensor) -> torch.Tensor:
+    return buf.view(torch.int64)
+
+
+def _record(buf: torch.Tensor, slot: int) -> tuple[int, int, int, int]:
+    """(token, position, prev_hash, real_kv_hash) as uint64 ints; an out-of-range slot reads as zeros."""
+    if not 0 <= slot < buf.shape[0]:
+        return (0, 0, 0, 0)
+    w = _words(buf)[slot, :4].tolist()
+    return tuple(x & MASK64 for x in w)
+
+
+def _store(buf: torch.Tensor, slot: int, field: int, value: int) -> None:
+    _words(buf)[slot, field] = to_signed(value)
+
+
+def _push_violation(ring, row: list[int]) -> None:
+    i = int(ring.write_index[0])
+    ring.write_index[0] = i + 1
+    if i < ring.capacity:
+        ring.rows[i] = torch.tensor([to_signed(v) for v in row], dtype=torch.int64)
+
+
+def _source_hash(src, slot: int, num_bytes: int) -> int:
+    row, col = divmod(slot, src.page_size)
+    acc = 0
+    if slot < 0 or row >= src.tensor.shape[0]:
+        return acc
+    start = col * src.num_bytes_per_token
+    data = src.byte_rows()[row, start:start + num_bytes].cpu().tolist()
+    for k in range(0, num_bytes, 8):
+        word = int.from_bytes(bytes(data[k:k + 8]), "little")
+        acc = splitmix64(acc ^ word)
+    return acc
+
+
+def slot_fingerprint(slot: int, sources, real_kv_mode: int) -> int:
+    """uint64 real-KV hash of one slot (SPEC 3.4)."""
+    if real_kv_mode == RealKvMode.NONE or not sources:
+        return 0
+    acc = 0
+    for src in sources:
+        n = PARTIAL_READ_BYTES if real_kv_mode == RealKvMode.PARTIAL else src.read_bytes
+        acc = splitmix64(acc ^ _source_hash(src, slot, n))
+    return acc
+
+
+def fingerprint(*, slots, sources, real_kv_mode) -> torch.Tensor:
+    out = [to_signed(slot_fingerprint(s, sources, real_kv_mode)) for s in slots.tolist()]
+    return torch.tensor(out, dtype=torch.int64, device=slots.device)
+
+
+def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out) -> None:
+    flat, offs = flat_in.tolist(), offsets.tolist()
+    for r, row in enumerate(req_pool_indices.tolist()):
+        if not 0 <= row < pool_out.shape[0]:
+            continue
+        start, end = offs[r], offs[r + 1]
+        n = min(end - start, pool_out.shape[1])
+        for j in range(max(n, 0)):
+            if 0 <= start + j < len(flat):
+                pool_out[row, j] = torch.tensor(flat[start + j], dtype=torch.int64).to(torch.int32)
+
+
+def _translate(x: int, table: list[int] | None) -> int:
+    if table is None or not 0 <= x < len(table):
+        return x
+    return table[x]
+
+
+def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, window=0, full_to_swa=None,
+         token_table=None, token_valid_lens=None, token_offset=0) -> None:
+    rows, prefix, extend = req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()
+    rtt = req_to_token.tolist()
+    max_ctx = req_to_token.shape[1]
+    table = None if full_to_swa is None else full_to_swa.tolist()
+    tokens = None if token_table is None else token_table.tolist()
+    valid = None if token_valid_lens is None else token_valid_lens.tolist()
+    entries = []
+    out.write_offsets[0] = 0
+    for r, row in enumerate(rows):
+        P = min(prefix[r], max_ctx)
+        real_row = row != 0 and 0 <= row < len(rtt)
+        write_len = extend[r] if (row != 0 and extend[r] > 0) else 0
+        out.write_offsets[r + 1] = int(out.write_offsets[r]) + write_len
+        out.seed_slot[r] = _translate(rtt[row][P - 1], table) if (real_row and P > 0) else -1
+        if not real_row:
+            continue
+        start = max(0, P - window) if window > 0 else 0
+        for p in range(start, P):
+            slot = _translate(rtt[row][p], table)
+            prev = _translate(rtt[row][p - 1], table) if p > 0 else -1
+            exp = -1
+            q = p + token_offset
+            if tokens is not None and 0 <= q < valid[r] and q < len(tokens[row]):
+                exp = tokens[row][q]
+            entries.append((slot, p, prev, exp))
+    e = out.entries
+    e.count[0] = len(entries)
+    e.enable[0] = int(len(entries) <= e.capacity)
+    for i, (slot, p, prev, exp) in enumerate(entries[:e.capacity]):
+        e.slot[i], e.position[i], e.prev[i], e.expected_token[i] = slot, p, prev, exp
+
+
+def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_ids, positions, ring, counters,
+          launch_tag, sources=(), real_kv_mode=0, expected_input_ids=None, expected_positions=None,
+          chain_check=None, writer_ids=None, step=None) -> None:
+    offs, seeds = write_offsets.tolist(), seed_slot.tolist()
+    locs, ids, poss = out_cache_loc.tolist(), input_ids.tolist(), positions.tolist()
+    exp_ids = None if expected_input_ids is None else expected_input_ids.tolist()
+    exp_pos = None if expected_positions is None else expected_positions.tolist()
+    check_chain = chain_check is not None and int(chain_check[0]) != 0
+    attribution = buf.shape[1] >= ATTRIBUTION_STRIDE
+    step_value = -1 if step is None else int(step[0])
+    num_tokens = len(locs)
+    for r in range(num_requests):
+        seed = seeds[r]
+        if seed > 0 and seed < buf.shape[0]:
+            tok, pos, prev_hash, _ = _record(buf, seed)
+            running, prev_pos = link(prev_hash, tok, pos), to_signed(pos)
+        elif seed < 0:
+            running, prev_pos = CHAIN_HEAD, -1
+        else:
+            # Unreachable seed (evicted SWA predecessor): no position to start from.
+            running, prev_pos = CHAIN_HEAD, None
+        for i in range(offs[r], min(offs[r + 1], num_tokens)):
+            slot, tok, pos = locs[i], ids[i], poss[i]
+            reason, exp_tok, aux = 0, tok, pos
+            if exp_ids is not None and tok != exp_ids[i]:
+                reason |= FailReason.WRITE_TOKEN
+                exp_tok = exp_ids[i]
+            if exp_pos is not None and pos != exp_pos[i]:
+                reason |= FailReason.WRITE_POSITION
+                aux = exp_pos[i]
+            if check_chain and prev_pos is not None and pos != prev_pos + 1:
+                if not reason & FailReason.WRITE_POSITION:
+                    aux = prev_pos + 1
+                reason |= FailReason.WRITE_POSITION
+            if reason:
+                _push_violation(ring, [launch_tag, slot, pos, tok, exp_tok, running, aux, int(reason)])
+            if 0 <= slot < buf.shape[0]:
+                _store(buf, slot, RecordField.TOKEN, tok)
+                _store(buf, slot, RecordField.POSITION, pos)
+                _store(buf, slot, RecordField.PREV_HASH, running)
+                _store(buf, slot, RecordField.REAL_KV_HASH, slot_fingerprint(slot, sources, real_kv_mode))
+                if attribution:
+                    _store(buf, slot, RecordField.WRITER_ID, -1 if writer_ids is None else int(writer_ids[r]))
+                    _store(buf, slot, RecordField.WRITER_STEP, step_value)
+            running, prev_pos = link(running, tok, pos), pos
+    counters[launch_tag, Counter.LAUNCHES] += 1
+    counters[launch_tag, Counter.ENTRIES] += min(offs[num_requests], num_tokens) if num_requests else 0
+
+
+def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0) -> None:
+    if int(entries.enable[0]) == 0:
+        return
+    n = min(int(entries.count[0]), entries.capacity)
+    counters[launch_tag, Counter.LAUNCHES] += 1
+    counters[launch_tag, Counter.ENTRIES] += n
+    for e in range(n):
+        slot = int(entries.slot[e])
+        if slot == 0:
+            continue
+        prev, position = int(entries.prev[e]), int(entries.position[e])
+        exp_tok = int(entries.expected_token[e])
+        tok, pos, prev_hash, real = _record(buf, slot)
+        reason, aux = 0, prev_hash
+        if prev != 0:
+            if prev == -1:
+                expected = CHAIN_HEAD
+            else:
+                p_tok, p_pos, p_prev, _ = _record(buf, prev)
+                expected = link(p_prev, p_tok, p_pos)
+            if prev_hash != expected:
+                reason |= FailReason.VERIFY_CHAIN_HASH
+                aux = expected
+        if pos != (position & MASK64):
+            reason |= FailReason.VERIFY_POSITION
+        if exp_tok != -1 and tok != (exp_tok & MASK64):
+            reason |= FailReason.VERIFY_TOKEN
+        if real != slot_fingerprint(slot, sources, real_kv_mode):
+            reason |= FailReason.VERIFY_REAL_KV_HASH
+        if reason:
+            _push_violation(ring, [launch_tag, slot, pos, tok, exp_tok, prev_hash, aux, int(reason)])

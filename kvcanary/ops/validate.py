@@ -1,0 +1,129 @@
+"""Boundary checks shared by every op: metadata only (shape, dtype, device), never a device sync.
+
+Messages read ``kv-canary: <op> <argument> must be <expectation>, got <what>``;
+TypeError for dtypes, ValueError for shapes, lengths and values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcanary.format import MAX_REAL_KV_SOURCES, SPEC_RECORD_BYTES, RealKvMode, VIOLATION_WIDTH
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def fail_type(op: str, name: str, expected: str, got: object) -> TypeError:
+    return TypeError(f"kv-canary: {op} {name} must be {expected}, got {got}")
+
+
+def fail_value(op: str, name: str, expected: str, got: object) -> ValueError:
+    return ValueError(f"kv-canary: {op} {name} must be {expected}, got {got}")
+
+
+def check_tensor(op: str, name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise fail_type(op, name, "a torch.Tensor", type(t).__name__)
+    return t
+
+
+def check_ndim(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
+    check_tensor(op, name, t)
+    if t.dim() != ndim:
+        raise fail_value(op, name, f"{ndim}-D", f"shape {tuple(t.shape)}")
+
+
+def check_dtype(op: str, name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:
+    if t.dtype not in dtypes:
+        expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise fail_type(op, name, expected, t.dtype)
+
+
+def check_vector(op: str, name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], length: int | None = None,
+                 min_length: int | None = None) -> None:
+    """1-D tensor of one of dtypes, of exactly `length` (or at least `min_length`) elements."""
+    check_ndim(op, name, t, 1)
+    check_dtype(op, name, t, dtypes)
+    if length is not None and t.shape[0] != length:
+        raise fail_value(op, name, f"of length {length}", f"length {t.shape[0]}")
+    if min_length is not None and t.shape[0] < min_length:
+        raise fail_value(op, name, f"of length >= {min_length}", f"length {t.shape[0]}")
+
+
+def check_device(op: str, device: torch.device, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise fail_value(op, name, f"on {device}", f"{t.device}")
+
+
+def check_canary_buffer(op: str, buf: torch.Tensor, name: str = "buf") -> None:
+    check_ndim(op, name, buf, 2)
+    check_dtype(op, name, buf, (torch.uint8,))
+    stride = buf.shape[1]
+    if stride < SPEC_RECORD_BYTES or stride % 8:
+        raise fail_value(op, name, "a record stride >= 32 and a multiple of 8", f"stride {stride}")
+    if not buf.is_contiguous():
+        raise fail_value(op, name, "contiguous", f"strides {tuple(buf.stride())}")
+
+
+def check_ring(op: str, ring, counters: torch.Tensor, device: torch.device) -> None:
+    check_ndim(op, "ring.rows", ring.rows, 2)
+    check_dtype(op, "ring.rows", ring.rows, (torch.int64,))
+    if ring.rows.shape[1] != VIOLATION_WIDTH or not ring.rows.is_contiguous():
+        raise fail_value(op, "ring.rows", f"contiguous [capacity, {VIOLATION_WIDTH}]", f"shape {tuple(ring.rows.shape)}")
+    check_vector(op, "ring.write_index", ring.write_index, (torch.int32,), length=1)
+    check_ndim(op, "counters", counters, 2)
+    check_dtype(op, "counters", counters, (torch.int64,))
+    if counters.shape[1] != 2 or not counters.is_contiguous():
+        raise fail_value(op, "counters", "contiguous [num_tags, 2]", f"shape {tuple(counters.shape)}")
+    check_device(op, device, **{"ring.rows": ring.rows, "ring.write_index": ring.write_index, "counters": counters})
+
+
+def check_launch_tag(op: str, tag: int, counters: torch.Tensor) -> None:
+    if not isinstance(tag, int) or not 0 <= int(tag) < counters.shape[0]:
+        raise fail_value(op, "launch_tag", f"an int in [0, {counters.shape[0]})", repr(tag))
+
+
+def check_real_kv_source(src) -> None:
+    """ValueError for a RealKvSource that SPEC 3.4 rejects."""
+    op = "RealKvSource"
+    check_tensor(op, "tensor", src.tensor)
+    for name in ("page_size", "num_bytes_per_token", "read_bytes"):
+        if not isinstance(getattr(src, name), int):
+            raise fail_type(op, name, "an int", type(getattr(src, name)).__name__)
+    if src.page_size < 1:
+        raise fail_value(op, "page_size", ">= 1", src.page_size)
+    for name in ("num_bytes_per_token", "read_bytes"):
+        v = getattr(src, name)
+        if v <= 0 or v % 16:
+            raise fail_value(op, name, "a positive multiple of 16", v)
+    if src.read_bytes > src.num_bytes_per_token:
+        raise fail_value(op, "read_bytes", f"<= num_bytes_per_token ({src.num_bytes_per_token})", src.read_bytes)
+    if src.tensor.dim() < 2:
+        raise fail_value(op, "tensor", "at least 2-D", f"shape {tuple(src.tensor.shape)}")
+    row_stride = src.tensor.stride(0) * src.tensor.element_size()
+    if row_stride % 16:
+        raise fail_value(op, "tensor", "a row stride that is a multiple of 16 bytes", f"{row_stride} bytes")
+    row_bytes = src.tensor[0].numel() * src.tensor.element_size() if src.tensor.shape[0] else 0
+    need = src.page_size * src.num_bytes_per_token
+    if src.tensor.shape[0] and row_bytes < need:
+        raise fail_value(op, "tensor", f"rows of at least page_size * num_bytes_per_token = {need} bytes",
+                         f"{row_bytes} bytes")
+
+
+def check_sources(op: str, sources, mode: int, device: torch.device) -> tuple:
+    sources = tuple(sources or ())
+    if len(sources) > MAX_REAL_KV_SOURCES:
+        raise fail_value(op, "sources", f"at most {MAX_REAL_KV_SOURCES} real-KV sources", len(sources))
+    try:
+        mode = RealKvMode(mode)
+    except ValueError:
+        raise fail_value(op, "real_kv_mode", "a RealKvMode (0, 1, 2)", repr(mode)) from None
+    for i, s in enumerate(sources):
+        if type(s).__name__ != "RealKvSource":
+            raise fail_type(op, f"sources[{i}]", "a RealKvSource", type(s).__name__)
+        if s.tensor.device != device:
+            raise fail_value(op, f"sources[{i}].tensor", f"on {device}", s.tensor.device)
+    return sources

@@ -1,0 +1,38 @@
+"""Hardware selection: tests marked ``gpu`` skip without CUDA; TRITON_INTERPRET=1 runs Triton on CPU."""
+
+import os
+
+import pytest
+import torch
+
+
+def _triton_usable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = _triton_usable()
+# The device the op tests run on: the GPU when there is one, else the CPU.
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+FAST_BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+@pytest.fixture(params=FAST_BACKENDS)
+def fast_backend(request) -> str:
+    return request.param
