@@ -1,0 +1,20 @@
+"""The runtime that drives the canary ops forward by forward (SPEC section 5)."""
+
+from kvcanary.runtime.batch import ForwardBatch, ForwardMode, PoolSpec, SwaSpec, TokenHistory
+from kvcanary.runtime.canary import Canary
+from kvcanary.runtime.config import CanaryConfig
+from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation, violations_to_json
+
+__all__ = [
+    "Canary",
+    "CanaryConfig",
+    "ForwardBatch",
+    "ForwardMode",
+    "KvCanaryHealthError",
+    "KvCanaryViolationError",
+    "PoolSpec",
+    "SwaSpec",
+    "TokenHistory",
+    "Violation",
+    "violations_to_json",
+]

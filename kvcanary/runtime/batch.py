@@ -1,0 +1,127 @@
+"""Engine-neutral descriptions of a KV pool and of one forward (SPEC sections 2 and 6).
+
+An engine adapter fills these from its own bookkeeping; the canary knows no engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcanary.ops.types import RealKvSource
+
+
+class ForwardMode(enum.Enum):
+    """What the engine reports per mode (SPEC 2): prefix_len / extend_len."""
+
+    EXTEND = "extend"  # cached prefix / new tokens (prefill and prefill chunks)
+    DECODE = "decode"  # seq_len - 1 / 1
+    TARGET_VERIFY = "target_verify"  # seq_len / draft_token_num
+    DRAFT_EXTEND = "draft_extend"  # seq_len - extend_len / extend_len
+
+
+@dataclass(frozen=True)
+class SwaSpec:
+    """The sliding-window address space.
+
+    Attributes:
+        num_slots: slots of the SWA pool.
+        window: W; an SWA layer reads positions [max(0, P - W), P).
+        full_to_swa: int32/int64 [full num_slots] live engine table (0 = evicted).
+        k_sources, v_sources: real-KV sources of the SWA pool (up to 4 each).
+    """
+
+    num_slots: int
+    window: int
+    full_to_swa: torch.Tensor
+    k_sources: tuple[RealKvSource, ...] = ()
+    v_sources: tuple[RealKvSource, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 2:
+            raise ValueError(f"kv-canary: SwaSpec num_slots must be >= 2, got {self.num_slots}")
+        if self.window < 1:
+            raise ValueError(f"kv-canary: SwaSpec window must be >= 1, got {self.window}")
+        if not isinstance(self.full_to_swa, torch.Tensor) or self.full_to_swa.dim() != 1:
+            raise ValueError("kv-canary: SwaSpec full_to_swa must be a 1-D tensor, got "
+                             f"{getattr(self.full_to_swa, 'shape', type(self.full_to_swa).__name__)}")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The engine's KV pool as the canary sees it.
+
+    Attributes:
+        num_slots: slots of the full pool, slot 0 included (reserved for padding writes).
+        k_sources, v_sources: where slots' K / V bytes live (``RealKvSource``, up to 4 each),
+            e.g. layer 0's K cache; empty = no real-KV hash for that buffer.
+        swa: the optional sliding-window group.
+    """
+
+    num_slots: int
+    k_sources: tuple[RealKvSource, ...] = ()
+    v_sources: tuple[RealKvSource, ...] = ()
+    swa: SwaSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 2:
+            raise ValueError(f"kv-canary: PoolSpec num_slots must be >= 2, got {self.num_slots}")
+        object.__setattr__(self, "k_sources", tuple(self.k_sources))
+        object.__setattr__(self, "v_sources", tuple(self.v_sources))
+
+
+@dataclass
+class TokenHistory:
+    """Per request, the tokens of positions [0, n): prompt + outputs, CSR-packed.
+
+    flat: int64 [total]; offsets: int64 [bs + 1].
+    """
+
+    flat: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass
+class ForwardBatch:
+    """One forward as the engine runs it.
+
+    Attributes:
+        req_pool_indices: int32/int64 [bs] request rows of req_to_token (row 0 = padding).
+        prefix_lens: int32/int64 [bs] tokens whose KV exists before the forward.
+        extend_lens: int32/int64 [bs] tokens this forward writes.
+        input_ids: int32/int64 [num_tokens] tokens the model consumes, request-major.
+        positions: int32/int64 [num_tokens] their positions.
+        out_cache_loc: int32/int64 [num_tokens] full-pool slots the forward writes (< 0 = none).
+        req_to_token: int32/int64 [num_rows, max_context] the engine's table (or one built from
+            block tables), already holding this forward's slots.
+        request_ids: optional int64 [bs] stable request ids (attribution, token oracle).
+        token_history: optional per-request prompt + outputs (token-history check).
+        expected_input_ids, expected_positions: optional [num_tokens] (write-input assert).
+        mode: the forward mode (SPEC 2 table); informational.
+        token_offset: 1 for a draft model whose slot p holds the token of position p + 1.
+    """
+
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_to_token: torch.Tensor
+    request_ids: torch.Tensor | None = None
+    token_history: TokenHistory | None = None
+    expected_input_ids: torch.Tensor | None = None
+    expected_positions: torch.Tensor | None = None
+    mode: ForwardMode = ForwardMode.EXTEND
+    token_offset: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_cache_loc.shape[0])

@@ -1,0 +1,281 @@
+"""The ``Canary``: guards an engine forward by forward (SPEC section 5).
+
+Per forward: ``before_forward`` (refill the expected-token table, plan, HEAD verify
+of the prefix, HEAD write of the new tokens), the engine's forward, then
+``after_forward`` (TAIL verify with real-KV hash, TAIL write, periodic sweep,
+then the host side: drain, health, stats). ``device_before`` / ``device_after``
+are the parts that only touch static buffers and never sync: an engine that
+runs CUDA graphs captures those and calls ``host_before`` / ``host_after``
+around each replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvcanary import ops
+from kvcanary.format import RealKvMode, launch_tag
+from kvcanary.runtime.batch import ForwardBatch, PoolSpec
+from kvcanary.runtime.config import CanaryConfig
+from kvcanary.runtime.monitor import Monitor
+from kvcanary.runtime.report import Violation
+
+SweepProvider = Callable[[], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
+
+
+class _Group:
+    """One address space (FULL or SWA) with its canary buffers and static plan."""
+
+    def __init__(self, name, num_slots, window, table, k_sources, v_sources, cfg, plan_capacity, sweep_capacity,
+                 max_batch, device):
+        self.name, self.num_slots, self.window, self.table = name, num_slots, window, table
+        self.sources = {"k": tuple(k_sources), "v": tuple(v_sources)}
+        self.kvs = ("k", "v") if cfg.check_v else ("k",)
+        self.bufs = {(phase, kv): ops.allocate_canary_buffer(num_slots, cfg.record_stride, device)
+                     for phase in ("head", "tail") for kv in self.kvs}
+        self.plan = ops.Plan.allocate(plan_capacity, max_batch, device)
+        self.sweep_entries = ops.Entries.allocate(sweep_capacity or num_slots, device)
+
+    def tag(self, phase: str, kv: str) -> int:
+        return int(launch_tag(phase, kv, self.name))
+
+
+class Canary:
+    """KV-cache sanitizer state for one engine: canary buffers, ring, counters, static plans.
+
+    Args:
+        pool: the engine's KV pool (slot count, real-KV sources, optional SWA group).
+        config: knobs (default ``CanaryConfig.from_env()``).
+        max_batch: most requests in one forward.
+        max_tokens: most tokens one forward writes.
+        max_context: columns of the engine's req_to_token table.
+        num_rows: rows of the engine's req_to_token table (for the expected-token table).
+        device: where the engine's KV lives.
+        on_violation: optional callback called with each ``Violation``.
+
+    Example:
+        >>> canary = Canary(pool, max_batch=8, max_tokens=256, max_context=512, num_rows=9)
+        >>> canary.before_forward(batch); engine_forward(batch); canary.after_forward(batch)
+    """
+
+    def __init__(self, pool: PoolSpec, config: CanaryConfig | None = None, *, max_batch: int, max_tokens: int,
+                 max_context: int, num_rows: int, device: torch.device | str = "cpu",
+                 on_violation: Callable[[Violation], None] | None = None):
+        self.config = cfg = config if config is not None else CanaryConfig.from_env()
+        for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens), ("max_context", max_context),
+                            ("num_rows", num_rows)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv-canary: Canary {name} must be an int >= 1, got {value!r}")
+        self.device = torch.device(device)
+        self.pool = pool
+        self.max_batch, self.max_tokens, self.max_context, self.num_rows = max_batch, max_tokens, max_context, num_rows
+        self.enabled = cfg.mode != "none"
+        self.real_kv_mode = RealKvMode[cfg.real_kv.upper()]
+        plan_capacity = cfg.plan_capacity or max_batch * max_context
+        self.groups = [_Group("full", pool.num_slots, 0, None, pool.k_sources, pool.v_sources, cfg, plan_capacity,
+                              cfg.sweep_capacity, max_batch, self.device)]
+        if pool.swa is not None:
+            s = pool.swa
+            self.groups.append(_Group("swa", s.num_slots, s.window, s.full_to_swa, s.k_sources, s.v_sources, cfg,
+                                      min(plan_capacity, max_batch * s.window), cfg.sweep_capacity, max_batch,
+                                      self.device))
+            self._swa_loc = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
+        self.ring = ops.ViolationRing.allocate(cfg.ring_capacity, self.device)
+        self.counters = ops.allocate_counters(self.device)
+        self.token_table = torch.zeros(num_rows, max_context, dtype=torch.int32, device=self.device)
+        self._valid_lens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
+        self.step_tensor = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.chain_check = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.sweep_provider: SweepProvider | None = None
+        self.step = 0
+        self.monitor = Monitor(self, on_violation)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def mark_ready(self) -> None:
+        """End of warm-up / graph capture: arm the chain-position assert (if configured)."""
+        self.chain_check.fill_(int(self.config.chain_position_check))
+
+    def before_forward(self, batch: ForwardBatch) -> None:
+        """Host part, then device part, before the engine's forward writes KV."""
+        if not self.enabled:
+            return
+        self.host_before(batch)
+        self.device_before(batch)
+
+    def after_forward(self, batch: ForwardBatch) -> None:
+        """Device part, then host part, after the engine's forward wrote KV."""
+        if not self.enabled:
+            return
+        self.device_after(batch)
+        self.host_after(batch)
+
+    def host_before(self, batch: ForwardBatch) -> None:
+        """Validate host-known sizes and drain observations that have landed (never waits)."""
+        self._check_sizes(batch)
+        self.monitor.poll()
+
+    def device_before(self, batch: ForwardBatch) -> None:
+        """Plan, HEAD verify, HEAD write: static buffers only, no sync (CUDA-graph capturable)."""
+        be = self.config.backend
+        table, valid = self._refill_tokens(batch)
+        for g in self.groups:
+            ops.plan(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
+                     extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out=g.plan, window=g.window,
+                     full_to_swa=g.table, token_table=table, token_valid_lens=valid,
+                     token_offset=batch.token_offset, backend=be)
+            for kv in g.kvs:
+                ops.verify(buf=g.bufs["head", kv], entries=g.plan.entries, ring=self.ring, counters=self.counters,
+                           launch_tag=g.tag("head", kv), backend=be)
+        self._write_all(batch, "head")
+
+    def device_after(self, batch: ForwardBatch) -> None:
+        """TAIL verify (with real-KV hash) and TAIL write; advances the device step."""
+        be = self.config.backend
+        for g in self.groups:
+            for kv in g.kvs:
+                ops.verify(buf=g.bufs["tail", kv], entries=g.plan.entries, ring=self.ring, counters=self.counters,
+                           launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=self._mode(g, kv),
+                           backend=be)
+        self._write_all(batch, "tail")
+        self.step_tensor.add_(1)
+
+    def host_after(self, batch: ForwardBatch) -> None:
+        """Periodic sweep, then close the step: snapshot for the one-step-late drain, health, stats."""
+        self.step += 1
+        self.monitor.note_forward(batch)
+        every = self.config.sweep_interval
+        if every and self.sweep_provider is not None and self.step % every == 0:
+            triples = self.sweep_provider()
+            if triples is not None:
+                self.sweep(*triples)
+        self.monitor.close_step()
+
+    def sweep(self, slots: torch.Tensor, positions: torch.Tensor, prevs: torch.Tensor, group: str = "full") -> None:
+        """Verify slots held by the engine's prefix cache (SPEC 4.5) against the TAIL buffers.
+
+        Args: slots, positions, prevs: int32/int64 [n] triples from the engine's cache walker
+        (prev = slot of position - 1, -1 at position 0).
+        """
+        if not self.enabled:
+            return
+        g = self._group(group)
+        ops.fill_entries(g.sweep_entries, slots, positions, prevs)
+        for kv in g.kvs:
+            ops.verify(buf=g.bufs["tail", kv], entries=g.sweep_entries, ring=self.ring, counters=self.counters,
+                       launch_tag=g.tag("sweep", kv), sources=g.sources[kv], real_kv_mode=self._mode(g, kv),
+                       backend=self.config.backend)
+        self.monitor.note_sweep(group)
+
+    # -- KV movement -----------------------------------------------------------------------------
+    def copy_records(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, group: str = "full") -> None:
+        """The engine copied KV from src_slots to dst_slots (fork, defragmentation): carry the records."""
+        g = self._group(group)
+        src, dst = self._slot_pair(src_slots, dst_slots)
+        for buf in g.bufs.values():
+            buf.index_copy_(0, dst, buf.index_select(0, src))
+
+    def save_records(self, slots: torch.Tensor, group: str = "full") -> dict:
+        """Records of slots whose KV is offloaded (a copy per buffer, on the canary's device)."""
+        g = self._group(group)
+        idx = slots.to(device=self.device, dtype=torch.int64)
+        return {key: buf.index_select(0, idx) for key, buf in g.bufs.items()}
+
+    def restore_records(self, saved: dict, slots: torch.Tensor, group: str = "full") -> None:
+        """The offloaded KV came back into ``slots`` (same order as saved): restore its records."""
+        g = self._group(group)
+        idx = slots.to(device=self.device, dtype=torch.int64)
+        for key, buf in g.bufs.items():
+            buf.index_copy_(0, idx, saved[key])
+
+    # -- reporting -------------------------------------------------------------------------------
+    @property
+    def violations(self) -> list[Violation]:
+        """Every violation reported so far (drained observations only; see ``flush``)."""
+        return self.monitor.violations
+
+    def flush(self) -> list[Violation]:
+        """Wait for and drain every pending observation; returns all violations so far."""
+        if self.enabled:
+            self.monitor.flush()
+        return self.monitor.violations
+
+    def stats(self) -> dict:
+        return self.monitor.stats()
+
+    def check_health(self) -> list[str]:
+        """Problems found (an expected launch that stopped running); raises in mode "raise"."""
+        return self.monitor.check_health(force=True)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _mode(self, g: _Group, kv: str) -> int:
+        return int(self.real_kv_mode) if g.sources[kv] else int(RealKvMode.NONE)
+
+    def _group(self, name: str) -> _Group:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise ValueError(f"kv-canary: group must be one of {[g.name for g in self.groups]}, got {name!r}")
+
+    def _slot_pair(self, src, dst):
+        if src.shape != dst.shape or src.dim() != 1:
+            raise ValueError(f"kv-canary: copy_records src_slots and dst_slots must be 1-D of one length, got "
+                             f"{tuple(src.shape)} and {tuple(dst.shape)}")
+        return src.to(self.device, torch.int64), dst.to(self.device, torch.int64)
+
+    def _check_sizes(self, batch: ForwardBatch) -> None:
+        if batch.batch_size > self.max_batch:
+            raise ValueError(f"kv-canary: forward batch size must be <= max_batch ({self.max_batch}), got "
+                             f"{batch.batch_size}; raise Canary(max_batch=...)")
+        if batch.num_tokens > self.max_tokens:
+            raise ValueError(f"kv-canary: forward tokens must be <= max_tokens ({self.max_tokens}), got "
+                             f"{batch.num_tokens}; raise Canary(max_tokens=...)")
+        if batch.req_to_token.shape[1] > self.max_context:
+            raise ValueError(f"kv-canary: req_to_token columns must be <= max_context ({self.max_context}), got "
+                             f"{batch.req_to_token.shape[1]}; raise Canary(max_context=...)")
+        hist = batch.token_history
+        if hist is not None and hist.offsets.shape[0] != batch.batch_size + 1:
+            raise ValueError(f"kv-canary: token_history offsets must have bs+1 ({batch.batch_size + 1}) entries, "
+                             f"got {hist.offsets.shape[0]}")
+
+    def _refill_tokens(self, batch: ForwardBatch):
+        hist = batch.token_history
+        if not self.config.token_check or hist is None:
+            return None, None
+        rows = batch.req_pool_indices.to(torch.int64)
+        ops.scatter_req_token_ids(hist.flat.to(torch.int64), hist.offsets.to(torch.int64), rows, self.token_table,
+                                  backend=self.config.backend)
+        bs = batch.batch_size
+        valid = self._valid_lens[:bs]
+        torch.sub(hist.offsets[1:], hist.offsets[:-1], out=valid)
+        return self.token_table, valid
+
+    def _write_all(self, batch: ForwardBatch, phase: str) -> None:
+        cfg, bs = self.config, batch.batch_size
+        for g in self.groups:
+            loc = batch.out_cache_loc
+            if g.table is not None:
+                loc = self._translate(loc, g.table)
+            for kv in g.kvs:
+                # The input and chain-position asserts run once per forward: on the HEAD K write of FULL.
+                first = phase == "head" and kv == "k" and g.name == "full"
+                ops.write(buf=g.bufs[phase, kv], plan=g.plan, num_requests=bs, out_cache_loc=loc,
+                          input_ids=batch.input_ids, positions=batch.positions, ring=self.ring,
+                          counters=self.counters, launch_tag=g.tag(phase, kv),
+                          sources=g.sources[kv] if phase == "tail" else (),
+                          real_kv_mode=self._mode(g, kv) if phase == "tail" else 0,
+                          expected_input_ids=batch.expected_input_ids if first and cfg.input_check else None,
+                          expected_positions=batch.expected_positions if first and cfg.input_check else None,
+                          chain_check=self.chain_check if first else None,
+                          writer_ids=batch.request_ids, step=self.step_tensor, backend=cfg.backend)
+
+    def _translate(self, loc: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        n = loc.shape[0]
+        out = self._swa_loc[:n]
+        idx = loc.to(torch.int64)
+        inside = (idx >= 0) & (idx < table.shape[0])
+        torch.index_select(table, 0, idx.clamp(0, table.shape[0] - 1), out=out) if table.dtype == torch.int64 \
+            else out.copy_(table.index_select(0, idx.clamp(0, table.shape[0] - 1)))
+        torch.where(inside, out, idx, out=out)
+        return out

@@ -1,0 +1,130 @@
+"""Violations as users read them: objects, the structured log line, a readable block, JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from kvcanary.format import FailReason, LaunchTag, ViolationField as F, reason_label, to_unsigned
+
+WRITE_REASONS = int(FailReason.WRITE_TOKEN | FailReason.WRITE_POSITION)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One violation row, decoded, plus attribution the runtime could add.
+
+    ``expected_aux`` is the expected prev_hash for verify rows and the expected position
+    for write-time rows; hashes are unsigned 64-bit ints.
+    """
+
+    step: int
+    launch_tag: str
+    fail_reason: int
+    reasons: tuple[str, ...]
+    slot: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_chain_hash: int
+    expected_aux: int
+    reader_request: int | None = None
+    reader_position: int | None = None
+    writer_request: int | None = None
+    writer_step: int | None = None
+
+    @classmethod
+    def from_row(cls, row: list[int], step: int, **attribution) -> Violation:
+        bits = int(row[F.FAIL_REASON])
+        return cls(
+            step=step,
+            launch_tag=_tag_name(int(row[F.KIND])),
+            fail_reason=bits,
+            reasons=tuple(reason_label(bits).split("+")),
+            slot=int(row[F.SLOT]),
+            position=int(row[F.POSITION]),
+            stored_token=int(row[F.STORED_TOKEN]),
+            expected_token=int(row[F.EXPECTED_TOKEN]),
+            stored_chain_hash=to_unsigned(int(row[F.STORED_CHAIN_HASH])),
+            expected_aux=to_unsigned(int(row[F.EXPECTED_AUX])),
+            **attribution,
+        )
+
+    @property
+    def is_write_check(self) -> bool:
+        return bool(self.fail_reason & WRITE_REASONS)
+
+    @property
+    def reason_label(self) -> str:
+        return "+".join(self.reasons)
+
+    def log_line(self) -> str:
+        """The structured line of SPEC 5, one per violation."""
+        return (f"kv_canary violation: launch_tag={self.launch_tag} fail_reason={self.reason_label} "
+                f"slot_idx={self.slot} position={self.position} stored_token={self.stored_token} "
+                f"expected_token={self.expected_token} stored_chain_hash=0x{self.stored_chain_hash:016x} "
+                f"expected_aux=0x{self.expected_aux:016x}")
+
+    def block(self) -> str:
+        """A readable multi-line explanation."""
+        lines = [f"KV canary violation at step {self.step} ({self.launch_tag}): {self.reason_label}"]
+        if self.is_write_check:
+            expected_pos = to_signed64(self.expected_aux)
+            lines.append(f"  the engine wrote token {self.stored_token} at position {self.position} into slot "
+                         f"{self.slot}; expected token {self.expected_token} at position {expected_pos}")
+        else:
+            lines.append(f"  slot {self.slot} holds token {self.stored_token} of position {self.position}")
+            if self.expected_token != -1:
+                lines.append(f"  expected token: {self.expected_token}")
+            if self.fail_reason & FailReason.VERIFY_CHAIN_HASH:
+                lines.append(f"  chain: stored prev hash 0x{self.stored_chain_hash:016x} != expected "
+                             f"0x{self.expected_aux:016x} (the slot's predecessor in the reader's table "
+                             "is not the one it was written after)")
+            if self.fail_reason & FailReason.VERIFY_REAL_KV_HASH:
+                lines.append("  real KV: the slot's KV bytes changed since they were written")
+        if self.reader_request is not None:
+            lines.append(f"  read by request {self.reader_request} at position {self.reader_position}")
+        if self.writer_request is not None:
+            lines.append(f"  last written by request {self.writer_request} at step {self.writer_step}")
+        if (self.reader_request is not None and self.writer_request is not None
+                and self.reader_request != self.writer_request and not self.is_write_check):
+            lines.append("  -> two requests own this slot: double allocation, early free or a stale table entry")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["reasons"] = list(self.reasons)
+        return d
+
+
+def to_signed64(x: int) -> int:
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _tag_name(kind: int) -> str:
+    try:
+        return LaunchTag(kind).name
+    except ValueError:
+        return f"UNKNOWN_{kind}"
+
+
+class KvCanaryViolationError(RuntimeError):
+    """Raised in mode "raise" after a drain that found violations."""
+
+    def __init__(self, violations: list[Violation], total: int):
+        self.violations = violations
+        self.total = total
+        head = "\n".join(v.log_line() for v in violations[:5])
+        more = f"\n... and {total - min(total, 5)} more" if total > 5 else ""
+        super().__init__(f"kv-canary: {total} violation(s)\n{head}{more}")
+
+
+class KvCanaryHealthError(RuntimeError):
+    """Raised by the health check in mode "raise" when an expected launch stopped running."""
+
+
+def violations_to_json(violations: list[Violation], total: int | None = None, indent: int | None = 2) -> str:
+    """All violations as JSON: {"total": N, "stored": n, "violations": [...]}."""
+    total = len(violations) if total is None else total
+    return json.dumps({"total": total, "stored": len(violations),
+                       "violations": [v.to_dict() for v in violations]}, indent=indent)
