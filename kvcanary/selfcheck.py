@@ -1,0 +1,105 @@
+"""A short self-check: every op on an example, every usable backend compared with the reference.
+
+``kvcanary selfcheck`` prints one row per (op, backend): whether its output matched the
+reference bit for bit, and what the example found (violations planted on purpose).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvcanary import ops
+from kvcanary.format import CHAIN_HEAD, LaunchTag, RealKvMode, splitmix64, to_unsigned
+
+
+def usable_backends(device: torch.device) -> list[str]:
+    out = ["reference", "torch"]
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return out
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        out.append("triton")
+    return out
+
+
+def _example(device: torch.device) -> dict:
+    """Two requests with a shared prefix page, a prefill then a decode, one planted stale table cell."""
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(17, 4, 16, generator=g).to(torch.bfloat16).to(device)  # 17 pages of 4 tokens
+    src = ops.RealKvSource(kv, page_size=4, num_bytes_per_token=32, read_bytes=32)
+    rtt = torch.zeros(3, 16, dtype=torch.int32, device=device)
+    rtt[1, :6] = torch.tensor([4, 5, 6, 7, 8, 9], dtype=torch.int32)
+    rtt[2, :6] = torch.tensor([4, 5, 6, 7, 12, 13], dtype=torch.int32)
+    return {"kv": kv, "src": src, "rtt": rtt, "device": device}
+
+
+def _run(backend: str, ex: dict) -> dict:
+    device = ex["device"]
+    t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    buf = ops.allocate_canary_buffer(68, 48, device)
+    ring = ops.ViolationRing.allocate(16, device)
+    counters = ops.allocate_counters(device)
+    plan = ops.Plan.allocate(32, 2, device)
+    table = torch.full((3, 16), -7, dtype=torch.int32, device=device)
+    prompts = [[11, 12, 13, 14, 15, 16], [11, 12, 13, 14, 25, 26]]
+    ops.scatter_req_token_ids(t(prompts[0] + prompts[1]), t([0, 6, 12]), t([1, 2]), table, backend=backend)
+    rows = t([1, 2])
+    common = dict(ring=ring, counters=counters, backend=backend)
+    # Prefill: request 1 writes 6 tokens, request 2 reuses the shared page (4 tokens) and writes 2.
+    ops.plan(req_pool_indices=rows, prefix_lens=t([0, 4]), extend_lens=t([6, 2]), req_to_token=ex["rtt"], out=plan,
+             token_table=table, token_valid_lens=t([6, 6]), backend=backend)
+    ops.write(buf=buf, plan=plan, num_requests=2, out_cache_loc=t([4, 5, 6, 7, 8, 9, 12, 13]),
+              input_ids=t(prompts[0] + prompts[1][4:]), positions=t([0, 1, 2, 3, 4, 5, 4, 5]),
+              launch_tag=LaunchTag.TAIL_K_FULL, sources=(ex["src"],), real_kv_mode=RealKvMode.ALL,
+              writer_ids=t([100, 200]), step=t([0]), **common)
+    # Decode with a planted stale cell: request 2's position 5 points at request 1's slot 9.
+    ex["rtt"][2, 5] = 9
+    ops.plan(req_pool_indices=rows, prefix_lens=t([6, 6]), extend_lens=t([1, 1]), req_to_token=ex["rtt"], out=plan,
+             token_table=table, token_valid_lens=t([6, 6]), backend=backend)
+    ops.verify(buf=buf, entries=plan.entries, launch_tag=LaunchTag.TAIL_K_FULL, sources=(ex["src"],),
+               real_kv_mode=RealKvMode.ALL, **common)
+    ex["rtt"][2, 5] = 13
+    fp = ops.fingerprint(t([4, 9, 13, 99]), (ex["src"],), RealKvMode.PARTIAL, backend=backend)
+    rows_found = sorted(map(tuple, ring.rows[:int(ring.write_index[0])].tolist()))
+    return {"scatter": table.cpu(), "plan": [x.cpu() for x in (plan.entries.slot, plan.entries.prev,
+                                                               plan.entries.expected_token, plan.write_offsets)],
+            "write": buf.cpu(), "verify": rows_found, "counters": counters.cpu(), "fingerprint": fp.cpu()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def run_selfcheck(device: str | torch.device = "cpu") -> dict:
+    """Run the example on every usable backend; returns {"vectors": bool, "rows": [...], "ok": bool}."""
+    device = torch.device(device)
+    vectors = (splitmix64(1) == 0x5692161D100B05E5 and CHAIN_HEAD == 0xDE7FAE23A9A1B716)
+    results = {b: _run(b, _example(device)) for b in usable_backends(device)}
+    ref = results["reference"]
+    rows = []
+    for backend, res in results.items():
+        for op in ("scatter", "plan", "write", "verify", "fingerprint"):
+            rows.append({"op": op, "backend": backend, "matches_reference": _same(res[op], ref[op])})
+    found = [{"slot": r[1], "position": r[2], "reason": r[7], "expected_aux": hex(to_unsigned(r[6]))}
+             for r in ref["verify"]]
+    ok = vectors and all(r["matches_reference"] for r in rows) and len(found) == 1 and found[0]["slot"] == 9
+    return {"device": str(device), "vectors": vectors, "rows": rows, "planted_found": found, "ok": ok}
+
+
+def format_selfcheck(result: dict) -> str:
+    lines = [f"kv-canary self-check on {result['device']}: hash test vectors "
+             f"{'ok' if result['vectors'] else 'FAILED'}", f"{'op':12s} {'backend':10s} bit-exact vs reference"]
+    for r in result["rows"]:
+        lines.append(f"{r['op']:12s} {r['backend']:10s} {'yes' if r['matches_reference'] else 'NO'}")
+    lines.append(f"planted stale table cell -> {len(result['planted_found'])} violation(s): "
+                 + ", ".join(f"slot {f['slot']} pos {f['position']} reason {f['reason']}"
+                             for f in result["planted_found"]))
+    lines.append("self-check " + ("passed" if result["ok"] else "FAILED"))
+    return "\n".join(lines)
