@@ -19,6 +19,7 @@ from kvcanary import ops
 from kvcanary.format import RealKvMode, launch_tag
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec
 from kvcanary.runtime.config import CanaryConfig
+from kvcanary.runtime.inject import Injector
 from kvcanary.runtime.monitor import Monitor
 from kvcanary.runtime.report import Violation
 
@@ -91,6 +92,8 @@ class Canary:
         self.sweep_provider: SweepProvider | None = None
         self.step = 0
         self.monitor = Monitor(self, on_violation)
+        # Fault injection (a self-test, docs/fault_injection.md): None unless an inject_*_prob is above 0.
+        self.injector = Injector(self) if cfg.injecting else None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def mark_ready(self) -> None:
@@ -114,6 +117,8 @@ class Canary:
     def host_before(self, batch: ForwardBatch) -> None:
         """Validate host-known sizes and drain observations that have landed (never waits)."""
         self._check_sizes(batch)
+        if self.injector is not None:
+            self.injector.before_forward(batch)
         self.monitor.poll()
 
     def device_before(self, batch: ForwardBatch) -> None:
@@ -145,11 +150,15 @@ class Canary:
         """Periodic sweep, then close the step: snapshot for the one-step-late drain, health, stats."""
         self.step += 1
         self.monitor.note_forward(batch)
+        if self.injector is not None:
+            self.injector.after_forward(batch)
         every = self.config.sweep_interval
         if every and self.sweep_provider is not None and self.step % every == 0:
             triples = self.sweep_provider()
             if triples is not None:
                 self.sweep(*triples)
+        if self.injector is not None:
+            self.injector.end_step(batch)
         self.monitor.close_step()
 
     def sweep(self, slots: torch.Tensor, positions: torch.Tensor, prevs: torch.Tensor, group: str = "full") -> None:
@@ -167,6 +176,17 @@ class Canary:
                        launch_tag=g.tag("sweep", kv), sources=g.sources[kv], real_kv_mode=self._mode(g, kv),
                        backend=self.config.backend)
         self.monitor.note_sweep(group)
+
+    def perturb_next_tokens(self, request_ids, tokens):
+        """Pass the engine's sampled next tokens through fault injection (token oracle engines).
+
+        Args: request_ids: [bs] request ids; tokens: [bs] next tokens (list or 1-D tensor).
+        Returns ``tokens`` itself unless ``inject_swap_prob`` fires: then a copy with two
+        requests' tokens swapped (the write-input assert must report write_token for both).
+        """
+        if self.injector is None:
+            return tokens
+        return self.injector.perturb_next_tokens(request_ids, tokens)
 
     # -- KV movement -----------------------------------------------------------------------------
     def copy_records(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, group: str = "full") -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 MODES = ("none", "log", "raise")
 REAL_KV_MODES = ("none", "partial", "all")
 ENV_PREFIX = "KV_CANARY_"
+INJECT_PROBS = ("inject_table_prob", "inject_kv_prob", "inject_cached_prob", "inject_after_prob", "inject_swap_prob")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,14 @@ class CanaryConfig:
         health_interval: steps between health checks (0 = off).
         stats_interval: steps between stats log lines (0 = off).
         report_blocks: readable violation blocks logged per drain (every violation still gets its line).
+        inject_table_prob: self-test, per step: point a req_to_token cell this forward reads at another live slot.
+        inject_kv_prob: self-test, per step: flip a KV byte of a slot this forward reads (needs real_kv, KV sources).
+        inject_cached_prob: self-test, per sweep step: flip a KV byte of a slot only the prefix cache holds.
+        inject_after_prob: self-test, per step: flip a KV byte of a slot just written, after the forward.
+        inject_swap_prob: self-test, per sample: swap two requests' next tokens (needs the token oracle).
+        inject_seed: seed of the fault-injection random generator.
+        inject_warmup: forward steps before the first injection.
+        inject_group: address space the KV-byte flips target: "full" | "swa".
     """
 
     mode: str = "log"
@@ -54,6 +63,14 @@ class CanaryConfig:
     health_interval: int = 50
     stats_interval: int = 0
     report_blocks: int = 5
+    inject_table_prob: float = 0.0
+    inject_kv_prob: float = 0.0
+    inject_cached_prob: float = 0.0
+    inject_after_prob: float = 0.0
+    inject_swap_prob: float = 0.0
+    inject_seed: int = 0
+    inject_warmup: int = 0
+    inject_group: str = "full"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,6 +90,18 @@ class CanaryConfig:
                      "stats_interval", "report_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"kv-canary: config {name} must be >= 0, got {getattr(self, name)}")
+        for name in INJECT_PROBS:
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"kv-canary: config {name} must be in [0, 1], got {getattr(self, name)}")
+        if self.inject_warmup < 0:
+            raise ValueError(f"kv-canary: config inject_warmup must be >= 0, got {self.inject_warmup}")
+        if self.inject_group not in ("full", "swa"):
+            raise ValueError(f"kv-canary: config inject_group must be 'full' or 'swa', got {self.inject_group!r}")
+
+    @property
+    def injecting(self) -> bool:
+        """Whether any fault-injection probability is above 0 (see docs/fault_injection.md)."""
+        return any(getattr(self, name) > 0 for name in INJECT_PROBS)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> CanaryConfig:
