@@ -336,3 +336,13 @@ def test_matcher_flags_unexplained_violations_and_misses():
 def test_sim_engine_recall():
     sim = pytest.importorskip("kvcanary.sim")
     pytest.skip(f"kvcanary.sim present ({sim.__name__}); wire its entry point here")
+
+
+def test_configuration_doc_lists_every_variable():
+    from pathlib import Path
+
+    from kvcanary.runtime.config import env_table
+
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    missing = [var for var, _, _ in env_table() if f"| `{var}` |" not in doc]
+    assert missing == []
