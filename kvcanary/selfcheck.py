@@ -48,13 +48,16 @@ def _run(backend: str, ex: dict) -> dict:
     ops.scatter_req_token_ids(t(prompts[0] + prompts[1]), t([0, 6, 12]), t([1, 2]), table, backend=backend)
     rows = t([1, 2])
     common = dict(ring=ring, counters=counters, backend=backend)
-    # Prefill: request 1 writes 6 tokens, request 2 reuses the shared page (4 tokens) and writes 2.
-    ops.plan(req_pool_indices=rows, prefix_lens=t([0, 4]), extend_lens=t([6, 2]), req_to_token=ex["rtt"], out=plan,
-             token_table=table, token_valid_lens=t([6, 6]), backend=backend)
-    ops.write(buf=buf, plan=plan, num_requests=2, out_cache_loc=t([4, 5, 6, 7, 8, 9, 12, 13]),
-              input_ids=t(prompts[0] + prompts[1][4:]), positions=t([0, 1, 2, 3, 4, 5, 4, 5]),
-              launch_tag=LaunchTag.TAIL_K_FULL, sources=(ex["src"],), real_kv_mode=RealKvMode.ALL,
-              writer_ids=t([100, 200]), step=t([0]), **common)
+    # Prefill request 1 (6 tokens), then request 2 reuses its first page (4 tokens) and writes 2.
+    # A seed slot is never written by the same launch (implementations run requests in parallel).
+    for rows_, prefix, extend, locs, ids, pos, writer in (
+            ([1], [0], [6], [4, 5, 6, 7, 8, 9], prompts[0], [0, 1, 2, 3, 4, 5], [100]),
+            ([2], [4], [2], [12, 13], prompts[1][4:], [4, 5], [200])):
+        ops.plan(req_pool_indices=t(rows_), prefix_lens=t(prefix), extend_lens=t(extend), req_to_token=ex["rtt"],
+                 out=plan, token_table=table, token_valid_lens=t([6]), backend=backend)
+        ops.write(buf=buf, plan=plan, num_requests=1, out_cache_loc=t(locs), input_ids=t(ids), positions=t(pos),
+                  launch_tag=LaunchTag.TAIL_K_FULL, sources=(ex["src"],), real_kv_mode=RealKvMode.ALL,
+                  writer_ids=t(writer), step=t([0]), **common)
     # Decode with a planted stale cell: request 2's position 5 points at request 1's slot 9.
     ex["rtt"][2, 5] = 9
     ops.plan(req_pool_indices=rows, prefix_lens=t([6, 6]), extend_lens=t([1, 1]), req_to_token=ex["rtt"], out=plan,
