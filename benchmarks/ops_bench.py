@@ -76,7 +76,7 @@ class Setup:
         self.bs, self.P, self.E, self.device = bs, P, E, device
         self.plan = ops.Plan.allocate(bs * P, bs, device)
         # Fill the prefix records with a clean chain (one prefill write of P tokens per request).
-        self._write_forward(0, P, RealKvMode.PARTIAL, "torch")
+        self._write_forward(0, P, RealKvMode.PARTIAL, "auto")
         ops.plan(req_pool_indices=self.rows, prefix_lens=torch.full((bs,), P, device=device),
                  extend_lens=torch.full((bs,), E, device=device), req_to_token=self.rtt, out=self.plan)
         self.loc, self.ids, self.pos = self._inputs(P, E)
@@ -115,27 +115,33 @@ def run(device: torch.device, providers: list[str], workloads: dict) -> dict:
         n_verify, n_write = bs * P, bs * E
         # Correctness first: clean verify finds nothing, and every provider writes identical bytes.
         written = {}
+        # The torch write walks the chain one Python step per token: skip it for long chains on the GPU.
+        skip = {p for p in providers if p == "torch" and device.type == "cuda" and E > 64}
         for p in providers:
             s.ring.reset()
             s.verify(p)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             assert int(s.ring.write_index[0]) == 0, f"{p}: clean verify reported violations"
+            if p in skip:
+                continue
             before = s.buf.clone()
             s.write(p)
             written[p] = s.buf.clone()
             s.buf.copy_(before)
         ref = written[providers[0]]
-        for p in providers[1:]:
+        for p in [p for p in providers[1:] if p not in skip]:
             assert torch.equal(written[p], ref), f"{p} wrote different records than {providers[0]}"
         for p in providers:
             for mode in (RealKvMode.NONE, RealKvMode.PARTIAL):
                 extra = 16 if mode == RealKvMode.PARTIAL else 0
                 ms_v = bench(lambda: s.verify(p, mode), device)
-                ms_w = bench(lambda: s.write(p, mode), device)
+                ms_w = float("nan") if p in skip else bench(lambda: s.write(p, mode), device)
                 bytes_v = n_verify * (32 + 32 + 24 + extra)
                 bytes_w = n_write * (24 + s.buf.shape[1] + extra)
                 for op, ms, n, nbytes in (("verify", ms_v, n_verify, bytes_v), ("write", ms_w, n_write, bytes_w)):
+                    if ms != ms:
+                        continue
                     gbs = nbytes / (ms * 1e-3) / 1e9
                     results.append({"workload": name, "provider": p, "op": op, "real_kv": mode.name.lower(),
                                     "entries": n, "ms": round(ms, 4), "entries_per_s": n / (ms * 1e-3),
