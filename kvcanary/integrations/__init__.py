@@ -1,0 +1,1 @@
+"""Engine integrations. Importing this package changes nothing; each integration has an explicit ``attach``."""

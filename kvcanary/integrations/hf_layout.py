@@ -1,0 +1,160 @@
+"""How transformers' paged continuous-batching cache maps onto the canary, and what it cannot map.
+
+A canary slot is a physical row of the engine's KV tensors: ``block_id * block_size + offset``
+(``cache.key_cache[j]`` is ``[(num_blocks + 2) * block_size, kv_heads, head_dim]``). Slot 0 is
+the canary's padding slot, so block 0 is kept out of the engine's free list while attached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+
+import torch
+
+from kvcanary.ops.types import RealKvSource
+
+SUPPORTED_RANGE = ">=5.17,<5.18"
+_MIN, _MAX_EXCLUSIVE = (5, 17), (5, 18)
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts + [0] * (2 - len(parts)))
+
+
+def check_version(version: str | None = None, allow_unsupported: bool = False) -> str:
+    """The installed transformers version; raises unless it is in ``SUPPORTED_RANGE``."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if not _MIN <= parse_version(version) < _MAX_EXCLUSIVE and not allow_unsupported:
+        raise RuntimeError(f"kv-canary: transformers must be {SUPPORTED_RANGE} (the continuous-batching internals "
+                           f"the integration hooks were verified there), got {version}; pass "
+                           "allow_unsupported_version=True to try anyway")
+    return version
+
+
+class Patcher:
+    """Per-instance rebinding with an exact undo: restores a pre-existing instance attribute, else deletes ours."""
+
+    def __init__(self):
+        self._undo: list[tuple[object, str, bool, object]] = []
+
+    def set(self, obj, name: str, value) -> None:
+        if not callable(getattr(obj, name, None)):
+            raise RuntimeError(f"kv-canary: {type(obj).__name__}.{name} must be a method to hook, got "
+                               f"{type(getattr(obj, name, None)).__name__} (transformers {SUPPORTED_RANGE} expected)")
+        had = name in vars(obj)
+        self._undo.append((obj, name, had, vars(obj).get(name)))
+        setattr(obj, name, value)
+
+    def patched(self, obj, name: str) -> bool:
+        return any(o is obj and n == name for o, n, _, _ in self._undo)
+
+    def restore(self) -> None:
+        for obj, name, had, old in reversed(self._undo):
+            if had:
+                setattr(obj, name, old)
+            else:
+                vars(obj).pop(name, None)
+        self._undo.clear()
+
+
+def layer_types(config) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+        types = [kind] * config.num_hidden_layers
+    return list(types)
+
+
+def check_engine(config, cb_config, *, token_oracle: bool) -> None:
+    """Raise ``ValueError`` for engine set-ups the integration does not support (before anything runs)."""
+    if getattr(cb_config, "use_async_batching", False):
+        raise ValueError("kv-canary: continuous batching must run synchronously, got use_async_batching=True; pass "
+                         "ContinuousBatchingConfig(use_async_batching=False) (async batching prepares step N+1 "
+                         "before step N's tokens are known)")
+    if any(getattr(cb_config, "cuda_graph_booleans", (False, False))):
+        raise ValueError("kv-canary: CUDA graphs must be off, got use_cuda_graph="
+                         f"{cb_config.use_cuda_graph}; pass ContinuousBatchingConfig(use_cuda_graph=False) (graph "
+                         "warm-up writes KV outside the hooked step)")
+    compiled = cb_config.varlen_compile_config is not None or cb_config.decode_compile_config is not None
+    if token_oracle and compiled:
+        raise ValueError("kv-canary: token_oracle needs an uncompiled sampler, got a compile config; pass "
+                         "ContinuousBatchingConfig(default_compile_level=0) or token_oracle=False")
+    types = layer_types(config)
+    kinds = set(types)
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"kv-canary: layer types must be full_attention or sliding_attention, got {sorted(kinds)}")
+    if "full_attention" not in kinds:
+        raise ValueError("kv-canary: the model needs at least one full-attention layer, got only sliding-window "
+                         "layers (sliding-only models such as Mistral with sliding_window are not supported: the "
+                         "canary anchors the sliding group on the full group's slots)")
+    if "sliding_attention" in kinds:
+        window = getattr(config, "sliding_window", None) or 0
+        if window < 2:
+            raise ValueError(f"kv-canary: sliding_window must be >= 2, got {window}")
+        if cb_config.allow_block_sharing:
+            raise ValueError("kv-canary: sliding-window models need ContinuousBatchingConfig(allow_block_sharing="
+                             "False), got True (transformers then shares full-attention blocks between requests "
+                             "whose sliding-window blocks differ, which one full->SWA table cannot describe)")
+
+
+@dataclass
+class EngineLayout:
+    """Where the canary looks in one ``PagedAttentionCache``."""
+
+    block_size: int
+    num_blocks: int
+    num_slots: int
+    full_group: int
+    swa_group: int | None
+    window: int  # canary SWA window: the engine's sliding_window - 1 past tokens are read
+    write_trash: int
+    k_full: torch.Tensor
+    v_full: torch.Tensor
+    k_swa: torch.Tensor | None
+    v_swa: torch.Tensor | None
+
+    @classmethod
+    def from_cache(cls, cache) -> EngineLayout:
+        types = layer_types(cache.config)
+        full_layer = types.index("full_attention")
+        full_group, j_full = cache.layer_index_to_group_indices[full_layer]
+        swa_group = k_swa = v_swa = None
+        window = 0
+        if "sliding_attention" in types:
+            swa_layer = types.index("sliding_attention")
+            swa_group, j_swa = cache.layer_index_to_group_indices[swa_layer]
+            k_swa, v_swa = cache.key_cache[j_swa], cache.value_cache[j_swa]
+            window = int(cache.config.sliding_window) - 1
+        return cls(block_size=cache.block_size, num_blocks=cache.num_blocks,
+                   num_slots=cache.key_cache[j_full].shape[0], full_group=full_group, swa_group=swa_group,
+                   window=window, write_trash=cache.write_trash_index, k_full=cache.key_cache[j_full],
+                   v_full=cache.value_cache[j_full], k_swa=k_swa, v_swa=v_swa)
+
+    def blocks_to_slots(self, blocks: list[int], device) -> torch.Tensor:
+        """int64 slots of whole blocks, block-major."""
+        b = torch.as_tensor(blocks, dtype=torch.int64).view(-1, 1)
+        return (b * self.block_size + torch.arange(self.block_size)).view(-1).to(device)
+
+
+def kv_sources(tensor: torch.Tensor | None) -> tuple[RealKvSource, ...]:
+    """One real-KV source over a cache tensor (one slot per row), or none when its rows are not 16-byte multiples."""
+    if tensor is None:
+        return ()
+    rows = tensor.view(tensor.shape[0], -1)
+    nbpt = rows.shape[1] * rows.element_size()
+    if nbpt % 16:
+        return ()
+    return (RealKvSource(rows, page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt),)
+
+
+def group_count(config) -> int:
+    types = layer_types(config)
+    return len(types) // gcd(*[types.count(t) for t in set(types)])

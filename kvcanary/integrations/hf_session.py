@@ -1,0 +1,309 @@
+"""One canary per transformers ``ContinuousBatchProcessor`` (one paged cache), and the hooks that feed it.
+
+Hooks, all instance attributes of the processor's objects (restored by ``close``):
+  bp._generation_step(model)        before: build the ForwardBatch, Canary.before_forward; after: after_forward
+  bp.update_batch()                 block positions for sweeps, dedup-remap count, history clean-up
+  cache.copy_cache(src, dst)        fork copies: Canary.copy_records
+  cache.search_prefix_match(...)    prefix hits (counted; the HEAD verify checks what they map)
+  offloading_manager._offload_to_cpu / restore_scheduled_requests   save_records / restore_records
+  model_runner._sample              token oracle (optional)
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from contextlib import nullcontext
+
+import torch
+
+from kvcanary.format import oracle_token
+from kvcanary.integrations.hf_batch import BatchBuilder
+from kvcanary.integrations.hf_layout import EngineLayout, Patcher, kv_sources
+from kvcanary.runtime import Canary, PoolSpec, SwaSpec
+
+log = logging.getLogger("kvcanary")
+
+
+class Session:
+    """The canary guarding one batch processor; created when transformers creates the processor."""
+
+    def __init__(self, handle, bp):
+        self.handle, self.bp = handle, bp
+        self.lock = handle.lock
+        cache = bp.cache
+        self.layout = lay = EngineLayout.from_cache(cache)
+        _check_fresh(cache, lay)
+        self.device = lay.k_full.device
+        self.reserved_block0 = _reserve_block0(cache)
+        self.ids: dict[str, int] = {}
+        self.events: collections.Counter = collections.Counter()
+        self.block_pos: dict[int, int] = {}
+        self.saved: dict[str, list] = {}
+        self.timings: list[tuple[int, int, float, float, float]] = []
+        self.closed = False
+        self.final_stats: dict | None = None
+        self.final_violations: list = []
+        self.canary = self._build_canary()
+        self.builder = BatchBuilder(self)
+        self.patcher = Patcher()
+        self._install()
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _build_canary(self) -> Canary:
+        bp, lay, opts = self.bp, self.layout, self.handle.options
+        cache = bp.cache
+        num_pages = lay.num_blocks * lay.block_size
+        max_batch = max(1, int(bp.cb_config.max_requests_per_batch))
+        max_tokens = max(1, int(cache.max_batch_tokens))
+        max_pos = getattr(cache.config, "max_position_embeddings", None) or num_pages
+        max_context = int(opts.get("max_context") or max(1, min(num_pages, max_pos)))
+        config = self.handle.config
+        if not config.plan_capacity:
+            config = config.replace(plan_capacity=min(max_batch * max_context, 2 * num_pages + max_tokens))
+        self.config = config
+        check_v = config.check_v
+        swa = None
+        if lay.swa_group is not None:
+            self.swa_table = torch.zeros(lay.num_slots, dtype=torch.int64, device=self.device)
+            swa = SwaSpec(lay.num_slots, lay.window, self.swa_table, kv_sources(lay.k_swa),
+                          kv_sources(lay.v_swa) if check_v else ())
+        pool = PoolSpec(lay.num_slots, kv_sources(lay.k_full), kv_sources(lay.v_full) if check_v else (), swa=swa)
+        canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
+                        num_rows=max_batch + 1, device=self.device)
+        canary.sweep_provider = self._sweep_triples
+        # No graph capture or warm-up forward writes KV outside the hooked step: arm the chain assert now.
+        canary.mark_ready()
+        self.vocab = int(getattr(cache.config, "vocab_size", 0) or 0)
+        return canary
+
+    def _install(self) -> None:
+        bp, p = self.bp, self.patcher
+        cache, om, runner = bp.cache, bp.offloading_manager, bp.model_runner
+        orig_step, orig_update = bp._generation_step, bp.update_batch
+        orig_copy, orig_search = cache.copy_cache, cache.search_prefix_match
+        orig_offload, orig_restore = om._offload_to_cpu, om.restore_scheduled_requests
+
+        def step(model):
+            self._guarded(self._before)
+            t0 = time.perf_counter()
+            with self._range("engine_forward"):
+                orig_step(model)
+            self._fwd_s = time.perf_counter() - t0
+            self._guarded(self._after)
+
+        def update_batch():
+            snap = self._guarded(self._before_update)
+            orig_update()
+            self._guarded(self._after_update, snap)
+
+        def copy_cache(src, dst):
+            orig_copy(src, dst)
+            self._guarded(self._copy_records, src, dst)
+
+        def search_prefix_match(request_id, prompt_ids):
+            n = orig_search(request_id, prompt_ids)
+            if n:
+                self.events["prefix_hits"] += 1
+            return n
+
+        def offload_to_cpu(victims):
+            blocks = {st.request_id: self._all_blocks(st.request_id) for st in victims}
+            done = orig_offload(victims)
+            if done:
+                self._guarded(self._save, {rid: blocks[rid] for rid in done})
+            return done
+
+        def restore_scheduled_requests(requests_in_batch):
+            counts = {}
+            for fs in requests_in_batch:
+                rid = fs.state.request_id
+                if fs.state.is_cpu_offloaded and rid in self.saved:
+                    counts[rid] = list(om._request_id_to_group_block_counts.get(rid, []))
+            orig_restore(requests_in_batch)
+            if counts:
+                self._guarded(self._restore, counts)
+
+        p.set(bp, "_generation_step", step)
+        p.set(bp, "update_batch", update_batch)
+        p.set(cache, "copy_cache", copy_cache)
+        p.set(cache, "search_prefix_match", search_prefix_match)
+        p.set(om, "_offload_to_cpu", offload_to_cpu)
+        p.set(om, "restore_scheduled_requests", restore_scheduled_requests)
+        if self.handle.options.get("token_oracle"):
+            orig_sample = runner._sample
+
+            def sample(scores, output_ids):
+                orig_sample(scores, output_ids)
+                forced = self.builder.next_tokens
+                if forced is not None and forced.numel():
+                    output_ids[0, :forced.numel()].copy_(forced.to(output_ids.device, output_ids.dtype))
+
+            p.set(runner, "_sample", sample)
+
+    # -- per step --------------------------------------------------------------------------------
+    def _before(self) -> None:
+        t0 = time.perf_counter()
+        with self.lock, self._range("kvcanary_before"):
+            self._batch = self.builder.build()
+            self.canary.before_forward(self._batch)
+        self._before_s = time.perf_counter() - t0
+
+    def _after(self) -> None:
+        t0 = time.perf_counter()
+        with self.lock, self._range("kvcanary_after"):
+            self.canary.after_forward(self._batch)
+            self.handle.forwards += 1
+        after_s = time.perf_counter() - t0
+        if self.handle.options.get("timing"):
+            b = self._batch
+            self.timings.append((b.batch_size, b.num_tokens, self._before_s, self._fwd_s, after_s))
+
+    def _before_update(self):
+        io, lay = self.bp.inputs_and_outputs, self.layout
+        tables = self.bp.cache.group_cache_managers[lay.full_group].block_table
+        snap = {}
+        for fs in io.requests_in_batch:
+            rid = fs.state.request_id
+            table = list(tables.get(rid, ()))
+            snap[rid] = table
+            # Table index of each block: the positions a cached block holds, for later sweeps.
+            for i, b in enumerate(table):
+                self.block_pos[b] = i * lay.block_size
+        return snap
+
+    def _after_update(self, snap) -> None:
+        tables = self.bp.cache.group_cache_managers[self.layout.full_group].block_table
+        for rid, old in snap.items():
+            new = tables.get(rid)
+            if new is not None and new[:len(old)] != old:
+                self.events["dedup_remaps"] += sum(a != b for a, b in zip(old, new))
+        self.builder.forget_finished()
+
+    def _copy_records(self, src, dst) -> None:
+        s, d = self.layout.blocks_to_slots(src, self.device), self.layout.blocks_to_slots(dst, self.device)
+        with self.lock:
+            for g in self.canary.groups:
+                self.canary.copy_records(s, d, group=g.name)
+        self.events["fork_block_copies"] += len(src)
+
+    def _all_blocks(self, rid: str) -> list[int]:
+        return [b for cm in self.bp.cache.group_cache_managers for b in cm.block_table.get(rid, [])]
+
+    def _save(self, blocks: dict[str, list[int]]) -> None:
+        with self.lock:
+            for rid, bl in blocks.items():
+                slots = self.layout.blocks_to_slots(bl, self.device)
+                self.saved[rid] = [(g.name, self.canary.save_records(slots, group=g.name))
+                                   for g in self.canary.groups]
+        self.events["offloaded_requests"] += len(blocks)
+
+    def _restore(self, counts: dict[str, list[int]]) -> None:
+        cms = self.bp.cache.group_cache_managers
+        with self.lock:
+            for rid, per_group in counts.items():
+                blocks = [b for g, n in enumerate(per_group) for b in cms[g].block_table.get(rid, [])[:n]]
+                slots = self.layout.blocks_to_slots(blocks, self.device)
+                for name, saved in self.saved.pop(rid):
+                    self.canary.restore_records(saved, slots, group=name)
+        self.events["restored_requests"] += len(counts)
+
+    def _sweep_triples(self):
+        """Idle cached blocks (freed, complete, kept for prefix reuse): their slots, positions, predecessors.
+
+        Chains are checked inside a block only (prev 0 = unreachable at a block's first slot): a cached
+        block's parent may have been evicted since.
+        """
+        bm, B = self.bp.cache._block_manager, self.layout.block_size
+        blocks = [b for b in bm._init_block_ids if b in self.block_pos]
+        if not blocks:
+            return None
+        slots = self.layout.blocks_to_slots(blocks, self.device)
+        offs = torch.arange(B, device=self.device).repeat(len(blocks))
+        base = torch.tensor([self.block_pos[b] for b in blocks], dtype=torch.int64).repeat_interleave(B)
+        positions = base.to(self.device) + offs
+        prevs = torch.where(offs == 0, torch.zeros_like(slots), slots - 1)
+        return slots, positions, prevs
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def request_id(self, name: str) -> int:
+        """Stable int id of an engine request id (first seen = 1); soft resets keep theirs."""
+        rid = self.ids.get(name)
+        if rid is None:
+            rid = self.ids[name] = len(self.ids) + 1
+        return rid
+
+    def oracle(self, rid: int, position: int) -> int:
+        return oracle_token(rid, position, self.vocab)
+
+    def _range(self, name: str):
+        if self.handle.options.get("timing"):
+            return torch.profiler.record_function(name)
+        return nullcontext()
+
+    def _guarded(self, fn, *args):
+        """Run hook work; an exception is recorded on the handle (the caller sees it) and re-raised in the engine."""
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self.handle._record_error(e)
+            raise
+
+    def close(self) -> None:
+        """Final drain, restore this processor's hooks and the reserved block, drop engine references."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            with self.lock:
+                self.canary.flush()
+        except BaseException as e:
+            self.handle._record_error(e)
+        self.final_violations = list(self.canary.violations)
+        self.final_stats = self.canary.stats()
+        self.patcher.restore()
+        _release_block0(self.bp.cache, self.reserved_block0)
+        self.bp = self.canary = self.builder = self.layout = None
+        self.saved.clear()
+
+    def stats(self) -> dict:
+        stats = dict(self.final_stats if self.closed else self.canary.stats())
+        stats.update(self.events)
+        stats["requests"] = len(self.ids)
+        return stats
+
+    @property
+    def violations(self) -> list:
+        return self.final_violations if self.closed else self.canary.violations
+
+
+def _check_fresh(cache, lay: EngineLayout) -> None:
+    held = sum(len(cm.block_table) for cm in cache.group_cache_managers)
+    cached = len(cache._block_manager._hash_to_id)
+    if held or cached:
+        raise RuntimeError("kv-canary: attach before the paged cache holds KV (its slots have no canary records), "
+                           f"got a cache with {held} request tables and {cached} cached blocks; call "
+                           "model.destroy_cached_continuous_batching_manager() or attach before the first run")
+
+
+def _reserve_block0(cache) -> bool:
+    """Keep block 0 out of the free list: its first slot is the canary's padding slot 0."""
+    free = cache._block_manager._uninit_block_ids
+    if free and free[0] == 0:
+        free.popleft()
+        return True
+    if 0 in free:
+        free.remove(0)
+        return True
+    log.warning("kv-canary: block 0 is in use; slot 0 (its first token) is not verified")
+    return False
+
+
+def _release_block0(cache, reserved: bool) -> None:
+    if not reserved:
+        return
+    free = cache._block_manager._uninit_block_ids
+    in_use = any(0 in t for cm in cache.group_cache_managers for t in cm.block_table.values())
+    if 0 not in free and not in_use:
+        free.appendleft(0)

@@ -1,0 +1,243 @@
+"""kv-canary on Hugging Face transformers continuous batching (``generate_batch``, ``init_continuous_batching``).
+
+Nothing is patched at import time. ``attach(model)`` rebinds a few methods on that model instance
+(and, as they are created, on its batching managers and processors); ``detach()`` removes exactly
+those instance attributes again. Supported: transformers ``SUPPORTED_RANGE``, synchronous batching
+without CUDA graphs, full-attention models and hybrid full + sliding-window models (the latter with
+``allow_block_sharing=False``). See docs/transformers.md.
+
+Example:
+    >>> handle = attach(model, mode="raise", token_oracle=True)
+    >>> out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc)
+    >>> handle.stats()["violations"]
+    0
+    >>> handle.detach()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from kvcanary.integrations.hf_layout import SUPPORTED_RANGE, Patcher, check_engine, check_version
+from kvcanary.integrations.hf_session import Session
+from kvcanary.runtime import CanaryConfig, Violation
+
+__all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
+
+INTEGRATION_OPTIONS = ("token_oracle", "token_history", "timing", "max_context", "allow_unsupported_version")
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
+
+
+def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> TransformersHandle:
+    """Guard a transformers model (or a not-yet-started ``ContinuousBatchingManager``) with kv-canary.
+
+    Args:
+        model_or_manager: a ``PreTrainedModel`` with continuous batching (``generate_batch``), or a
+            manager from ``model.init_continuous_batching(...)`` whose cache holds no KV yet.
+        config: canary knobs (default ``CanaryConfig.from_env()``); keyword options named like a
+            ``CanaryConfig`` field override it (``mode="raise"``, ``check_v=True``, ``sweep_interval=4``...).
+        token_oracle: force every sampled token to ``oracle_token(request_id, position, vocab)``, so the
+            write-input assert checks each input id and position (changes the generated text).
+        token_history: check stored tokens against each request's prompt + generated tokens (default True).
+        timing: record per-step host times and profiler ranges (``kvcanary_before``, ``engine_forward``,
+            ``kvcanary_after``) for benchmarks.
+        max_context: columns of the canary's tables (default min(cache pages, max_position_embeddings)).
+        allow_unsupported_version: skip the transformers version gate.
+
+    Returns:
+        a ``TransformersHandle``; ``handle.detach()`` restores the engine.
+    """
+    unknown = set(options) - _CONFIG_FIELDS - set(INTEGRATION_OPTIONS)
+    if unknown:
+        raise TypeError(f"kv-canary: attach got unknown options {sorted(unknown)}; expected CanaryConfig fields "
+                        f"or {list(INTEGRATION_OPTIONS)}")
+    check_version(allow_unsupported=bool(options.get("allow_unsupported_version")))
+    overrides = {k: v for k, v in options.items() if k in _CONFIG_FIELDS}
+    config = CanaryConfig.from_env(**overrides) if config is None else config.replace(**overrides)
+    handle = TransformersHandle(config, {k: v for k, v in options.items() if k in INTEGRATION_OPTIONS})
+    try:
+        if hasattr(model_or_manager, "_create_batch_processor"):
+            handle._hook_manager(model_or_manager)
+        elif hasattr(model_or_manager, "init_continuous_batching"):
+            handle._hook_model(model_or_manager)
+        else:
+            raise TypeError("kv-canary: attach expects a transformers model with continuous batching or a "
+                            f"ContinuousBatchingManager, got {type(model_or_manager).__name__}")
+    except BaseException:
+        handle._patcher.restore()
+        raise
+    return handle
+
+
+class TransformersHandle:
+    """What ``attach`` returns: the canaries of each batching session, their reports, and ``detach``.
+
+    Attributes:
+        forwards: engine forwards the hooks guarded (proof that they ran).
+        sessions: one per batch processor (per paged cache) created while attached.
+        errors: exceptions raised inside hooks (the engine runs them on its background thread).
+    """
+
+    def __init__(self, config: CanaryConfig, options: dict):
+        self.config, self.options = config, options
+        self.lock = threading.RLock()
+        self.forwards = 0
+        self.sessions: list[Session] = []
+        self.errors: list[BaseException] = []
+        self._raised: set[int] = set()
+        self._patcher = Patcher()
+        self._attached = True
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _hook_model(self, model) -> None:
+        self.model = model
+        orig_init, orig_generate = model.init_continuous_batching, model.generate_batch
+        cached = getattr(model, "_cached_continuous_batching_manager", None)
+        if cached is not None:
+            self._hook_manager(cached)
+
+        def init_continuous_batching(*args, **kwargs):
+            manager = orig_init(*args, **kwargs)
+            try:
+                self._hook_manager(manager)
+            except BaseException:
+                # The manager switched the model to paged attention; nothing will stop it, so switch back.
+                if manager._original_attn_impl is not None and not manager.is_running():
+                    manager.model.set_attn_implementation(manager._original_attn_impl)
+                    manager._original_attn_impl = None
+                raise
+            return manager
+
+        def generate_batch(*args, **kwargs):
+            out = orig_generate(*args, **kwargs)
+            self.check()
+            return out
+
+        self._patcher.set(model, "init_continuous_batching", init_continuous_batching)
+        self._patcher.set(model, "generate_batch", generate_batch)
+
+    def _hook_manager(self, manager) -> None:
+        if self._patcher.patched(manager, "_create_batch_processor"):
+            return
+        check_engine(manager.model.config.get_text_config(), manager.continuous_batching_config,
+                     token_oracle=bool(self.options.get("token_oracle")))
+        if manager.distributed_helper.tp_size > 1:
+            raise ValueError(f"kv-canary: tensor parallelism is not supported, got tp_size="
+                             f"{manager.distributed_helper.tp_size}")
+        if manager.is_running():
+            raise RuntimeError("kv-canary: attach before the manager starts, got a running manager")
+        orig_create, orig_stop = manager._create_batch_processor, manager.stop
+
+        def create_batch_processor():
+            bp = orig_create()
+            if self._session_of(bp) is None:
+                self._guarded(self._open_session, bp, manager)
+            return bp
+
+        def stop(*args, **kwargs):
+            out = orig_stop(*args, **kwargs)
+            # Not kept for a next session: the processor (and its cache) is gone.
+            if manager.batch_processor is None:
+                for s in self.sessions:
+                    if not s.closed and s.manager is manager:
+                        s.close()
+            return out
+
+        self._patcher.set(manager, "_create_batch_processor", create_batch_processor)
+        self._patcher.set(manager, "stop", stop)
+        if manager.batch_processor is not None and self._session_of(manager.batch_processor) is None:
+            self._open_session(manager.batch_processor, manager)
+
+    def _open_session(self, bp, manager) -> Session:
+        session = Session(self, bp)
+        session.manager = manager
+        self.sessions.append(session)
+        return session
+
+    def _session_of(self, bp) -> Session | None:
+        return next((s for s in self.sessions if not s.closed and s.bp is bp), None)
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self._record_error(e)
+            raise
+
+    def _record_error(self, error: BaseException) -> None:
+        with self.lock:
+            if not any(e is error for e in self.errors):
+                self.errors.append(error)
+
+    # -- results ---------------------------------------------------------------------------------
+    @property
+    def canary(self):
+        """The ``Canary`` of the newest open session (None before the first run or after it closed)."""
+        open_ = [s for s in self.sessions if not s.closed]
+        return open_[-1].canary if open_ else None
+
+    @property
+    def violations(self) -> list[Violation]:
+        """Every violation drained so far, all sessions (call ``flush`` first while a run is in flight)."""
+        return [v for s in self.sessions for v in s.violations]
+
+    def flush(self) -> list[Violation]:
+        """Drain pending observations of open sessions; returns all violations."""
+        with self.lock:
+            for s in self.sessions:
+                if not s.closed:
+                    s.canary.flush()
+        return self.violations
+
+    def stats(self) -> dict:
+        """Totals over sessions: forwards, tokens_protected, entries_checked, sweeps, violations, KV movements."""
+        total: dict = {"sessions": len(self.sessions), "hooked_forwards": self.forwards}
+        for s in self.sessions:
+            for k, v in s.stats().items():
+                if isinstance(v, int):
+                    total[k] = total.get(k, 0) + v
+                elif isinstance(v, dict):
+                    merged = total.setdefault(k, {})
+                    for name, n in v.items():
+                        merged[name] = merged.get(name, 0) + n
+        total.setdefault("violations", 0)
+        return total
+
+    def request_name(self, request_id: int | None, session: int = -1) -> str | None:
+        """The engine's string id of a canary request id (of ``sessions[session]``)."""
+        if request_id is None or not self.sessions:
+            return None
+        names = {v: k for k, v in self.sessions[session].ids.items()}
+        return names.get(request_id)
+
+    def describe(self, violation: Violation, session: int = -1) -> str:
+        """The readable violation block, with engine request ids next to the canary's ints."""
+        text = violation.block()
+        for label, rid in (("read by request", violation.reader_request),
+                           ("last written by request", violation.writer_request)):
+            name = self.request_name(rid, session)
+            if name is not None:
+                text = text.replace(f"{label} {rid} ", f"{label} {rid} ({name!r}) ")
+        return text
+
+    def check(self) -> None:
+        """Raise the first exception a hook raised on the engine thread and that was not raised yet."""
+        for e in self.errors:
+            if id(e) not in self._raised:
+                self._raised.add(id(e))
+                raise e
+
+    def detach(self) -> None:
+        """Close every session (final drain), restore every rebound method and the reserved block,
+        then raise any hook exception not raised yet."""
+        if not self._attached:
+            return
+        running = [s for s in self.sessions if not s.closed and s.manager is not None and s.manager.is_running()]
+        if running:
+            raise RuntimeError("kv-canary: detach after the continuous-batching manager stopped, got a running one")
+        for s in self.sessions:
+            s.close()
+        self._patcher.restore()
+        self._attached = False
+        self.check()
