@@ -1,0 +1,235 @@
+"""The simulated engine: wires pool, prefix cache, scheduler, model and canary, and runs steps.
+
+The canary is driven only through its public runtime API: a ``PoolSpec`` (the mock
+model's KV tensors as real-KV sources, the SWA group with the live full->SWA table),
+one ``ForwardBatch`` per forward between ``before_forward`` and ``after_forward``,
+token histories and expected inputs from the token oracle, a sweep provider over
+the prefix cache, ``copy_records`` for KV moves and ``save_records`` /
+``restore_records`` for offload.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvcanary.runtime import Canary, CanaryConfig, ForwardBatch, ForwardMode, PoolSpec, SwaSpec, TokenHistory
+from kvcanary.sim.bugs import BugSwitch
+from kvcanary.sim.cache import CacheManager
+from kvcanary.sim.config import SimConfig
+from kvcanary.sim.kvpool import KvPool
+from kvcanary.sim.model import MockModel
+from kvcanary.sim.offload import HostCache
+from kvcanary.sim.radix import RadixCache
+from kvcanary.sim.scheduler import Scheduler, Work
+from kvcanary.sim.spec import Speculator
+from kvcanary.sim.workload import make_workload
+
+
+def default_canary_config(cfg: SimConfig) -> CanaryConfig:
+    """The canary knobs the sim runs with: torch backend, log mode, K real-KV hash, token and input checks."""
+    return CanaryConfig(mode="log", backend="torch", real_kv="partial", sweep_interval=cfg.sweep_interval,
+                        report_blocks=0, health_interval=0, ring_capacity=256)
+
+
+@dataclass
+class SimResult:
+    """What one run did and what the canary said about it."""
+
+    config: str
+    features: str
+    seed: int
+    bug: str | None
+    steps: int
+    planted_step: int | None  # first step the planted bug took effect (None: it never did)
+    bug_hits: int
+    violations: int  # total violations counted by the canary
+    first_detected_step: int | None
+    reasons: list[str]
+    launch_tags: list[str]
+    finished: int
+    aborted: int
+    retractions: int
+    cache_hit_tokens: int
+    offloads: int
+    loadbacks: int
+    tokens_protected: int
+    wall_s: float
+    health_problems: list[str] = field(default_factory=list)
+
+    @property
+    def detected(self) -> bool:
+        return self.violations > 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class SimEngine:
+    """A deterministic SGLang-style engine over ``cfg``; ``run()`` plays its workload.
+
+    Args:
+        cfg: the engine, workload and planted bug.
+        canary_config: canary knobs (default ``default_canary_config(cfg)``).
+    """
+
+    def __init__(self, cfg: SimConfig, canary_config: CanaryConfig | None = None):
+        self.cfg = cfg
+        self.bugs = BugSwitch(cfg.bug)
+        self.workload = make_workload(cfg)
+        self.pool = pool = KvPool(cfg, self.bugs)
+        self.model = MockModel(cfg.num_slots, cfg.page_size, cfg.num_layers, cfg.num_slots if cfg.swa_window else 0,
+                               cfg.vocab)
+        self.host: HostCache | None = None
+        self.tree = RadixCache(cfg.page_size, pool.free, lambda e: self.host.release(e) if self.host else None,
+                               self.bugs)
+        swa = None
+        if cfg.swa_window:
+            k_swa, v_swa = self.model.swa_sources()
+            swa = SwaSpec(cfg.num_slots, cfg.swa_window, pool.full_to_swa, k_swa, v_swa)
+        spec = PoolSpec(cfg.num_slots, self.model.k_sources(), self.model.v_sources(), swa=swa)
+        self.max_batch = max(max(cfg.graph_sizes), 2 * cfg.max_running)
+        self.per_decode = cfg.tokens_per_decode
+        max_tokens = (cfg.chunk_size or cfg.prefill_budget) + cfg.max_context + self.max_batch * self.per_decode
+        self.canary = Canary(spec, canary_config or default_canary_config(cfg), max_batch=self.max_batch,
+                             max_tokens=max_tokens, max_context=cfg.max_context, num_rows=cfg.num_rows)
+        self.canary.sweep_provider = self.sweep_triples
+        self.canary.mark_ready()
+        if cfg.offload:
+            self.host = HostCache(cfg.host_slots, pool, self.model, self.canary, self.tree, self.bugs)
+        self.cache = CacheManager(pool, self.tree, self.host, self.bugs)
+        self.spec = Speculator(cfg, pool, self.model, self.canary, self.bugs) if cfg.spec_tokens else None
+        self.sched = Scheduler(cfg, pool, self.tree, self.cache, self.model, self.spec, self.bugs)
+        # Static input buffers of the padded decode/verify forward (a CUDA graph replays from these).
+        graph_tokens = max(cfg.graph_sizes) * self.per_decode
+        self.graph_loc = torch.zeros(graph_tokens, dtype=torch.int64)
+        self.step_no = 0
+
+    # -- running -------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        """Play the workload until every request is done or ``max_steps``; returns the result."""
+        t0 = time.perf_counter()
+        while self.step_no < self.cfg.max_steps:
+            self.step()
+            if not self.sched.busy and self.step_no > self.workload.last_arrival:
+                break
+        self.canary.flush()
+        return self.result(time.perf_counter() - t0)
+
+    def step(self) -> None:
+        """One scheduler iteration and (if there is work) one forward."""
+        self.step_no += 1
+        self.bugs.step = self.canary.step + 1
+        sched = self.sched
+        sched.arrive(self.workload.arrivals(self.step_no))
+        decode = sched.schedule_decode()
+        sched.process_results(self.step_no, self.workload.aborts(self.step_no), {w.req.rid for w in decode})
+        works = sched.schedule_prefill() + decode
+        if not works:
+            sched.complete([])
+            return
+        self.forward(works)
+        sched.complete(works)
+
+    def forward(self, works: list[Work]) -> ForwardBatch:
+        batch = self.build_batch(works)
+        self.canary.before_forward(batch)
+        if self.host is not None and self.host.h2d.pending and not self.bugs.hit("loadback_no_wait"):
+            self.host.h2d.synchronize()  # the forward waits on the load-back event
+        loc = batch.out_cache_loc
+        swa_loc = None
+        if self.pool.full_to_swa is not None:
+            swa_loc = self.pool.full_to_swa[loc.clamp(min=0)]
+            if bool((swa_loc != loc).any()) and self.bugs.hit("swa_no_translation"):
+                swa_loc = loc  # Planted: the SWA layer indexes its cache with full-pool slot ids.
+        self.model.forward(loc, batch.input_ids, batch.positions, swa_loc)
+        self.canary.after_forward(batch)
+        if self.host is not None:
+            # End of step: copies still in flight on the side streams land now.
+            self.host.d2h.synchronize()
+            self.host.h2d.synchronize()
+        return batch
+
+    # -- the forward's description -------------------------------------------------------------
+    def build_batch(self, works: list[Work]) -> ForwardBatch:
+        rows, prefix, extend, ids, pos, loc, rids = [], [], [], [], [], [], []
+        hist, offsets, exp_ids, exp_pos = [], [0], [], []
+        for w in works:
+            r = w.req
+            rows.append(w.row)
+            prefix.append(w.start)
+            extend.append(w.n)
+            ids += w.input_ids
+            pos += w.positions
+            loc += w.slots
+            rids.append(r.rid)
+            hist += r.tokens
+            offsets.append(len(hist))
+            expected = list(range(w.start, w.start + w.n))
+            exp_pos += expected
+            exp_ids += [r.truth(w.start)] + w.drafts if w.kind == "verify" else [r.truth(p) for p in expected]
+        decode_only = all(w.kind != "prefill" for w in works)
+        if decode_only:
+            loc = self._graph_pad(loc, len(works))
+            pad = len(loc) - len(ids)
+            bs = pad // self.per_decode
+            rows += [0] * bs
+            prefix += [0] * bs
+            extend += [self.per_decode] * bs
+            rids += [-1] * bs
+            offsets += [len(hist)] * bs
+            ids += [0] * pad
+            pos += [0] * pad
+            exp_ids += [0] * pad
+            exp_pos += [0] * pad
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        mode = ForwardMode.EXTEND
+        if decode_only:
+            mode = ForwardMode.TARGET_VERIFY if self.spec is not None else ForwardMode.DECODE
+        return ForwardBatch(t(rows), t(prefix), t(extend), t(ids), t(pos), t(loc), self.pool.table,
+                            request_ids=t(rids), token_history=TokenHistory(t(hist), t(offsets)),
+                            expected_input_ids=t(ids and exp_ids), expected_positions=t(exp_pos), mode=mode)
+
+    def _graph_pad(self, loc: list[int], bs: int) -> list[int]:
+        """Pad a decode/verify batch to the next graph size through the static out_cache_loc buffer."""
+        size = min(g for g in self.cfg.graph_sizes if g >= bs) if bs <= max(self.cfg.graph_sizes) else bs
+        total = size * self.per_decode
+        if total > self.graph_loc.shape[0]:
+            return loc
+        n = len(loc)
+        self.graph_loc[:n] = torch.tensor(loc, dtype=torch.int64)
+        stale = self.graph_loc[n:total]
+        if not (bool((stale != 0).any()) and self.bugs.hit("padding_write")):
+            stale.zero_()  # padding tokens write slot 0; the planted bug keeps the last replay's slot ids
+        return self.graph_loc[:total].tolist()
+
+    def sweep_triples(self):
+        """The canary's sweep provider: (slot, position, prev_slot) of every device-resident cached token."""
+        slots, positions, prevs = self.tree.device_triples()
+        if not slots:
+            return None
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        return t(slots), t(positions), t(prevs)
+
+    # -- results -------------------------------------------------------------------------------
+    def result(self, wall_s: float = 0.0) -> SimResult:
+        vs = self.canary.violations
+        stats = self.canary.stats()
+        reasons = sorted({label for v in vs for label in v.reasons})
+        tags = sorted({v.launch_tag for v in vs})
+        return SimResult(
+            config=self.cfg.name, features=self.cfg.features(), seed=self.cfg.seed, bug=self.cfg.bug,
+            steps=self.canary.step, planted_step=self.bugs.first_step, bug_hits=self.bugs.hits,
+            violations=self.canary.monitor.total_violations,
+            first_detected_step=min((v.step for v in vs), default=None), reasons=reasons, launch_tags=tags,
+            finished=self.sched.finished, aborted=self.sched.aborted, retractions=self.sched.retractions,
+            cache_hit_tokens=self.cache.hit_tokens, offloads=self.host.offloads if self.host else 0,
+            loadbacks=self.host.loadbacks if self.host else 0, tokens_protected=stats["tokens_protected"],
+            wall_s=round(wall_s, 3), health_problems=list(self.canary.monitor.health_problems))
+
+
+def run_sim(cfg: SimConfig, canary_config: CanaryConfig | None = None) -> SimResult:
+    """Run ``cfg`` once and return its ``SimResult``."""
+    return SimEngine(cfg, canary_config).run()

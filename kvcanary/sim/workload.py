@@ -1,0 +1,82 @@
+"""Seeded workloads: shared prefixes, mixed lengths, bursts of arrivals and client aborts.
+
+Everything derives from ``SimConfig.seed`` through one ``random.Random``, so a seed
+names a workload exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+
+from kvcanary.sim.config import SimConfig
+from kvcanary.sim.request import Request
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    rid: int
+    arrival: int
+    prompt: tuple[int, ...]
+    max_new: int
+    abort_at: int | None
+
+
+class Workload:
+    """Requests of one run, indexed by the step they arrive at and the step they are aborted at."""
+
+    def __init__(self, specs: list[RequestSpec], vocab: int):
+        self.specs = specs
+        self.vocab = vocab
+        self._arrivals: dict[int, list[RequestSpec]] = defaultdict(list)
+        self._aborts: dict[int, list[int]] = defaultdict(list)
+        for s in specs:
+            self._arrivals[s.arrival].append(s)
+            if s.abort_at is not None:
+                self._aborts[s.abort_at].append(s.rid)
+
+    def arrivals(self, step: int) -> list[Request]:
+        return [Request(s.rid, list(s.prompt), s.max_new, s.arrival, s.abort_at, self.vocab)
+                for s in self._arrivals.get(step, ())]
+
+    def aborts(self, step: int) -> list[int]:
+        return list(self._aborts.get(step, ()))
+
+    @property
+    def last_arrival(self) -> int:
+        return max((s.arrival for s in self.specs), default=0)
+
+
+def make_workload(cfg: SimConfig) -> Workload:
+    """The workload of ``cfg``: a few shared system prompts, unique suffixes, bursts and aborts.
+
+    Lengths are kept so that prompt + outputs + one verify's drafts + a page fit in a row.
+    """
+    rng = random.Random(cfg.seed * 1_000_003 + 12_345)
+    tok = lambda: rng.randrange(1, cfg.vocab)  # noqa: E731
+    limit = cfg.max_context - cfg.tokens_per_decode - 2 * cfg.page_size - 2
+    shared = [[tok() for _ in range(rng.randint(lo, hi))] for lo, hi in ((6, 14), (15, 30), (30, 48))]
+    specs: list[RequestSpec] = []
+    prompts: list[tuple[int, ...]] = []
+    step = 1
+    rid = 1
+    while rid <= cfg.num_requests:
+        burst = rng.choice((1, 1, 1, 2, 3, 4))
+        for _ in range(min(burst, cfg.num_requests - rid + 1)):
+            roll = rng.random()
+            if roll < 0.1 and prompts:
+                prompt = rng.choice(prompts)  # an exact repeat: a full prefix-cache hit
+            elif roll < 0.8:
+                prompt = tuple(rng.choice(shared) + [tok() for _ in range(rng.randint(1, 24))])
+            else:
+                prompt = tuple(tok() for _ in range(rng.randint(2, 40)))
+            max_new = rng.choice((rng.randint(1, 4), rng.randint(5, 16), rng.randint(17, 32)))
+            prompt = prompt[:limit - 1]
+            max_new = max(1, min(max_new, limit - len(prompt)))
+            abort_at = step + rng.randint(0, 40) if rng.random() < 0.25 else None
+            specs.append(RequestSpec(rid, step, prompt, max_new, abort_at))
+            prompts.append(prompt)
+            rid += 1
+        step += rng.choice((1, 1, 2, 3, 5))
+    return Workload(specs, cfg.vocab)
