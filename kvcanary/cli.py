@@ -45,7 +45,6 @@ def _selfcheck(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    _load_commands()
     parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache integrity sanitizer for LLM engines")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in sorted(COMMANDS.items()):
@@ -53,18 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         add_arguments(p)
     return parser
-
-
-def _load_commands() -> None:
-    """Modules whose import registers further subcommands (each keeps heavy imports inside its command)."""
-    import importlib
-
-    for module in ("kvcanary.cli_commands",):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
 
 
 def main(argv: list[str] | None = None) -> int:
