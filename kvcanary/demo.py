@@ -63,10 +63,12 @@ class RunResult:
     seconds: float
     report: list[str] = field(default_factory=list)
     log_lines: list[str] = field(default_factory=list)
+    names: dict[int, str] = field(default_factory=dict)  # canary request id -> engine request id
 
 
 def run_workload(model, *, canary: bool = True, bug: str | None = None, device: str = "cpu",
-                 max_new_tokens: int = 10, num_return_sequences: int = 2, prompts=None, **options) -> RunResult:
+                 max_new_tokens: int = 10, num_return_sequences: int = 2, prompts=None, cb: dict | None = None,
+                 **options) -> RunResult:
     """Run the demo workload once on continuous batching, optionally with the canary and a planted bug."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -80,9 +82,10 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
     gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=-1, num_return_sequences=num_return_sequences,
                            **sampling)
     sliding = getattr(model.config.get_text_config(), "sliding_window", None) is not None
-    cbc = ContinuousBatchingConfig(block_size=BLOCK_SIZE, num_blocks=96, max_batch_tokens=16,
-                                   max_requests_per_batch=16, use_async_batching=False, use_cuda_graph=False,
-                                   scheduler_type="fifo", allow_block_sharing=not sliding)
+    cb = {"block_size": BLOCK_SIZE, "num_blocks": 96, "max_batch_tokens": 16, "max_requests_per_batch": 16,
+          "use_async_batching": False, "use_cuda_graph": False, "scheduler_type": "fifo",
+          "allow_block_sharing": not sliding, **(cb or {})}
+    cbc = ContinuousBatchingConfig(**cb)
     undo = plant(model, bug) if bug else None
     handle = attach(model, **{"mode": "log", "sweep_interval": 4, **options}) if canary else None
     t0 = time.perf_counter()
@@ -100,7 +103,8 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
     violations = handle.violations
     return RunResult(tokens, handle.stats(), violations, seconds,
                      report=[handle.describe(v) for v in most_telling(violations)[:2]],
-                     log_lines=[v.log_line() for v in violations])
+                     log_lines=[v.log_line() for v in violations],
+                     names={i: n for s in handle.sessions for n, i in s.ids.items()})
 
 
 def most_telling(violations: list) -> list:

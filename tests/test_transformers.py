@@ -1,0 +1,412 @@
+"""kv-canary on transformers continuous batching: tiny seeded models, clean workloads and planted engine bugs."""
+
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import GenerationConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching.continuous_api import ContinuousMixin  # noqa: E402
+
+from kvcanary import KvCanaryViolationError  # noqa: E402
+from kvcanary.demo import build_tiny_model, demo_prompts, run_workload  # noqa: E402
+from kvcanary.format import FailReason, oracle_token  # noqa: E402
+from kvcanary.integrations import hf_bugs  # noqa: E402
+from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, check_version  # noqa: E402
+
+from conftest import DEVICE  # noqa: E402
+
+DEV = str(DEVICE)
+logging.getLogger("kvcanary").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_tiny_model(DEV)
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    # Qwen2 with layer 0 full attention and layer 1 sliding-window attention (window 8).
+    return build_tiny_model(DEV, sliding_window=8)
+
+
+@pytest.fixture(scope="module")
+def llama_baseline(llama):
+    return run_workload(llama, canary=False)
+
+
+def rebind(model, init):
+    """Install a test wrapper as an instance attribute; the returned undo restores the previous one."""
+    had, prev = "init_continuous_batching" in vars(model), vars(model).get("init_continuous_batching")
+    model.init_continuous_batching = init
+
+    def undo():
+        if had:
+            model.init_continuous_batching = prev
+        else:
+            del model.init_continuous_batching
+
+    return undo
+
+
+def two_owner(v) -> bool:
+    return v.reader_request is not None and v.writer_request not in (None, v.reader_request)
+
+
+def reason_bits(vs) -> int:
+    bits = 0
+    for v in vs:
+        bits |= v.fail_reason
+    return bits
+
+
+# -- hooks: explicit, per instance, restored exactly ------------------------------------------------
+def test_import_and_attach_patch_no_class(llama):
+    import kvcanary.integrations.transformers  # noqa: F401
+
+    before = dict(vars(llama))
+    handle = attach(llama)
+    assert set(vars(llama)) - set(before) == {"init_continuous_batching", "generate_batch"}
+    assert type(llama).init_continuous_batching is ContinuousMixin.init_continuous_batching
+    assert LlamaForCausalLM.generate_batch is ContinuousMixin.generate_batch
+    handle.detach()
+    assert vars(llama).keys() == before.keys() and all(vars(llama)[k] is v for k, v in before.items())
+
+
+def test_hook_runs_and_detach_restores_tokens(llama, llama_baseline):
+    undo_probe = []
+    orig_init = llama.init_continuous_batching
+
+    def spy(*a, **k):  # an instance attribute that existed before attach must come back as it was
+        undo_probe.append(1)
+        return orig_init(*a, **k)
+
+    llama.init_continuous_batching = spy
+    run = run_workload(llama)
+    assert vars(llama)["init_continuous_batching"] is spy and undo_probe
+    del llama.init_continuous_batching
+    after = run_workload(llama, canary=False)
+    assert run.stats["forwards"] > 10 and run.stats["violations"] == 0
+    assert run.tokens == llama_baseline.tokens == after.tokens
+
+
+# -- clean workloads ---------------------------------------------------------------------------------
+def test_clean_demo_workload_llama(llama, llama_baseline):
+    run = run_workload(llama, check_v=True, real_kv="all")
+    s = run.stats
+    assert run.violations == [] and s["violations"] == 0
+    assert run.tokens == llama_baseline.tokens
+    # Prefix sharing (lookups and dedup remaps), forks, chunked prefill and idle-cache sweeps all happened.
+    assert s["prefix_hits"] > 0 and s["dedup_remaps"] > 0 and s["fork_block_copies"] > 0 and s["sweeps"] > 0
+    assert s["launches"]["HEAD_V_FULL"] == s["launches"]["HEAD_K_FULL"] > 0
+    assert s["tokens_protected"] > sum(len(p) for p in demo_prompts(512))
+
+
+def test_token_oracle_drives_generation(llama):
+    handle = attach(llama, mode="raise", token_oracle=True)
+    prompts = demo_prompts(512)[:4]
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=16, use_async_batching=False,
+                                   use_cuda_graph=False)
+    out = llama.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc)
+    ids = handle.sessions[0].ids
+    handle.detach()
+    assert handle.stats()["violations"] == 0
+    for i, p in enumerate(prompts):
+        toks = out[f"req_{i}"].generated_tokens
+        assert toks == [oracle_token(ids[f"req_{i}"], len(p) + k, 512) for k in range(6)]
+
+
+def enable_cpu_pool(model, blocks=64):
+    """transformers' CPU swap pool needs pinned memory; on a CPU-only machine give it plain tensors."""
+    orig_init = model.init_continuous_batching
+
+    def init(*a, **k):
+        manager = orig_init(*a, **k)
+        orig_create = manager._create_batch_processor
+
+        def create():
+            bp = orig_create()
+            om, c = bp.offloading_manager, bp.cache
+            if om._num_cpu_blocks == 0:
+                shape = (blocks, c.block_size, c.num_key_value_heads, c.head_dim)
+                om._num_cpu_blocks = blocks
+                om._cpu_key_cache = [torch.empty(shape, dtype=c.dtype) for _ in c.key_cache]
+                om._cpu_value_cache = [torch.empty(shape, dtype=c.dtype) for _ in c.key_cache]
+                om._gpu_key_views = [k.view(-1, *shape[1:]) for k in c.key_cache]
+                om._gpu_value_views = [v.view(-1, *shape[1:]) for v in c.value_cache]
+                om._free_cpu_blocks = list(range(blocks))
+            return bp
+
+        manager._create_batch_processor = create
+        return manager
+
+    return rebind(model, init)
+
+
+PRESSURE = dict(prompts=[[(11 * k + 3 * i) % 512 for i in range(10 + k)] for k in range(8)], max_new_tokens=24,
+                num_return_sequences=1, cb={"num_blocks": 20, "max_batch_tokens": 32})
+
+
+@pytest.mark.parametrize("pool", [True, False], ids=["cpu-offload", "soft-reset"])
+def test_clean_under_memory_pressure(llama, pool):
+    undo = enable_cpu_pool(llama) if pool else (lambda: None)
+    try:
+        base = run_workload(llama, canary=False, **PRESSURE)
+        run = run_workload(llama, **PRESSURE)
+    finally:
+        undo()
+    assert run.violations == [] and run.tokens == base.tokens
+    if pool:
+        assert run.stats["offloaded_requests"] > 0 and run.stats["restored_requests"] > 0
+    else:
+        assert run.stats["soft_resets"] > 0
+
+
+def test_clean_sliding_window_hybrid(hybrid):
+    base = run_workload(hybrid, canary=False, max_new_tokens=14)
+    run = run_workload(hybrid, max_new_tokens=14, check_v=True, real_kv="all")
+    assert run.violations == [] and run.tokens == base.tokens
+    launches = run.stats["launches"]
+    assert launches["HEAD_K_SWA"] == launches["TAIL_V_SWA"] == launches["HEAD_K_FULL"] > 0
+    oracle = run_workload(hybrid, max_new_tokens=14, num_return_sequences=1, token_oracle=True)
+    assert oracle.violations == []
+
+
+# -- gates -------------------------------------------------------------------------------------------
+def test_version_gate_names_the_range():
+    assert check_version("5.17.0") == "5.17.0"
+    with pytest.raises(RuntimeError, match=SUPPORTED_RANGE.replace(".", r"\.")):
+        check_version("5.25.1")
+    assert check_version("4.57.0", allow_unsupported=True) == "4.57.0"
+
+
+@pytest.mark.parametrize("case", ["async", "cuda-graph", "sliding-sharing", "sliding-only"])
+def test_unsupported_engine_setups_are_refused(llama, hybrid, case):
+    model, cb = llama, dict(use_async_batching=False, use_cuda_graph=False)
+    if case == "async":
+        cb["use_async_batching"] = True
+    elif case == "cuda-graph":
+        if not torch.cuda.is_available():
+            pytest.skip("CUDA graphs are turned off without CUDA")
+        cb["use_cuda_graph"] = True
+    elif case == "sliding-sharing":
+        model, cb["allow_block_sharing"] = hybrid, True
+    else:
+        torch.manual_seed(0)
+        model = MistralForCausalLM(MistralConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                 num_key_value_heads=1, intermediate_size=64, vocab_size=64,
+                                                 sliding_window=8)).to(DEV)
+    handle = attach(model)
+    impl = model.config._attn_implementation
+    try:
+        with pytest.raises(ValueError, match="kv-canary: "):
+            model.init_continuous_batching(GenerationConfig(max_new_tokens=2, eos_token_id=-1),
+                                           ContinuousBatchingConfig(block_size=4, num_blocks=16, **cb))
+    finally:
+        handle.detach()
+    assert model.config._attn_implementation == impl
+
+
+def test_attach_refuses_a_cache_that_holds_kv(llama):
+    gen = GenerationConfig(max_new_tokens=2, eos_token_id=-1, do_sample=False)
+    cbc = ContinuousBatchingConfig(block_size=4, num_blocks=32, max_batch_tokens=16, use_async_batching=False,
+                                   use_cuda_graph=False)
+    out = llama.generate_batch([[1, 2, 3, 4, 5, 6, 7, 8, 9]], generation_config=gen, continuous_batching_config=cbc,
+                               persistent_manager=True)
+    assert out["req_0"].error is None
+    try:
+        with pytest.raises(RuntimeError, match="attach before the paged cache holds KV"):
+            attach(llama._cached_continuous_batching_manager)
+    finally:
+        llama.destroy_cached_continuous_batching_manager()
+
+
+def test_manager_api(llama):
+    gen = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(block_size=4, num_blocks=32, max_batch_tokens=8, use_async_batching=False,
+                                   use_cuda_graph=False)
+    manager = llama.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    handle = attach(manager, mode="raise")
+    manager.start()
+    rid = manager.add_request([5, 6, 7, 8, 9, 10], max_new_tokens=5)
+    result = None
+    while result is None or not result.is_finished():
+        result = manager.get_result(request_id=rid, timeout=5)
+    manager.stop(block=True)
+    manager.destroy()
+    handle.detach()
+    assert len(result.generated_tokens) == 5 and handle.forwards >= 5 and handle.violations == []
+    assert "_create_batch_processor" not in vars(manager) and "stop" not in vars(manager)
+
+
+# -- planted engine bugs ------------------------------------------------------------------------------
+def check_double_owner(vs):
+    assert any(two_owner(v) and v.fail_reason & (FailReason.VERIFY_CHAIN_HASH | FailReason.VERIFY_POSITION)
+               for v in vs)
+
+
+def check_fork_copy(handle_names, vs):
+    tail = [v for v in vs if v.launch_tag == "TAIL_K_FULL"]
+    assert tail and all(v.reasons == ("verify_real_kv_hash",) for v in tail)
+    assert any("__child#" in handle_names(v.reader_request) for v in tail)
+
+
+EXPECTED = {
+    "double-free": lambda names, vs: check_double_owner(vs),
+    "early-free": lambda names, vs: check_double_owner(vs),
+    "wrong-block": lambda names, vs: check_double_owner(vs),
+    "skip-fork-copy": check_fork_copy,
+    "flip-kv": lambda names, vs: (vs[0].launch_tag == "TAIL_K_FULL" and vs[0].reasons == ("verify_real_kv_hash",)
+                                  and vs[0].reader_request == vs[0].writer_request and vs[0].position == 1)
+    or pytest.fail(str(vs[0])),
+    "flip-idle-cache": lambda names, vs: ({v.launch_tag for v in vs} == {"SWEEP_K_FULL"}
+                                          and reason_bits(vs) == FailReason.VERIFY_REAL_KV_HASH)
+    or pytest.fail(str(vs)),
+    "prefix-key-collision": lambda names, vs: (vs[0].launch_tag == "HEAD_K_FULL"
+                                               and vs[0].reasons == ("verify_chain_hash",) and two_owner(vs[0]))
+    or pytest.fail(str(vs[0])),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(hf_bugs.BUGS))
+def test_planted_bug_is_reported(llama, bug):
+    run = run_workload(llama, bug=bug)
+    assert run.violations, f"{bug}: no violation"
+    EXPECTED[bug](lambda rid: run.names.get(rid, ""), run.violations)
+
+
+def test_raise_mode_surfaces_the_violation_to_the_caller(llama):
+    undo = hf_bugs.plant(llama, "flip-kv")
+    handle = attach(llama, mode="raise")
+    try:
+        with pytest.raises(KvCanaryViolationError, match="verify_real_kv_hash"):
+            run_plain(llama)
+        assert handle.errors and isinstance(handle.errors[0], KvCanaryViolationError)
+    finally:
+        handle.detach()
+        undo()
+    assert "generate_batch" not in vars(llama) and "init_continuous_batching" not in vars(llama)
+
+
+def test_hook_exception_surfaces_to_the_caller(llama, monkeypatch):
+    from kvcanary.integrations import hf_batch
+
+    def broken(self):
+        raise ZeroDivisionError("adapter bug")
+
+    monkeypatch.setattr(hf_batch.BatchBuilder, "build", broken)
+    handle = attach(llama)
+    with pytest.raises(ZeroDivisionError, match="adapter bug"):
+        run_plain(llama)
+    handle.detach()
+
+
+def run_plain(model):
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=16, use_async_batching=False,
+                                   use_cuda_graph=False)
+    return model.generate_batch(demo_prompts(512), generation_config=gen, continuous_batching_config=cbc)
+
+
+def plant_local(model, planter):
+    """Plant a test-local engine bug (same mechanism as hf_bugs.plant)."""
+    orig_init = model.init_continuous_batching
+    state = {"fired": False}
+
+    def init(*a, **k):
+        manager = orig_init(*a, **k)
+        orig_create = manager._create_batch_processor
+
+        def create():
+            bp = orig_create()
+            if not state.get("bp"):
+                state["bp"] = bp
+                planter(bp, state)
+            return bp
+
+        manager._create_batch_processor = create
+        return manager
+
+    return rebind(model, init)
+
+
+def flip_sliding_kv(bp, state):
+    orig, cache = bp._generation_step, bp.cache
+
+    def step(model):
+        orig(model)
+        for fs in bp.inputs_and_outputs.requests_in_batch:
+            st, past = fs.state, fs.state.position_offset - fs.query_length
+            table = cache.group_cache_managers[1].block_table.get(st.request_id, [])
+            if past >= 3 and table and not state["fired"]:
+                state["fired"] = True
+                r = (past - 1) % cache.config.sliding_window
+                slot = table[r // cache.block_size] * cache.block_size + r % cache.block_size
+                cache.key_cache[0][slot].view(torch.uint8).view(-1)[1] ^= 0x10
+                state["slot"] = slot
+                return
+
+    bp._generation_step = step
+
+
+def swap_sliding_blocks(bp, state):
+    orig, cache = bp.update_batch, bp.cache
+
+    def update_batch():
+        orig()
+        tables = [t for t in cache.group_cache_managers[1].block_table.values() if len(t) >= 2]
+        if tables and not state["fired"]:
+            state["fired"] = True
+            tables[0][0], tables[0][1] = tables[0][1], tables[0][0]
+
+    bp.update_batch = update_batch
+
+
+def test_sliding_window_bugs(hybrid):
+    state_holder = []
+    for planter, tag, bit in ((flip_sliding_kv, "TAIL_K_SWA", FailReason.VERIFY_REAL_KV_HASH),
+                              (swap_sliding_blocks, "HEAD_K_SWA", FailReason.VERIFY_POSITION)):
+        undo = plant_local(hybrid, planter)
+        try:
+            run = run_workload(hybrid, max_new_tokens=14)
+        finally:
+            undo()
+        assert run.violations, planter.__name__
+        assert {v.launch_tag.endswith("_SWA") for v in run.violations} == {True}, planter.__name__
+        first = run.violations[0]
+        assert first.launch_tag == tag and first.fail_reason & bit, str(first)
+        state_holder.append(first)
+
+
+def restore_into_wrong_order(bp, state):
+    om = bp.offloading_manager
+    orig = om.restore_scheduled_requests
+
+    def restore(requests_in_batch):
+        for fs in requests_in_batch:
+            rid = fs.state.request_id
+            cpu = om._request_id_to_cpu_blocks.get(rid)
+            if fs.state.is_cpu_offloaded and cpu and len(cpu) >= 2 and not state["fired"]:
+                state["fired"] = True
+                cpu.reverse()  # the H2D copy lands each block in another block's place
+        orig(requests_in_batch)
+
+    om.restore_scheduled_requests = restore
+
+
+def test_offload_restore_bug(llama):
+    undo_bug = plant_local(llama, restore_into_wrong_order)
+    undo_pool = enable_cpu_pool(llama)
+    try:
+        run = run_workload(llama, **PRESSURE)
+    finally:
+        undo_pool()
+        undo_bug()
+    assert run.stats["restored_requests"] > 0 and run.violations
+    first = run.violations[0]
+    assert first.launch_tag == "TAIL_K_FULL" and first.reasons == ("verify_real_kv_hash",)
