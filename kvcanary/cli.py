@@ -44,6 +44,53 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _recall_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prob", type=float, default=0.2, help="probability of each perturbation per step (default 0.2)")
+    p.add_argument("--kinds", default="table,kv,cached,after,swap", help="comma-separated perturbation kinds")
+    p.add_argument("--configs", default="", help="comma-separated sim configurations (default: the whole matrix)")
+    p.add_argument("--seed", type=int, default=0, help="injection seed of the first configuration (default 0)")
+    p.add_argument("--sim-seed", type=int, default=0, help="workload seed of every configuration (default 0)")
+
+
+@command("recall", "fault injection on the simulated engine: recall of every perturbation kind", _recall_args)
+def _recall(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvcanary.runtime.recall import measure_sim, recall_table
+    from kvcanary.sim import MATRIX
+
+    names = [n for n in args.configs.split(",") if n] or list(MATRIX)
+    unknown = sorted(set(names) - set(MATRIX))
+    if unknown:
+        raise ValueError(f"kv-canary: --configs must name sim configurations {sorted(MATRIX)}, got {unknown}")
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)  # one line per injection and violation otherwise
+    reports = measure_sim([MATRIX[n].replace(seed=args.sim_seed) for n in names], args.prob,
+                          [k for k in args.kinds.split(",") if k], args.seed)
+    emit(args, {name: rep.to_dict() for name, rep in reports.items()}, recall_table(reports, markdown=False))
+    return 0 if all(not r.false_positives and r.recall in (None, 1.0) for r in reports.values()) else 1
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    from kvcanary.integrations.hf_bugs import BUGS
+
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--bug", default="early-free", choices=sorted(BUGS),
+                   help="engine bug planted in the second run (default early-free)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="local Hugging Face model directory (loaded with local_files_only=True) instead of the "
+                        "built-in tiny model")
+
+
+@command("demo", "a tiny model on transformers continuous batching with the canary: clean, then a planted bug",
+         _demo_args)
+def _demo(args: argparse.Namespace) -> int:
+    from kvcanary.demo import format_demo, run_demo
+
+    result = run_demo(device=args.device, bug=args.bug, model_path=args.model)
+    emit(args, result, format_demo(result))
+    return 0 if result["clean"]["violations"] == 0 and result["bug"]["violations"] > 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache integrity sanitizer for LLM engines")
     sub = parser.add_subparsers(dest="command", required=True)

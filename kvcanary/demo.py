@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-DEFAULT_BUG = "double-free"
+DEFAULT_BUG = "early-free"
 TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, vocab_size=512, max_position_embeddings=512)
 BLOCK_SIZE = 4
@@ -108,12 +108,19 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
 
 
 def most_telling(violations: list) -> list:
-    """Violations naming two owners of a slot first, then the earliest."""
+    """Distinct violations (one per launch, slot, position and reason), naming two owners of a slot first,
+    then the earliest."""
     def key(v):
         two_owners = v.reader_request is not None and v.writer_request not in (None, v.reader_request)
         return (not two_owners, v.step)
 
-    return sorted(violations, key=key)
+    seen, out = set(), []
+    for v in sorted(violations, key=key):
+        ident = (v.slot, v.position)
+        if ident not in seen:
+            seen.add(ident)
+            out.append(v)
+    return out
 
 
 def run_demo(device: str = "cpu", bug: str = DEFAULT_BUG, model_path: str | None = None) -> dict:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 BUGS: dict[str, tuple[str, str]] = {
     "double-free": ("A", "a finished request's last block is pushed onto the free list twice, so two later "
                          "allocations get the same block"),
@@ -122,6 +120,8 @@ def skip_fork_copy(bp, state) -> None:
 
 
 def _flip(cache, slot: int) -> None:
+    import torch
+
     _, j = cache.layer_index_to_group_indices[0]
     cache.key_cache[j][slot].view(torch.uint8).view(-1)[1] ^= 0x10
 

@@ -111,6 +111,8 @@ class Session:
         def offload_to_cpu(victims):
             blocks = {st.request_id: self._all_blocks(st.request_id) for st in victims}
             done = orig_offload(victims)
+            # Victims that did not fit the CPU pool are soft reset: re-prefilled later from position 0.
+            self.events["soft_resets"] += len(victims) - len(done)
             if done:
                 self._guarded(self._save, {rid: blocks[rid] for rid in done})
             return done
