@@ -10,7 +10,7 @@ import torch
 from kvcanary import CanaryConfig
 from kvcanary.format import FailReason, oracle_token
 from kvcanary.runtime.inject import KINDS
-from kvcanary.runtime.recall import match, phase_of, recall_table
+from kvcanary.runtime.recall import match, phase_of, recall_table, sim_runner
 
 from toy_engine import ToyEngine
 
@@ -333,9 +333,49 @@ def test_matcher_flags_unexplained_violations_and_misses():
 
 
 # -- the simulated engine ------------------------------------------------------------------------
-def test_sim_engine_recall():
-    sim = pytest.importorskip("kvcanary.sim")
-    pytest.skip(f"kvcanary.sim present ({sim.__name__}); wire its entry point here")
+@pytest.fixture
+def sim():
+    return pytest.importorskip("kvcanary.sim")
+
+
+ALL_KINDS = {f"inject_{k}_prob": 0.2 for k in KINDS}
+
+
+@pytest.mark.parametrize("name", ["base", "swa-chunked", "spec-paged-swa", "pressure-offload",
+                                  "pressure-paged-spec"])
+def test_sim_every_kind_at_once_full_recall_no_false_positive(sim, name):
+    records, violations = sim_runner(sim.MATRIX[name])({"inject_seed": 1, "inject_warmup": 2, **ALL_KINDS})
+    report = match(records, violations)
+    assert report.total.touched >= 20, recall_table({name: report}, markdown=False)
+    assert report.missed == [] and report.false_positives == []
+    assert {r.kind for r in records} >= {"table", "kv", "after", "swap"}
+
+
+@pytest.mark.parametrize("kind, tags, reasons", [
+    ("table", {"HEAD_K_FULL", "HEAD_K_SWA"}, FailReason.VERIFY_CHAIN_HASH),
+    ("kv", {"TAIL_K_FULL"}, FailReason.VERIFY_REAL_KV_HASH),
+    ("cached", {"SWEEP_K_FULL"}, FailReason.VERIFY_REAL_KV_HASH),
+    ("after", {"TAIL_K_FULL", "SWEEP_K_FULL"}, FailReason.VERIFY_REAL_KV_HASH),
+    ("swap", {"HEAD_K_FULL"}, FailReason.WRITE_TOKEN),
+])
+def test_sim_each_kind_is_detected_with_its_reason(sim, kind, tags, reasons):
+    cfg = sim.MATRIX["pressure-paged-spec"]
+    records, violations = sim_runner(cfg)({"inject_seed": 2, "inject_warmup": 2, f"inject_{kind}_prob": 0.4})
+    report = match(records, violations)
+    assert report.kinds[kind].touched >= 3 and report.missed == [] and report.false_positives == []
+    assert {v.launch_tag for _, v in report.detections} <= tags
+    assert all(v.fail_reason & reasons for _, v in report.detections)
+    if kind == "swap":  # the token swap shows as write_token only: no chain, position or real-KV noise
+        assert {v.reason_label for v in violations} == {"write_token"}
+
+
+def test_sim_swap_warns_when_the_engine_never_samples_through_the_canary(sim, caplog):
+    cfg = sim.MATRIX["base"]
+    engine = sim.SimEngine(cfg, sim.default_canary_config(cfg).replace(inject_swap_prob=0.5))
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        engine.run()
+    assert engine.canary.injector.records == []
+    assert any("has not called Canary.perturb_next_tokens" in m for m in caplog.messages)
 
 
 def test_configuration_doc_lists_every_variable():

@@ -177,16 +177,17 @@ class Canary:
                        backend=self.config.backend)
         self.monitor.note_sweep(group)
 
-    def perturb_next_tokens(self, request_ids, tokens):
+    def perturb_next_tokens(self, request_ids, tokens, positions=None):
         """Pass the engine's sampled next tokens through fault injection (token oracle engines).
 
-        Args: request_ids: [bs] request ids; tokens: [bs] next tokens (list or 1-D tensor).
+        Args: request_ids: [bs] request ids; tokens: [bs] next tokens; positions: optional [bs]
+        positions they will be fed at (lists or 1-D tensors).
         Returns ``tokens`` itself unless ``inject_swap_prob`` fires: then a copy with two
         requests' tokens swapped (the write-input assert must report write_token for both).
         """
         if self.injector is None:
             return tokens
-        return self.injector.perturb_next_tokens(request_ids, tokens)
+        return self.injector.perturb_next_tokens(request_ids, tokens, positions)
 
     # -- KV movement -----------------------------------------------------------------------------
     def copy_records(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, group: str = "full") -> None:
@@ -195,6 +196,8 @@ class Canary:
         src, dst = self._slot_pair(src_slots, dst_slots)
         for buf in g.bufs.values():
             buf.index_copy_(0, dst, buf.index_select(0, src))
+        if self.injector is not None:
+            self.injector.follow_copy(src, dst, group)
 
     def save_records(self, slots: torch.Tensor, group: str = "full") -> dict:
         """Records of slots whose KV is offloaded (a copy per buffer, on the canary's device)."""
@@ -208,6 +211,8 @@ class Canary:
         idx = slots.to(device=self.device, dtype=torch.int64)
         for key, buf in g.bufs.items():
             buf.index_copy_(0, idx, saved[key])
+        if self.injector is not None:
+            self.injector.follow_restore(saved, idx, group)
 
     # -- reporting -------------------------------------------------------------------------------
     @property

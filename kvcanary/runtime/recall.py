@@ -14,10 +14,45 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvcanary.format import FailReason as FR
-from kvcanary.runtime.inject import KINDS, Injection
 from kvcanary.runtime.report import Violation
 
+KINDS = ("table", "kv", "cached", "after", "swap")
 _REAL_KV = int(FR.VERIFY_REAL_KV_HASH)
+
+
+@dataclass
+class Injection:
+    """Ground truth of one perturbation (``kvcanary.runtime.inject``).
+
+    Attributes:
+        kind: one of ``KINDS``.
+        step: the ``Violation.step`` a violation found in the perturbed forward carries.
+        slot: slot perturbed (table: the cell's new value; swap: the slot the token went to, -1 until known).
+        position: sequence position of the cell / slot (-1 when unknown).
+        request: request id reading or writing it (the row without request ids; -1 for a cached slot).
+        byte: byte offset flipped inside the slot's KV (-1 for table and swap).
+        group: address space of ``slot`` ("full" or "swa").
+        watch: (group, slot) pairs its violations land on (a flipped byte the engine copied adds its copies).
+        read_step: step of the first check that read the perturbed state (None: never read).
+        end_step: last step the perturbation was visible (None: still in place).
+        detail: what changed, e.g. "cell 7->12", "token 5->9", "k source 0 xor 0xff".
+    """
+
+    kind: str
+    step: int
+    slot: int
+    position: int
+    request: int
+    byte: int = -1
+    group: str = "full"
+    watch: tuple[tuple[str, int], ...] = ()
+    read_step: int | None = None
+    end_step: int | None = None
+    detail: str = ""
+
+    def log_line(self) -> str:
+        return (f"kv_canary injection: kind={self.kind} step={self.step} slot={self.slot} position={self.position} "
+                f"request={self.request} byte={self.byte} group={self.group} detail={self.detail}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +129,21 @@ class RecallReport:
     def recall(self) -> float | None:
         return self.total.recall
 
+    @classmethod
+    def merge(cls, reports: Iterable[RecallReport]) -> RecallReport:
+        """One report over several runs (e.g. every configuration of the sim matrix)."""
+        out = cls({k: KindRecall(k) for k in KINDS}, [], [], [])
+        for rep in reports:
+            for k, r in rep.kinds.items():
+                o = out.kinds[k]
+                o.injections, o.touched, o.detected = o.injections + r.injections, o.touched + r.touched, \
+                    o.detected + r.detected
+                o.latencies += r.latencies
+            out.detections += rep.detections
+            out.missed += rep.missed
+            out.false_positives += rep.false_positives
+        return out
+
     def to_dict(self) -> dict:
         return {"kinds": {k: _row(r) for k, r in self.kinds.items()}, "total": _row(self.total),
                 "false_positives": len(self.false_positives),
@@ -111,11 +161,14 @@ def group_of(v: Violation) -> str:
 
 def touches(rec: Injection, v: Violation) -> bool:
     """Whether ``v`` is on a slot ``rec`` perturbed, while perturbed, in a phase its effects show in."""
-    if (group_of(v), v.slot) not in rec.watch or v.step < rec.step:
+    if v.step < rec.step or phase_of(v) not in EXPECTATIONS[rec.kind].seen_in:
         return False
-    if rec.end_step is not None and v.step > rec.end_step:
+    if (rec.kind == "swap" and rec.position >= 0 and v.writer_request == rec.request
+            and v.position == rec.position):
+        return True  # the swapped token stays in the request's history: a recompute feeds it again
+    if (group_of(v), v.slot) not in rec.watch:
         return False
-    return phase_of(v) in EXPECTATIONS[rec.kind].seen_in
+    return rec.end_step is None or v.step <= rec.end_step
 
 
 def match(injections: Iterable[Injection], violations: Iterable[Violation]) -> RecallReport:
@@ -185,6 +238,8 @@ def measure(run: Callable[[dict], tuple[list[Injection], list[Violation]]], prob
         prob: probability of each kind per step; seed, warmup: ``inject_seed``, ``inject_warmup``.
     """
     kinds = list(kinds)
+    if not kinds or set(kinds) - set(KINDS):
+        raise ValueError(f"kv-canary: kinds must be among {KINDS}, got {kinds}")
     base = {"inject_seed": seed, "inject_warmup": warmup}
     reports = {}
     for kind in kinds:
@@ -192,6 +247,49 @@ def measure(run: Callable[[dict], tuple[list[Injection], list[Violation]]], prob
     if len(kinds) > 1:
         reports["all"] = match(*run({**base, **{f"inject_{k}_prob": prob for k in kinds}}))
     return reports
+
+
+def sim_runner(sim_config, **canary_overrides) -> Callable[[dict], tuple[list[Injection], list[Violation]]]:
+    """A ``measure`` runner playing ``sim_config`` (a ``kvcanary.sim.SimConfig``) through the simulated engine."""
+
+    def run(inject: dict) -> tuple[list[Injection], list[Violation]]:
+        from kvcanary.sim import SimEngine, default_canary_config
+
+        config = default_canary_config(sim_config).replace(ring_capacity=1024, **canary_overrides, **inject)
+        engine = SimEngine(sim_config, config)
+        if not getattr(engine, "routes_samples", False):
+            _route_samples(engine)
+        engine.run()
+        return engine.canary.injector.records, engine.canary.flush()
+
+    return run
+
+
+def _route_samples(engine) -> None:
+    """Pass each step's sampled next tokens through ``Canary.perturb_next_tokens`` (the sim samples
+    inside ``Scheduler.complete``; this wraps it on the instance)."""
+    sched, canary = engine.sched, engine.canary
+    complete = sched.complete
+
+    def routed(works):
+        before = {w.req.rid: len(w.req.tokens) for w in works}
+        complete(works)
+        grew = [w.req for w in works if len(w.req.tokens) > before[w.req.rid]]
+        if len(grew) < 2:
+            return
+        tokens = canary.perturb_next_tokens([r.rid for r in grew], [r.tokens[-1] for r in grew],
+                                            [len(r.tokens) - 1 for r in grew])
+        for r, token in zip(grew, tokens):
+            r.tokens[-1] = token
+
+    sched.complete = routed
+
+
+def measure_sim(sim_configs, prob: float = 0.2, kinds: Iterable[str] = KINDS, seed: int = 0,
+                warmup: int = 2) -> dict[str, RecallReport]:
+    """``measure`` on every sim configuration (injection seed ``seed + i`` for the i-th), merged per run name."""
+    per_config = [measure(sim_runner(cfg), prob, kinds, seed + i, warmup) for i, cfg in enumerate(sim_configs)]
+    return {name: RecallReport.merge(r[name] for r in per_config) for name in per_config[0]}
 
 
 def _row(r: KindRecall) -> dict:
