@@ -91,6 +91,29 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result["clean"]["violations"] == 0 and result["bug"]["violations"] > 0 else 1
 
 
+def _zoo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bug", action="append", metavar="NAME",
+                   help="run only this planted bug (repeatable; default: every bug, see docs/zoo.md)")
+    p.add_argument("--seeds", type=int, default=1, help="workload seeds per configuration (default 1)")
+    p.add_argument("--config", action="append", metavar="NAME",
+                   help="run only this matrix configuration (repeatable; default: the whole matrix)")
+
+
+@command("zoo", "planted-bug zoo on the simulated engine: every bug where it applies, plus clean baselines",
+         _zoo_args)
+def _zoo(args: argparse.Namespace) -> int:
+    from kvcanary.sim.zoo import format_table, run_verdict, run_zoo
+
+    def progress(i: int, total: int, r) -> None:
+        where = f"{r.bug or 'clean'} @ {r.config} seed {r.seed}"
+        print(f"[{i}/{total}] {where}: {run_verdict(r)} (planted {r.planted_step}, first violation "
+              f"{r.first_detected_step}, {r.violations} violations, {r.wall_s:.1f} s)", file=sys.stderr, flush=True)
+
+    report = run_zoo(args.bug, args.seeds, args.config, progress=progress)
+    emit(args, report.to_dict(), format_table(report))
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache integrity sanitizer for LLM engines")
     sub = parser.add_subparsers(dest="command", required=True)

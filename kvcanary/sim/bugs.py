@@ -62,7 +62,9 @@ _BUG_LIST = (
         "leaves the request's table pointing at them",
         "two requests computed the same prefix in one batch; the second insert frees its own copies, the table "
         "row is not rewritten to the tree's slots, and the freed pages are reused",
-        "verify_chain_hash / verify_token / verify_position at HEAD of the request's next forward"),
+        "verify_chain_hash / verify_token / verify_position at HEAD of the request's next forward",
+        lambda cfg: cfg.chunk_size == 0, "no chunked prefill (a chunk budget prefills one request at a time, so "
+        "two never compute the same pages together)"),
     Bug("stale_table_tail", "C", "a new page's table cells are written only up to the request's length",
         "the rest of the page keeps the row's previous occupant's slot ids; the next decode in that page takes "
         "its slot from the stale cell and writes into a page it does not own (SGLang PR #35401)",
@@ -112,7 +114,9 @@ _BUG_LIST = (
     Bug("padding_write", "H", "CUDA-graph padding tokens keep the static buffer's stale out_cache_loc",
         "padded decode batches reuse the previous replay's slot ids instead of slot 0, so padding tokens write "
         "garbage KV into real slots (SGLang PR #32477)",
-        "verify_real_kv_hash at TAIL of the next forward reading the slot"),
+        "verify_real_kv_hash at TAIL of the next forward reading the slot",
+        lambda cfg: not (cfg.spec_tokens and cfg.page_size > 1),
+        "decode writes in place (not spec with page_size > 1: stale ids there are freed scratch slots)"),
     Bug("spec_keep_rejected", "I", "after a partial accept, rejected draft slots stay in the request's table",
         "the rollback frees the rejected drafts' slots but leaves them in the request's slot list and row: the "
         "next forward reads them as its prefix (SGLang PR #8409)",

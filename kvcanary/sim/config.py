@@ -119,7 +119,7 @@ _PRESSURE = dict(num_slots=224, host_slots=256)
 # The zoo's configuration matrix: each feature appears with page size 1 and > 1.
 MATRIX: dict[str, SimConfig] = {
     "base": SimConfig(name="base"),
-    "paged-chunked": SimConfig(name="paged-chunked", page_size=4, chunk_size=16),
+    "paged": SimConfig(name="paged", page_size=4),
     "swa-chunked": SimConfig(name="swa-chunked", swa_window=8, chunk_size=16),
     "spec": SimConfig(name="spec", spec_tokens=3),
     "spec-paged-swa": SimConfig(name="spec-paged-swa", page_size=4, swa_window=12, spec_tokens=3, chunk_size=24),

@@ -31,7 +31,7 @@ from kvcanary.sim.workload import make_workload
 def default_canary_config(cfg: SimConfig) -> CanaryConfig:
     """The canary knobs the sim runs with: torch backend, log mode, K real-KV hash, token and input checks."""
     return CanaryConfig(mode="log", backend="torch", real_kv="partial", sweep_interval=cfg.sweep_interval,
-                        report_blocks=0, health_interval=0, ring_capacity=256)
+                        report_blocks=0, health_interval=0, ring_capacity=32)
 
 
 @dataclass
@@ -146,6 +146,8 @@ class SimEngine:
                 swa_loc = loc  # Planted: the SWA layer indexes its cache with full-pool slot ids.
         self.model.forward(loc, batch.input_ids, batch.positions, swa_loc)
         self.canary.after_forward(batch)
+        if self.pool.window and self.canary.step % self.cfg.sweep_interval == 0:
+            self.sweep_swa()
         if self.host is not None:
             # End of step: copies still in flight on the side streams land now.
             self.host.d2h.synchronize()
@@ -212,6 +214,20 @@ class SimEngine:
             return None
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         return t(slots), t(positions), t(prevs)
+
+    def sweep_swa(self) -> None:
+        """Sweep the SWA slots the prefix cache still holds (translated; an evicted predecessor skips the chain)."""
+        slots, positions, prevs = self.tree.device_triples()
+        if not slots:
+            return
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        table = self.pool.full_to_swa
+        swa = table[t(slots)]
+        prev = t(prevs)
+        swa_prev = torch.where(prev > 0, table[prev.clamp(min=0)], prev)
+        live = swa > 0
+        if bool(live.any()):
+            self.canary.sweep(swa[live], t(positions)[live], swa_prev[live], group="swa")
 
     # -- results -------------------------------------------------------------------------------
     def result(self, wall_s: float = 0.0) -> SimResult:

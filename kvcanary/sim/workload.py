@@ -63,18 +63,27 @@ def make_workload(cfg: SimConfig) -> Workload:
     rid = 1
     while rid <= cfg.num_requests:
         burst = rng.choice((1, 1, 1, 2, 3, 4))
+        # A burst is often a fan-out over one system prompt (parallel sampling, agents); the first one
+        # always is, so requests compute a shared prefix together before the cache holds it.
+        burst_prefix = rng.choice(shared) if rng.random() < 0.6 else None
+        if rid == 1:
+            burst, burst_prefix = 3, shared[1]
         for _ in range(min(burst, cfg.num_requests - rid + 1)):
             roll = rng.random()
             if roll < 0.1 and prompts:
                 prompt = rng.choice(prompts)  # an exact repeat: a full prefix-cache hit
             elif roll < 0.8:
-                prompt = tuple(rng.choice(shared) + [tok() for _ in range(rng.randint(1, 24))])
+                prefix = burst_prefix if burst_prefix is not None else rng.choice(shared)
+                prompt = tuple(prefix + [tok() for _ in range(rng.randint(1, 24))])
             else:
                 prompt = tuple(tok() for _ in range(rng.randint(2, 40)))
             max_new = rng.choice((rng.randint(1, 4), rng.randint(5, 16), rng.randint(17, 32)))
             prompt = prompt[:limit - 1]
             max_new = max(1, min(max_new, limit - len(prompt)))
-            abort_at = step + rng.randint(0, 40) if rng.random() < 0.25 else None
+            abort_at = None
+            if rng.random() < 0.3:
+                # Early (while queued or prefilling), mid-decode, or late (often after it finished).
+                abort_at = step + rng.choice((rng.randint(0, 4), rng.randint(3, 14), rng.randint(12, 45)))
             specs.append(RequestSpec(rid, step, prompt, max_new, abort_at))
             prompts.append(prompt)
             rid += 1
