@@ -118,7 +118,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
             prev = _translate(rtt[row][p - 1], table) if p > 0 else -1
             exp = -1
             q = p + token_offset
-            if tokens is not None and 0 <= q < valid[r] and q < len(tokens[row]):
+            if tokens is not None and row < len(tokens) and 0 <= q < valid[r] and q < len(tokens[row]):
                 exp = tokens[row][q]
             entries.append((slot, p, prev, exp))
     e = out.entries
@@ -180,7 +180,7 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
 def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0) -> None:
     if int(entries.enable[0]) == 0:
         return
-    n = min(int(entries.count[0]), entries.capacity)
+    n = max(0, min(int(entries.count[0]), entries.capacity))
     counters[launch_tag, Counter.LAUNCHES] += 1
     counters[launch_tag, Counter.ENTRIES] += n
     for e in range(n):

@@ -1,0 +1,568 @@
+"""Case tables: every op on awkward inputs, each fast backend against the scalar reference, byte for byte.
+
+Outputs start poisoned (0x5A...) so a backend that leaves a cell unwritten differs from the
+reference, which writes it. ``torch-static`` runs the torch path with static shapes (the code
+a CUDA graph captures) on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import DEVICE, FAST_BACKENDS
+from kvcanary import ops
+from kvcanary.format import CHAIN_HEAD, FailReason, LaunchTag, RealKvMode, link, to_signed
+from kvcanary.ops import ViolationRing, allocate_canary_buffer, allocate_counters
+from ops_harness import (SENTINEL, SENTINEL32, as_bytes, check, clean_chain, flatten, flip_kv_byte, kv_source,
+                         poisoned_plan, poisoned_ring, put_record, reasons, ring_rows)
+from sim_engine import Config, Script, build_state, replay
+
+BACKENDS = FAST_BACKENDS + ["torch-static"]
+F = FailReason
+I64 = torch.int64
+
+
+def t(xs, dtype=I64):
+    return torch.tensor(xs, dtype=dtype, device=DEVICE)
+
+
+# fingerprint
+
+SOURCE_SETS = {
+    "fp16-page1": [(torch.float16, 1, 32, 32, 0, False)],
+    "bf16-page4-read16of48": [(torch.bfloat16, 4, 48, 16, 0, False)],
+    "fp32-page2-3d": [(torch.float32, 2, 64, 64, 0, True)],
+    "u8-padded-row-stride": [(torch.uint8, 3, 16, 16, 32, False)],
+    "four-mixed": [(torch.float16, 1, 32, 32, 0, False), (torch.bfloat16, 4, 16, 16, 16, False),
+                   (torch.float32, 2, 32, 16, 0, True), (torch.uint8, 8, 16, 16, 0, False)],
+}
+FP_SLOTS = [-9, -1, 0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 22, 23, 24, 25, 1 << 40]
+
+
+def _sources(spec, num_slots=24):
+    return [kv_source(num_slots, dtype=dt, page_size=ps, nbpt=nb, read_bytes=rb, pad_bytes=pad, device=DEVICE,
+                      seed=i, three_d=d3) for i, (dt, ps, nb, rb, pad, d3) in enumerate(spec)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", list(RealKvMode), ids=lambda m: m.name)
+@pytest.mark.parametrize("spec", list(SOURCE_SETS), ids=str)
+def test_fingerprint(backend, mode, spec):
+    def build():
+        return {"kv": _sources(SOURCE_SETS[spec]), "out": torch.empty(0)}
+
+    def run(st, b):
+        st["out"] = ops.fingerprint(t(FP_SLOTS), st["kv"], mode, backend=b)
+    ref = check(build, run, backend)
+    assert (ref["out"] == 0).all() == (mode == RealKvMode.NONE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fingerprint_empty_slots_and_no_sources(backend):
+    def run(st, b):
+        st["a"] = ops.fingerprint(t([]), _sources(SOURCE_SETS["fp16-page1"]), RealKvMode.ALL, backend=b)
+        st["b"] = ops.fingerprint(t([1, 2]), (), RealKvMode.ALL, backend=b)
+    ref = check(lambda: {}, run, backend)
+    assert ref["a"].shape == (0,) and ref["b"].tolist() == [0, 0]
+
+
+# scatter_req_token_ids
+
+SCATTER_CASES = {
+    # name: (flat, offsets, rows)
+    "empty-batch": ([1, 2], [0], []),
+    "empty-flat": ([], [0, 0], [1]),
+    "one-row": ([7, 8, 9], [0, 3], [2]),
+    "truncated-to-width": (list(range(100, 110)), [0, 10], [1]),
+    "row-0": ([5, 6], [0, 2], [0]),
+    "duplicate-row-last-wins": ([1, 2, 3, 4, 5], [0, 3, 5], [2, 2]),
+    "duplicate-row-shorter-later": ([1, 2, 3, 4, 5, 6, 7], [0, 5, 7], [1, 1]),
+    "row-out-of-range": ([1, 2, 3, 4], [0, 2, 4], [-1, 4]),
+    "negative-span": ([1, 2, 3], [2, 0, 3], [1, 2]),
+    "span-past-flat": ([1, 2, 3], [1, 9, 12], [1, 2]),
+    "negative-start": ([1, 2, 3], [-2, 2, 3], [1, 3]),
+    "int32-wrap": ([2**31, -(2**31) - 1, 2**40 + 5], [0, 3], [3]),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(SCATTER_CASES), ids=str)
+def test_scatter(backend, case):
+    flat, offs, rows = SCATTER_CASES[case]
+    if backend == "triton" and case.startswith("duplicate-row"):
+        pytest.skip("requests sharing a row race in a parallel backend (the reference's last writer wins)")
+
+    def build():
+        return {"pool": torch.full((4, 6), SENTINEL32, dtype=torch.int32, device=DEVICE)}
+
+    def run(st, b):
+        ops.scatter_req_token_ids(t(flat), t(offs), t(rows), st["pool"], backend=b)
+    check(build, run, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_noncontiguous_pool(backend):
+    def build():
+        return {"pool": torch.full((6, 4), SENTINEL32, dtype=torch.int32, device=DEVICE).t()}
+
+    def run(st, b):
+        ops.scatter_req_token_ids(t([1, 2, 3, 4, 5, 6, 7]), t([0, 4, 7]), t([1, 3]), st["pool"], backend=b)
+    ref = check(build, run, backend)
+    assert ref["pool"][1].tolist() == [1, 2, 3, 4, SENTINEL32, SENTINEL32]
+
+
+# plan
+
+RTT = [[0] * 10,
+       [11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+       [21, 22, 23, 24, 25, 26, 27, 28, 29, 30],
+       [31, 32, 0, 34, -3, 36, 37, 38, 39, 99]]
+SWA = [0] * 11 + [0, 0, 3, 4, 5, 6, 7, 8, 9, 10] + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] + [1, 2, 3, 4]
+TOKENS = [[r * 100 + c for c in range(11)] for r in range(3)]  # 3 rows only: row 3 reads no tokens
+
+PLAN_CASES = {
+    # name: dict(rows, prefix, extend, **plan kwargs)
+    "empty-batch": dict(rows=[], prefix=[], extend=[]),
+    "padding-row-0": dict(rows=[1, 0, 2], prefix=[3, 5, 2], extend=[1, 1, 2]),
+    "prefix-0": dict(rows=[1, 2], prefix=[0, 0], extend=[4, 3]),
+    "prefix-1-position-0": dict(rows=[1], prefix=[1], extend=[1]),
+    "prefix-past-max-ctx": dict(rows=[2], prefix=[14], extend=[1]),
+    "negative-prefix-and-extend": dict(rows=[1, 2], prefix=[-2, 3], extend=[-1, 0]),
+    "row-out-of-range": dict(rows=[5, -1, 1], prefix=[3, 3, 2], extend=[2, 2, 1]),
+    "odd-slots-negative-and-0": dict(rows=[3], prefix=[10], extend=[1]),
+    "window-below-prefix": dict(rows=[1, 2], prefix=[7, 4], extend=[1, 1], window=3, full_to_swa=SWA),
+    "window-equals-prefix": dict(rows=[1], prefix=[4], extend=[1], window=4, full_to_swa=SWA),
+    "window-above-prefix": dict(rows=[1], prefix=[4], extend=[1], window=9, full_to_swa=SWA),
+    "window-1": dict(rows=[1, 2], prefix=[5, 1], extend=[1, 1], window=1, full_to_swa=SWA),
+    "swa-evicted-predecessor": dict(rows=[1, 3], prefix=[6, 10], extend=[1, 1], window=4, full_to_swa=SWA),
+    "swa-short-table": dict(rows=[3], prefix=[10], extend=[1], window=5, full_to_swa=SWA[:25]),
+    "swa-empty-table": dict(rows=[1], prefix=[5], extend=[1], window=2, full_to_swa=[]),
+    "overflow": dict(rows=[1, 2], prefix=[6, 7], extend=[1, 1], capacity=10),
+    "exactly-full": dict(rows=[1, 2], prefix=[6, 4], extend=[1, 1], capacity=10),
+    "capacity-0": dict(rows=[1], prefix=[2], extend=[1], capacity=0),
+    "tokens-offset-0": dict(rows=[1, 2], prefix=[5, 3], extend=[1, 1], tokens=[4, 9]),
+    "tokens-offset-1": dict(rows=[1, 2], prefix=[5, 3], extend=[1, 1], tokens=[6, 3], token_offset=1),
+    "tokens-valid-0": dict(rows=[1], prefix=[5], extend=[1], tokens=[0]),
+    "tokens-row-missing": dict(rows=[3, 1], prefix=[4, 10], extend=[1, 1], tokens=[10, 20], token_offset=1),
+}
+
+
+def _plan_run(case, dtype):
+    c = dict(PLAN_CASES[case])
+    cap, bs = c.pop("capacity", 64), len(c["rows"])
+
+    def build():
+        st = {"plan": poisoned_plan(cap, max(bs, 1) + 1, DEVICE), "rtt": t(RTT, dtype)}
+        if "tokens" in c:
+            st["tokens"] = t(TOKENS, torch.int32)
+        return st
+
+    def run(st, b):
+        ops.plan(req_pool_indices=t(c["rows"], dtype), prefix_lens=t(c["prefix"], dtype),
+                 extend_lens=t(c["extend"], dtype), req_to_token=st["rtt"], out=st["plan"],
+                 window=c.get("window", 0),
+                 full_to_swa=t(c["full_to_swa"], dtype) if "full_to_swa" in c else None,
+                 token_table=st.get("tokens"),
+                 token_valid_lens=t(c["tokens"], dtype) if "tokens" in c else None,
+                 token_offset=c.get("token_offset", 0), backend=b)
+    return build, run
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("case", list(PLAN_CASES), ids=str)
+def test_plan(backend, dtype, case):
+    build, run = _plan_run(case, dtype)
+    ref = check(build, run, backend)
+    e = ref["plan"].entries
+    if case == "overflow":
+        assert int(e.count[0]) == 13 and int(e.enable[0]) == 0
+        assert e.slot.tolist() == [11, 12, 13, 14, 15, 16, 21, 22, 23, 24]
+    if case == "exactly-full":
+        assert int(e.count[0]) == 10 and int(e.enable[0]) == 1
+    if case == "swa-evicted-predecessor":
+        # Row 1, P=6, W=4: positions 2..5; position 2's predecessor (full slot 12) is evicted.
+        assert e.prev[:4].tolist() == [0, 3, 4, 5]
+    if case == "padding-row-0":
+        assert ref["plan"].write_offsets[:4].tolist() == [0, 1, 1, 3]
+        assert ref["plan"].seed_slot[:3].tolist() == [13, -1, 22]
+
+
+# write
+
+# Clean chains in the buffer: request A at slots 3..7 (tokens 11..15), B at slots 10..12.
+A_SLOTS, A_TOKS = [3, 4, 5, 6, 7], [11, 12, 13, 14, 15]
+B_SLOTS, B_TOKS = [10, 11, 12], [21, 22, 23]
+
+WRITE_CASES = {
+    # name: dict(seeds, offs, locs, ids, pos, [exp_ids, exp_pos, chain, ring, nr, sources, stride, writer, step])
+    "no-requests": dict(seeds=[], offs=[0], locs=[1], ids=[1], pos=[0]),
+    "chain-head": dict(seeds=[-1], offs=[0, 3], locs=[14, 15, 16], ids=[1, 2, 3], pos=[0, 1, 2]),
+    "seeded-two-requests": dict(seeds=[7, 12], offs=[0, 2, 3], locs=[14, 15, 16], ids=[16, 17, 24], pos=[5, 6, 3]),
+    "seed-0-evicted": dict(seeds=[0], offs=[0, 2], locs=[14, 15], ids=[1, 2], pos=[9, 10]),
+    "seed-past-buffer": dict(seeds=[999], offs=[0, 2], locs=[14, 15], ids=[1, 2], pos=[9, 11]),
+    "empty-request-between": dict(seeds=[7, 5, 12], offs=[0, 1, 1, 2], locs=[14, 15], ids=[16, 24], pos=[5, 3]),
+    "skip-negative-and-out-of-range-slots": dict(seeds=[-1], offs=[0, 4], locs=[-1, 14, 99, 15],
+                                                 ids=[1, 2, 3, 4], pos=[0, 1, 2, 3]),
+    "padding-slot-0": dict(seeds=[-1], offs=[0, 2], locs=[0, 0], ids=[5, 6], pos=[0, 1]),
+    "offsets-past-tokens": dict(seeds=[-1, 7], offs=[0, 2, 9], locs=[14, 15, 16], ids=[1, 2, 16], pos=[0, 1, 5]),
+    "trailing-padding-tokens": dict(seeds=[7], offs=[0, 1], locs=[14, 0, 0], ids=[16, 0, 0], pos=[5, 0, 0]),
+    "write-assert-token": dict(seeds=[7], offs=[0, 2], locs=[14, 15], ids=[16, 99], pos=[5, 6],
+                               exp_ids=[16, 17], exp_pos=[5, 6]),
+    "write-assert-position": dict(seeds=[7], offs=[0, 2], locs=[14, 15], ids=[16, 17], pos=[5, 8],
+                                  exp_ids=[16, 17], exp_pos=[5, 6]),
+    "write-assert-both": dict(seeds=[7], offs=[0, 2], locs=[14, 15], ids=[16, 99], pos=[5, 8],
+                              exp_ids=[16, 17], exp_pos=[5, 6]),
+    "chain-position-gap": dict(seeds=[7, -1], offs=[0, 2, 4], locs=[14, 15, 16, 17], ids=[1, 2, 3, 4],
+                               pos=[5, 8, 0, 2]),
+    "chain-position-gap-flag-off": dict(seeds=[7, -1], offs=[0, 2, 4], locs=[14, 15, 16, 17], ids=[1, 2, 3, 4],
+                                        pos=[5, 8, 0, 2], chain=0),
+    "chain-position-gap-no-flag": dict(seeds=[7, -1], offs=[0, 2, 4], locs=[14, 15, 16, 17], ids=[1, 2, 3, 4],
+                                       pos=[5, 8, 0, 2], chain=None),
+    "chain-and-assert-position": dict(seeds=[7], offs=[0, 2], locs=[14, 15], ids=[16, 17], pos=[7, 9],
+                                      exp_ids=[16, 99], exp_pos=[5, 6]),
+    "chain-gap-with-token-assert": dict(seeds=[7], offs=[0, 1], locs=[14], ids=[16], pos=[9],
+                                        exp_ids=[17]),
+    "position-int64-max": dict(seeds=[-1], offs=[0, 2], locs=[14, 15], ids=[1, 2],
+                               pos=[2**63 - 1, -(2**63)]),
+    "ring-overflow": dict(seeds=[-1, -1], offs=[0, 3, 6], locs=[14, 15, 16, 17, 18, 19], ids=[1, 2, 3, 4, 5, 6],
+                          pos=[3, 4, 5, 6, 7, 8], exp_pos=[0] * 6, ring=2),
+    "ring-capacity-0": dict(seeds=[-1], offs=[0, 2], locs=[14, 15], ids=[1, 2], pos=[4, 5], ring=0),
+    "real-kv-partial": dict(seeds=[7], offs=[0, 2], locs=[14, 15], ids=[16, 17], pos=[5, 6], sources=1,
+                            mode=RealKvMode.PARTIAL),
+    "real-kv-all-4-sources": dict(seeds=[7], offs=[0, 2], locs=[14, 23], ids=[16, 17], pos=[5, 6], sources=4,
+                                  mode=RealKvMode.ALL),
+    "attribution-stride-32": dict(seeds=[7], offs=[0, 1], locs=[14], ids=[16], pos=[5], stride=32),
+    "attribution-stride-48": dict(seeds=[7, -1], offs=[0, 1, 2], locs=[14, 15], ids=[16, 1], pos=[5, 0]),
+    "attribution-stride-64": dict(seeds=[7, -1], offs=[0, 1, 2], locs=[14, 15], ids=[16, 1], pos=[5, 0], stride=64),
+    "attribution-no-ids-no-step": dict(seeds=[7], offs=[0, 1], locs=[14], ids=[16], pos=[5], writer=False,
+                                       step=False),
+    "int32-indices": dict(seeds=[7], offs=[0, 2], locs=[14, 15], ids=[2**31 - 1, -5], pos=[5, 6], dtype=torch.int32,
+                          exp_ids=[2**31 - 1, 4], exp_pos=[5, 6]),
+    # Serial semantics a parallel backend does not promise (requests of one launch sharing slots).
+    "same-slot-in-one-request": dict(seeds=[-1], offs=[0, 3], locs=[14, 14, 15], ids=[1, 2, 3], pos=[0, 1, 2]),
+    "same-slot-across-requests": dict(seeds=[-1, -1], offs=[0, 2, 4], locs=[14, 15, 15, 14], ids=[1, 2, 3, 4],
+                                      pos=[0, 1, 0, 1], serial=True),
+    "seed-written-by-earlier-request": dict(seeds=[-1, 15, 17], offs=[0, 3, 5, 6], locs=[14, 15, 16, 17, 18, 19],
+                                            ids=[1, 2, 3, 4, 5, 6], pos=[0, 1, 2, 2, 3, 4], serial=True),
+    "seed-overwritten-later": dict(seeds=[7, -1], offs=[0, 1, 3], locs=[14, 7, 15], ids=[16, 1, 2],
+                                   pos=[5, 0, 1], serial=True),
+}
+
+
+def _base_buffer(stride):
+    buf = allocate_canary_buffer(24, stride, DEVICE)
+    # Bytes past the SPEC fields carry a pattern an op must not disturb.
+    buf.view(torch.int64)[:, 4:] = SENTINEL
+    clean_chain(buf, A_SLOTS, A_TOKS)
+    clean_chain(buf, B_SLOTS, B_TOKS)
+    return buf
+
+
+def _write_run(case):
+    c = WRITE_CASES[case]
+    dtype, nr, stride = c.get("dtype", I64), c.get("nr", len(c["seeds"])), c.get("stride", 48)
+    n_src = c.get("sources", 0)
+
+    def build():
+        plan = poisoned_plan(4, 4, DEVICE)
+        plan.write_offsets[:len(c["offs"])] = t(c["offs"])
+        plan.seed_slot[:len(c["seeds"])] = t(c["seeds"])
+        return {"buf": _base_buffer(stride), "plan": plan, "ring": poisoned_ring(c.get("ring", 8), DEVICE),
+                "counters": allocate_counters(DEVICE),
+                "kv": _sources(SOURCE_SETS["four-mixed"])[:n_src] if n_src else []}
+
+    def run(st, b):
+        opt = lambda k, dt=dtype: t(c[k], dt) if c.get(k) is not None else None  # noqa: E731
+        chain = c.get("chain", 1)
+        ops.write(buf=st["buf"], plan=st["plan"], num_requests=nr, out_cache_loc=t(c["locs"], dtype),
+                  input_ids=t(c["ids"], dtype), positions=t(c["pos"], dtype), ring=st["ring"],
+                  counters=st["counters"], launch_tag=LaunchTag.TAIL_V_SWA, sources=st["kv"],
+                  real_kv_mode=c.get("mode", RealKvMode.NONE), expected_input_ids=opt("exp_ids"),
+                  expected_positions=opt("exp_pos"),
+                  chain_check=None if chain is None else t([chain], torch.int32),
+                  writer_ids=t([500 + r for r in range(4)]) if c.get("writer", True) else None,
+                  step=t([77]) if c.get("step", True) else None, backend=b)
+    return build, run
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(WRITE_CASES), ids=str)
+def test_write(backend, case):
+    if WRITE_CASES[case].get("serial") and backend == "triton":
+        pytest.skip("requests of one launch sharing slots race in a parallel backend")
+    build, run = _write_run(case)
+    ref = check(build, run, backend)
+    words = ref["buf"].view(torch.int64)
+    stride = WRITE_CASES[case].get("stride", 48)
+    if stride == 64:
+        assert (words[:, 6:] == SENTINEL).all()
+    if case == "seeded-two-requests":
+        # Continuing a clean chain: the new records link onto the seeds' records.
+        assert words[14, 2] == to_signed(clean_chain(torch.zeros(8, 48, dtype=torch.uint8), A_SLOTS, A_TOKS))
+        assert words[14, 4:6].tolist() == [500, 77] and words[16, 4:6].tolist() == [501, 77]
+        assert int(ref["ring"].write_index[0]) == 0
+    if case == "ring-overflow":
+        assert int(ref["ring"].write_index[0]) == 6 and ref["ring"].rows[:, 1].tolist() == [14, 15]
+    if case == "chain-position-gap":
+        assert reasons(ref["ring"]) == {(LaunchTag.TAIL_V_SWA, F.WRITE_POSITION)}
+        assert [r[1] for r in ring_rows(ref["ring"])] == [15, 17]
+    if case == "chain-position-gap-flag-off":
+        assert int(ref["ring"].write_index[0]) == 0
+    if case == "attribution-stride-32":
+        assert words.shape[1] == 4
+    if case == "attribution-no-ids-no-step":
+        assert words[14, 4:6].tolist() == [-1, -1]
+
+
+# verify
+
+VERIFY_CASES = {
+    # name: dict(entries (slot, position, prev, expected_token), [plant, enable, count, ring, sources, mode])
+    "clean-chains": dict(entries=[(3, 0, -1, 11), (4, 1, 3, 12), (7, 4, 6, -1), (10, 0, -1, 21), (12, 2, 11, 23)]),
+    "slot-0-skipped": dict(entries=[(0, 5, 9, 7), (3, 0, -1, 11)]),
+    "prev-0-unreachable": dict(entries=[(5, 2, 0, -1)]),
+    "prev-out-of-range": dict(entries=[(5, 2, 99, -1), (5, 2, -4, -1)]),
+    "slot-out-of-range": dict(entries=[(99, 0, -1, -1), (-2, 0, -1, -1)]),
+    "wrong-position": dict(entries=[(4, 2, 3, 12)]),
+    "wrong-token": dict(entries=[(4, 1, 3, 99), (5, 2, 4, -1)]),
+    "wrong-predecessor": dict(entries=[(5, 2, 3, 13), (11, 1, 4, 22)]),
+    "everything-wrong": dict(entries=[(5, 7, 10, 1)], sources=1, mode=RealKvMode.PARTIAL),
+    "real-kv-clean": dict(entries=[(3, 0, -1, 11), (4, 1, 3, 12)], sources=4, mode=RealKvMode.ALL, store_kv=True),
+    "real-kv-flipped": dict(entries=[(3, 0, -1, 11), (4, 1, 3, 12)], sources=4, mode=RealKvMode.ALL, store_kv=True,
+                            flip=4),
+    "real-kv-flip-outside-partial": dict(entries=[(4, 1, 3, 12)], sources=1, mode=RealKvMode.PARTIAL,
+                                         store_kv=True, flip=4, flip_byte=20),
+    "disabled": dict(entries=[(5, 9, 3, 1)], enable=0),
+    "count-below-capacity": dict(entries=[(5, 9, 4, 1), (6, 9, 5, 1)], count=1),
+    "count-0": dict(entries=[(5, 9, 3, 1)], count=0),
+    "ring-overflow": dict(entries=[(4, 9, 3, -1), (5, 9, 4, -1), (6, 9, 5, -1), (7, 9, 6, -1)], ring=3),
+    "ring-already-full": dict(entries=[(4, 9, 3, -1), (5, 9, 4, -1)], ring=2, prefill_ring=5),
+}
+
+
+def _verify_run(case, stride=48):
+    c = VERIFY_CASES[case]
+    n, cap = len(c["entries"]), 6
+    n_src = c.get("sources", 0)
+
+    def build():
+        buf = _base_buffer(stride)
+        kv = _sources(SOURCE_SETS["four-mixed"])[:n_src] if n_src else []
+        if c.get("store_kv"):
+            fp = ops.fingerprint(t(A_SLOTS), kv, c["mode"], backend="reference")
+            buf.view(torch.int64)[A_SLOTS, 3] = fp
+        if "flip" in c:
+            flip_kv_byte(kv[0], c["flip"], byte=c.get("flip_byte", 0))
+        plan = poisoned_plan(cap, 1, DEVICE)
+        ring = poisoned_ring(c.get("ring", 8), DEVICE)
+        ring.write_index.fill_(c.get("prefill_ring", 0))
+        return {"buf": buf, "plan": plan, "ring": ring, "counters": allocate_counters(DEVICE), "kv": kv}
+
+    def run(st, b):
+        e = st["plan"].entries
+        cols = list(zip(*c["entries"]))
+        ops.fill_entries(e, t(cols[0]), t(cols[1]), t(cols[2]), t(cols[3]))
+        if "count" in c:
+            e.count.fill_(c["count"])
+        e.enable.fill_(c.get("enable", 1))
+        ops.verify(buf=st["buf"], entries=e, ring=st["ring"], counters=st["counters"],
+                   launch_tag=LaunchTag.SWEEP_K_FULL, sources=st["kv"], real_kv_mode=c.get("mode", RealKvMode.NONE),
+                   backend=b)
+    return build, run
+
+
+VERIFY_EXPECT = {
+    "clean-chains": set(),
+    "slot-0-skipped": set(),
+    "prev-0-unreachable": set(),
+    "prev-out-of-range": {F.VERIFY_CHAIN_HASH},
+    "slot-out-of-range": {F.VERIFY_CHAIN_HASH},
+    "wrong-position": {F.VERIFY_POSITION},
+    "wrong-token": {F.VERIFY_TOKEN},
+    "wrong-predecessor": {F.VERIFY_CHAIN_HASH},
+    "everything-wrong": {F.VERIFY_CHAIN_HASH | F.VERIFY_POSITION | F.VERIFY_TOKEN | F.VERIFY_REAL_KV_HASH},
+    "real-kv-clean": set(),
+    "real-kv-flipped": {F.VERIFY_REAL_KV_HASH},
+    "real-kv-flip-outside-partial": set(),
+    "disabled": set(),
+    "count-below-capacity": {F.VERIFY_POSITION | F.VERIFY_TOKEN},
+    "count-0": set(),
+    "ring-overflow": {F.VERIFY_POSITION},
+    "ring-already-full": None,  # rows stay poisoned: every push lands past capacity
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(VERIFY_CASES), ids=str)
+def test_verify(backend, case):
+    build, run = _verify_run(case)
+    ref = check(build, run, backend)
+    if VERIFY_EXPECT[case] is not None:
+        assert {r for _, r in reasons(ref["ring"])} == VERIFY_EXPECT[case]
+    counters = ref["counters"][LaunchTag.SWEEP_K_FULL].tolist()
+    c = VERIFY_CASES[case]
+    expected_entries = 0 if c.get("enable", 1) == 0 else c.get("count", len(c["entries"]))
+    assert counters == [int(c.get("enable", 1) != 0), expected_entries]
+    if case == "ring-overflow":
+        assert int(ref["ring"].write_index[0]) == 4 and ref["ring"].rows[:, 1].tolist() == [4, 5, 6]
+    if case == "ring-already-full":
+        assert int(ref["ring"].write_index[0]) == 7 and (ref["ring"].rows == SENTINEL).all()
+    if case == "wrong-predecessor":
+        row = ring_rows(ref["ring"])[0]
+        assert row[5] != row[6]  # stored vs expected prev hash
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("stride", [32, 64])
+def test_verify_other_strides(backend, stride):
+    build, run = _verify_run("everything-wrong", stride)
+    check(build, run, backend)
+
+
+# Multi-step scenarios on the scripted engine: clean chains verify clean; each planted bug is seen.
+
+HEAD, TAIL = LaunchTag.HEAD_K_FULL, LaunchTag.TAIL_K_FULL
+
+
+def _scenario(plant: str, window: int, **cfg_kw):
+    cfg = Config(window=window, swa_slots=40 if window else 0, device=str(DEVICE), **cfg_kw)
+    sc = Script(cfg)
+    sc.add(1, [5, 6, 7, 8, 9, 10, 11])
+    sc.add(2, [1, 2, 3])
+    sc.forward([(1, 4), (2, 3)], pad=1)  # prefill (request 1 chunked)
+    sc.forward([(1, 3), (2, 1)], bad_pos={1: 1} if plant == "wrong-position" else None,
+               bad_tok={2: 5} if plant == "wrong-token" else None)  # second chunk + decode
+    fw = sc.forward([(1, 1), (2, 1)])  # decode
+    if plant == "swapped-cell":
+        sc.swap_cells(fw, 1, 1, 3)
+    if plant == "flipped-kv":
+        sc.flip_kv(fw, 2, 1)
+    sc.forward([(1, 2), (2, 1)], pad=2)  # target verify (2 drafts) + decode
+    return cfg, sc
+
+
+SCENARIO_EXPECT = {
+    # plant: (launch tag, reason) pairs that must show up in the FULL group
+    "clean": set(),
+    "swapped-cell": {(HEAD, F.VERIFY_CHAIN_HASH), (HEAD, F.VERIFY_CHAIN_HASH | F.VERIFY_POSITION | F.VERIFY_TOKEN),
+                     (TAIL, F.VERIFY_CHAIN_HASH)},
+    "wrong-position": {(HEAD, F.WRITE_POSITION), (TAIL, F.WRITE_POSITION), (HEAD, F.VERIFY_POSITION)},
+    "wrong-token": {(HEAD, F.WRITE_TOKEN), (TAIL, F.WRITE_TOKEN), (HEAD, F.VERIFY_TOKEN)},
+    "flipped-kv": {(TAIL, F.VERIFY_REAL_KV_HASH)},
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [0, 3], ids=["full", "swa-3"])
+@pytest.mark.parametrize("plant", list(SCENARIO_EXPECT), ids=str)
+def test_scenario(backend, window, plant):
+    cfg, sc = _scenario(plant, window)
+    ref = check(lambda: build_state(cfg), lambda st, b: replay(st, cfg, sc.forwards, b), backend)
+    got = {(tag, r) for tag, r in reasons(ref["ring"]) if tag in (HEAD, TAIL)}
+    assert SCENARIO_EXPECT[plant] <= got
+    if plant == "clean":
+        assert int(ref["ring"].write_index[0]) == 0
+    if plant == "flipped-kv":
+        assert got == {(TAIL, F.VERIFY_REAL_KV_HASH)}
+        # Seen by the TAIL verify of the forward it happened in and of the next one.
+        assert [r[1] for r in ring_rows(ref["ring"])] == [sc.slot(2, 1)] * 2
+
+
+SCENARIO_VARIANTS = {
+    "i32-tables-stride-32-partial": dict(index_dtype=torch.int32, stride=32, mode=RealKvMode.PARTIAL),
+    "stride-64-mode-none": dict(stride=64, mode=RealKvMode.NONE),
+    "draft-token-offset-1": dict(token_offset=1),
+    "pages-4-bf16-fp32-sources": dict(sources=((torch.bfloat16, 4, 32, 16, 0), (torch.float32, 2, 64, 64, 32))),
+    "no-token-checks-no-asserts": dict(token_checks=False, write_assert=False, chain_check=False),
+    "plan-overflow": dict(plan_capacity=5),
+    "ring-overflow": dict(ring_capacity=3),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("plant", ["clean", "swapped-cell"])
+@pytest.mark.parametrize("variant", list(SCENARIO_VARIANTS), ids=str)
+def test_scenario_variants(backend, variant, plant):
+    if backend == "triton" and plant == "clean" and DEVICE.type == "cpu":
+        pytest.skip("the interpreter is slow; test_scenario runs Triton's clean twins")
+    cfg, sc = _scenario(plant, 3, **SCENARIO_VARIANTS[variant])
+    ref = check(lambda: build_state(cfg), lambda st, b: replay(st, cfg, sc.forwards, b), backend)
+    if plant == "clean":
+        assert int(ref["ring"].write_index[0]) == 0
+    elif variant != "plan-overflow":
+        assert any(r & F.VERIFY_CHAIN_HASH for _, r in reasons(ref["ring"]))
+    if variant == "plan-overflow":
+        assert int(ref["plan_full"].entries.enable[0]) == 0 and int(ref["ring"].write_index[0]) == 0
+
+
+def test_clean_chain_matches_spec_vector():
+    buf = allocate_canary_buffer(8, 48)
+    assert clean_chain(buf, [1, 2, 3], [11, 22, 33]) == link(0x5782FFC5B5D6409B, 33, 2)
+    assert buf.view(torch.int64)[1, 2] == to_signed(CHAIN_HEAD)
+    put_record(buf, 4, 1, 2, 3)
+    assert buf.view(torch.int64)[4, :4].tolist() == [1, 2, 3, 0]
+
+
+@pytest.mark.gpu
+def test_torch_ops_replay_in_cuda_graph():
+    """The torch path never syncs: plan, verify and write capture into one CUDA graph and replay exactly."""
+    cfg = Config(device="cuda", window=3, swa_slots=40)
+    sc = Script(cfg)
+    sc.add(1, [5, 6, 7, 8, 9, 10, 11])
+    sc.add(2, [1, 2, 3])
+    sc.forward([(1, 4), (2, 3)], pad=1)
+    sc.forward([(1, 2), (2, 1)])
+    state = build_state(cfg)
+    replay(state, cfg, sc.forwards, "torch")
+    fw = sc.forward([(1, 1), (2, 1)], pad=1)
+    for row, p, s in fw.rtt_writes:
+        state["rtt"][row, p] = s
+    idx = lambda xs: torch.tensor(xs, dtype=cfg.index_dtype, device="cuda")  # noqa: E731
+    args = dict(rows=idx(fw.rows), prefix=idx(fw.prefix), extend=idx(fw.extend), locs=idx(fw.locs), ids=idx(fw.ids),
+                pos=idx(fw.pos), exp_pos=idx(fw.expected_pos), writer=idx(fw.writer_ids).long())
+
+    def step(st, backend):
+        plan = st["plan_full"]
+        ops.plan(req_pool_indices=args["rows"], prefix_lens=args["prefix"], extend_lens=args["extend"],
+                 req_to_token=st["rtt"], out=plan, backend=backend)
+        ops.verify(buf=st["tail_full"], entries=plan.entries, ring=st["ring"], counters=st["counters"],
+                   launch_tag=LaunchTag.TAIL_K_FULL, sources=st["kv"], real_kv_mode=RealKvMode.ALL, backend=backend)
+        ops.write(buf=st["tail_full"], plan=plan, num_requests=len(fw.rows), out_cache_loc=args["locs"],
+                  input_ids=args["ids"], positions=args["pos"], ring=st["ring"], counters=st["counters"],
+                  launch_tag=LaunchTag.TAIL_K_FULL, sources=st["kv"], real_kv_mode=RealKvMode.ALL,
+                  expected_positions=args["exp_pos"], chain_check=st["chain_check"], writer_ids=args["writer"],
+                  step=st["step"], backend=backend)
+
+    start = copy.deepcopy(state)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(copy.deepcopy(state), "torch")  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(state, "torch")
+    for plant in (None, "position"):
+        for a, b in zip(_tensors_of(state), _tensors_of(start)):
+            a.copy_(b)
+        expected = copy.deepcopy(start)
+        if plant:
+            # The captured graph reads the inputs' memory: a planted bug changes what it finds.
+            args["pos"][0] += 1
+        graph.replay()
+        step(expected, "reference")
+        torch.cuda.synchronize()
+        for a, b in zip(_tensors_of(expected), _tensors_of(state)):
+            assert torch.equal(as_bytes(a), as_bytes(b)), plant
+        assert (int(state["ring"].write_index[0]) > 0) == (plant is not None)
+
+
+def _tensors_of(state):
+    out = []
+    for v in flatten(state).values():
+        out += [v.rows, v.write_index] if isinstance(v, ViolationRing) else [v]
+    return out
