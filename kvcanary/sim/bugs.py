@@ -63,8 +63,7 @@ _BUG_LIST = (
         "two requests computed the same prefix in one batch; the second insert frees its own copies, the table "
         "row is not rewritten to the tree's slots, and the freed pages are reused",
         "verify_chain_hash / verify_token / verify_position at HEAD of the request's next forward",
-        lambda cfg: cfg.chunk_size == 0, "no chunked prefill (a chunk budget prefills one request at a time, so "
-        "two never compute the same pages together)"),
+        lambda cfg: cfg.chunk_size == 0, "no chunked prefill"),
     Bug("stale_table_tail", "C", "a new page's table cells are written only up to the request's length",
         "the rest of the page keeps the row's previous occupant's slot ids; the next decode in that page takes "
         "its slot from the stale cell and writes into a page it does not own (SGLang PR #35401)",
@@ -116,18 +115,18 @@ _BUG_LIST = (
         "garbage KV into real slots (SGLang PR #32477)",
         "verify_real_kv_hash at TAIL of the next forward reading the slot",
         lambda cfg: not (cfg.spec_tokens and cfg.page_size > 1),
-        "decode writes in place (not spec with page_size > 1: stale ids there are freed scratch slots)"),
+        "not spec with page_size > 1"),
     Bug("spec_keep_rejected", "I", "after a partial accept, rejected draft slots stay in the request's table",
         "the rollback frees the rejected drafts' slots but leaves them in the request's slot list and row: the "
         "next forward reads them as its prefix (SGLang PR #8409)",
         "verify_token (and write_token / write_position) at HEAD of the next forward",
-        lambda cfg: cfg.spec_tokens > 0 and cfg.page_size == 1, "spec decoding, page_size 1 (in-place verify)"),
+        lambda cfg: cfg.spec_tokens > 0 and cfg.page_size == 1, "spec, page_size 1"),
     Bug("spec_not_moved", "I", "accepted draft KV is not moved from the verify's scratch pages",
         "with page_size > 1 the verify writes drafts into scratch pages and accepted KV must be moved into the "
         "request's pages (move_kv_cache); the move is skipped and the request's pages hold stale KV "
         "(SGLang PR #26982)",
         "verify_chain_hash / verify_position / verify_token at HEAD of the next forward",
-        lambda cfg: cfg.spec_tokens > 0 and cfg.page_size > 1, "spec decoding, page_size > 1"),
+        lambda cfg: cfg.spec_tokens > 0 and cfg.page_size > 1, "spec, page_size > 1"),
     Bug("wrong_input_ids", "B", "the decode input is read from the future-token map before the sampler wrote it",
         "with the overlap scheduler the decode input is the previous step's token, not the one just sampled",
         "write_token (write-input assert) at HEAD, then verify_token"),

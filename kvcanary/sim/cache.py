@@ -45,7 +45,8 @@ class CacheManager:
             loaded = self.host.load_back(match.host_nodes) if self.free_pages_for(pages) else None
             self.tree.unlock(node)
             if loaded is not None:
-                slots, node = slots + loaded, match.host_nodes[-1]
+                slots = slots + loaded
+                node = next(n for n in reversed(match.host_nodes) if n.value is not None and n.host is not None)
         if self.window and slots:
             slots, node = self._live_window(req, slots, node)
         req.row = row

@@ -30,6 +30,7 @@ class SimConfig:
         max_running: requests decoding or prefilling at once (rows = max_running + 1, row 0 padding).
         max_context: columns of req_to_token.
         num_requests: requests in the workload.
+        max_output: cap on a request's output tokens (workloads draw 1-32).
         max_steps: forward steps before the run stops.
         vocab: vocabulary size of the token oracle.
         num_layers: full-attention layers whose K bytes are real-KV sources.
@@ -52,6 +53,7 @@ class SimConfig:
     max_running: int = 6
     max_context: int = 160
     num_requests: int = 24
+    max_output: int = 32
     max_steps: int = 160
     vocab: int = 32000
     num_layers: int = 2
@@ -72,7 +74,7 @@ class SimConfig:
         for name in ("swa_window", "spec_tokens", "chunk_size", "host_slots", "num_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"kv-canary: SimConfig {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("prefill_budget", "max_running", "max_steps", "sweep_interval", "num_layers"):
+        for name in ("prefill_budget", "max_running", "max_steps", "sweep_interval", "num_layers", "max_output"):
             if getattr(self, name) < 1:
                 raise ValueError(f"kv-canary: SimConfig {name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.accept_prob <= 1.0:

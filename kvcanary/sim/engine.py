@@ -31,7 +31,7 @@ from kvcanary.sim.workload import make_workload
 def default_canary_config(cfg: SimConfig) -> CanaryConfig:
     """The canary knobs the sim runs with: torch backend, log mode, K real-KV hash, token and input checks."""
     return CanaryConfig(mode="log", backend="torch", real_kv="partial", sweep_interval=cfg.sweep_interval,
-                        report_blocks=0, health_interval=0, ring_capacity=32)
+                        report_blocks=0, health_interval=10, ring_capacity=32)
 
 
 @dataclass
@@ -108,12 +108,18 @@ class SimEngine:
         self.step_no = 0
 
     # -- running -------------------------------------------------------------------------------
-    def run(self) -> SimResult:
-        """Play the workload until every request is done or ``max_steps``; returns the result."""
+    def run(self, stop_after: int | None = None) -> SimResult:
+        """Play the workload until every request is done or ``max_steps``; returns the result.
+
+        ``stop_after``: stop that many steps after the canary's first violation (a bug run has made its point).
+        """
         t0 = time.perf_counter()
         while self.step_no < self.cfg.max_steps:
             self.step()
             if not self.sched.busy and self.step_no > self.workload.last_arrival:
+                break
+            vs = self.canary.violations
+            if stop_after is not None and vs and self.canary.step - vs[0].step >= stop_after:
                 break
         self.canary.flush()
         return self.result(time.perf_counter() - t0)
@@ -192,7 +198,7 @@ class SimEngine:
             mode = ForwardMode.TARGET_VERIFY if self.spec is not None else ForwardMode.DECODE
         return ForwardBatch(t(rows), t(prefix), t(extend), t(ids), t(pos), t(loc), self.pool.table,
                             request_ids=t(rids), token_history=TokenHistory(t(hist), t(offsets)),
-                            expected_input_ids=t(ids and exp_ids), expected_positions=t(exp_pos), mode=mode)
+                            expected_input_ids=t(exp_ids), expected_positions=t(exp_pos), mode=mode)
 
     def _graph_pad(self, loc: list[int], bs: int) -> list[int]:
         """Pad a decode/verify batch to the next graph size through the static out_cache_loc buffer."""
@@ -246,6 +252,6 @@ class SimEngine:
             wall_s=round(wall_s, 3), health_problems=list(self.canary.monitor.health_problems))
 
 
-def run_sim(cfg: SimConfig, canary_config: CanaryConfig | None = None) -> SimResult:
-    """Run ``cfg`` once and return its ``SimResult``."""
-    return SimEngine(cfg, canary_config).run()
+def run_sim(cfg: SimConfig, canary_config: CanaryConfig | None = None, stop_after: int | None = None) -> SimResult:
+    """Run ``cfg`` once and return its ``SimResult`` (``stop_after``: see ``SimEngine.run``)."""
+    return SimEngine(cfg, canary_config).run(stop_after)

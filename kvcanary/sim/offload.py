@@ -13,6 +13,7 @@ skip a wait, so a copy lands after its reader ran.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -100,8 +101,14 @@ class HostCache:
         return True
 
     def load_back(self, nodes: list) -> list[int] | None:
-        """Bring host-only ``nodes`` (a path, top-down) back to fresh device slots; None if no memory."""
+        """Bring host-only ``nodes`` (a path, top-down) back to fresh device slots; None if no memory.
+
+        Nodes the host tier dropped meanwhile (making room for an offload) end the path.
+        """
+        nodes = list(itertools.takewhile(lambda n: n.host is not None, nodes))
         total = sum(len(n.key) for n in nodes)
+        if not total:
+            return None
         slots = self.pool.alloc_run(total)
         if slots is None:
             return None

@@ -79,7 +79,7 @@ def make_workload(cfg: SimConfig) -> Workload:
                 prompt = tuple(tok() for _ in range(rng.randint(2, 40)))
             max_new = rng.choice((rng.randint(1, 4), rng.randint(5, 16), rng.randint(17, 32)))
             prompt = prompt[:limit - 1]
-            max_new = max(1, min(max_new, limit - len(prompt)))
+            max_new = max(1, min(max_new, cfg.max_output, limit - len(prompt)))
             abort_at = None
             if rng.random() < 0.3:
                 # Early (while queued or prefilling), mid-decode, or late (often after it finished).

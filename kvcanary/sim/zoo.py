@@ -122,14 +122,19 @@ def quiet_and_single_threaded() -> Iterator[None]:
 
 
 def run_zoo(bugs: list[str] | None = None, seeds: int = 1, configs: list[str] | None = None, clean: bool = True,
-            progress: Callable[[int, int, SimResult], None] | None = None) -> ZooReport:
-    """Run the zoo; ``progress(i, total, result)`` is called after each run."""
+            progress: Callable[[int, int, SimResult], None] | None = None,
+            stop_after: int | None = None) -> ZooReport:
+    """Run the zoo; ``progress(i, total, result)`` is called after each run.
+
+    ``stop_after``: end a bug run that many steps after its first violation (None: play it out;
+    violation counts then cover the whole run).
+    """
     cfgs = plan_runs(bugs, seeds, configs, clean)
     report = ZooReport(seeds=seeds)
     t0 = time.perf_counter()
     with quiet_and_single_threaded():
         for i, cfg in enumerate(cfgs, 1):
-            result = run_sim(cfg)
+            result = run_sim(cfg, stop_after=stop_after if cfg.bug else None)
             report.runs.setdefault(cfg.bug, []).append(result)
             if progress is not None:
                 progress(i, len(cfgs), result)
