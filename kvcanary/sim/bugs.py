@@ -48,88 +48,90 @@ _BUG_LIST = (
     Bug("double_free", "A", "an abort arriving after the request finished releases it a second time",
         "the abort handler has no already-released guard: the row and the request's unshared pages go back to "
         "the free lists twice, and two later requests are handed the same row or page",
-        "verify_chain_hash / verify_token / verify_position at HEAD or TAIL once both owners write"),
+        "HEAD verify_chain_hash+verify_position+verify_token (or SWEEP chain+position) once two owners share it"),
     Bug("free_while_cached", "A", "abort frees every slot of the request, including those the prefix cache holds",
         "the pages of the matched prefix and of inserted prefill chunks go back to the allocator while the radix "
         "tree still maps them; a new request overwrites them and every later hit reads foreign KV (SGLang #38319)",
-        "verify_chain_hash / verify_position at SWEEP and at the HEAD of the next prefix hit"),
+        "TAIL verify_real_kv_hash in the forward that rewrites the freed pages while a prefix hit reads them; "
+        "then chain/position at HEAD and SWEEP"),
     Bug("release_race", "A", "a finished or aborted request is released while the in-flight forward still reads it",
         "with the overlap scheduler the request is already in the next batch; its row and slots go back at once, "
         "a request admitted into that same batch takes them, and the forward reads the new owner's table "
         "(SGLang PR #18803)",
-        "verify_chain_hash / verify_token at HEAD or TAIL of that forward"),
+        "HEAD verify_token / verify_chain_hash: the in-flight forward reads the new owner's table row"),
     Bug("insert_dup_stale_table", "A", "inserting a prefix that already exists frees the duplicate pages but "
         "leaves the request's table pointing at them",
         "two requests computed the same prefix in one batch; the second insert frees its own copies, the table "
         "row is not rewritten to the tree's slots, and the freed pages are reused",
-        "verify_chain_hash / verify_token / verify_position at HEAD of the request's next forward",
+        "TAIL verify_real_kv_hash when the freed duplicates are rewritten (or HEAD write_position), then "
+        "chain/token at HEAD",
         lambda cfg: cfg.chunk_size == 0, "no chunked prefill"),
     Bug("stale_table_tail", "C", "a new page's table cells are written only up to the request's length",
         "the rest of the page keeps the row's previous occupant's slot ids; the next decode in that page takes "
         "its slot from the stale cell and writes into a page it does not own (SGLang PR #35401)",
-        "verify_chain_hash / verify_position / verify_token when the page's real owner next reads it",
+        "TAIL verify_real_kv_hash or HEAD chain+position+token when the stale slot's owner next reads it",
         _paged, "page_size > 1"),
     Bug("swa_no_translation", "D", "the sliding-window layer writes KV at full-pool slot ids, untranslated",
         "the SWA cache is indexed with out_cache_loc instead of full_to_swa[out_cache_loc]: the token's own SWA "
         "slot keeps old bytes and another token's SWA slot is overwritten (SGLang PRs #24617, #26531)",
-        "verify_real_kv_hash at TAIL_K_SWA of the overwritten slot's reader",
+        "TAIL_K_SWA verify_real_kv_hash at the overwritten SWA slot's next reader",
         lambda cfg: cfg.swa_window > 0, "SWA on"),
     Bug("wrong_positions", "D", "extend positions are chunk-relative: arange(extend_len) without the prefix length",
         "after a prefix hit or a first chunk, the model is fed positions 0..n-1 instead of P..P+n-1",
-        "write_position (write-input assert and chain-position assert) at HEAD"),
+        "HEAD write_position (write-input and chain-position asserts) in the very forward"),
     Bug("page_edge", "E", "the end of the last reserved page is computed as (len // page + 1) * page",
         "exactly on a page edge the next, unreserved page counts as reserved: its cells are read as slots "
         "(the previous occupant's), and KV is written into pages the request does not own (SGLang #22819)",
-        "verify_chain_hash / verify_position / verify_token when the pages' owners read them",
+        "TAIL verify_real_kv_hash or HEAD chain+position+token when the pages' owners read them",
         _paged, "page_size > 1"),
     Bug("window_edge", "E", "window eviction frees one SWA slot too many: the window's first position",
         "the free covers [evicted, P - W] while translations are cleared for [evicted, P - W): the edge "
         "position keeps a live translation into a slot the SWA pool hands to another token (SGLang PR #34273)",
-        "verify_chain_hash / verify_position / verify_token at HEAD_K_SWA of the next forward",
+        "TAIL_K_SWA verify_real_kv_hash or SWEEP_K_SWA verify_position once the slot is reused",
         lambda cfg: cfg.swa_window > 0, "SWA on"),
     Bug("match_too_long", "E", "the radix key match counts the first differing page as matching",
         "a request takes one page (one token at page size 1) of another sequence's KV as its cached prefix",
-        "verify_token at HEAD of the request's first forward"),
+        "HEAD verify_token in the request's first forward"),
     Bug("loadback_wrong_slots", "G", "load-back copies host KV into the node's old device slots",
         "records are restored into the newly allocated slots, but the bytes land in the slots the node had before "
         "offload, now owned by others",
-        "verify_real_kv_hash at TAIL (the reader) and at SWEEP",
+        "TAIL verify_real_kv_hash in the forward reading the loaded prefix",
         lambda cfg: cfg.offload, "offload on"),
     Bug("loadback_partial", "G", "a short host-to-device transfer is taken as complete",
         "only the first half of a loaded node's tokens arrives; the rest keeps the bytes of the slots' previous "
         "owners (LMCache #4991-style partial read)",
-        "verify_real_kv_hash at TAIL of the forward reading the prefix",
+        "TAIL verify_real_kv_hash in the forward reading the loaded prefix",
         lambda cfg: cfg.offload, "offload on"),
     Bug("loadback_no_wait", "B", "the forward does not wait for the load-back copy's event",
         "the H2D copy runs on a side stream and lands after the forward that reads the loaded prefix "
         "(SGLang HiCache load-back)",
-        "verify_real_kv_hash at TAIL of that forward",
+        "TAIL verify_real_kv_hash in that forward",
         lambda cfg: cfg.offload, "offload on"),
     Bug("offload_free_before_copy", "B", "device pages are freed before the offload (D2H) copy reading them ran",
         "the pages are reused and rewritten by the same step's forward; the host copy captures the new owner's "
         "KV and a later load-back brings it back under the old records (vLLM #45704)",
-        "verify_real_kv_hash at TAIL after the load-back",
+        "TAIL verify_real_kv_hash in the forward after the load-back",
         lambda cfg: cfg.offload, "offload on"),
     Bug("padding_write", "H", "CUDA-graph padding tokens keep the static buffer's stale out_cache_loc",
         "padded decode batches reuse the previous replay's slot ids instead of slot 0, so padding tokens write "
         "garbage KV into real slots (SGLang PR #32477)",
-        "verify_real_kv_hash at TAIL of the next forward reading the slot",
+        "TAIL verify_real_kv_hash in the next forward reading the slot (or SWEEP if it is cached)",
         lambda cfg: not (cfg.spec_tokens and cfg.page_size > 1),
         "not spec with page_size > 1"),
     Bug("spec_keep_rejected", "I", "after a partial accept, rejected draft slots stay in the request's table",
         "the rollback frees the rejected drafts' slots but leaves them in the request's slot list and row: the "
         "next forward reads them as its prefix (SGLang PR #8409)",
-        "verify_token (and write_token / write_position) at HEAD of the next forward",
+        "HEAD verify_token in the next forward, then write_token/write_position and chain",
         lambda cfg: cfg.spec_tokens > 0 and cfg.page_size == 1, "spec, page_size 1"),
     Bug("spec_not_moved", "I", "accepted draft KV is not moved from the verify's scratch pages",
         "with page_size > 1 the verify writes drafts into scratch pages and accepted KV must be moved into the "
         "request's pages (move_kv_cache); the move is skipped and the request's pages hold stale KV "
         "(SGLang PR #26982)",
-        "verify_chain_hash / verify_position / verify_token at HEAD of the next forward",
+        "HEAD verify_chain_hash+verify_position+verify_token in the next forward",
         lambda cfg: cfg.spec_tokens > 0 and cfg.page_size > 1, "spec, page_size > 1"),
     Bug("wrong_input_ids", "B", "the decode input is read from the future-token map before the sampler wrote it",
         "with the overlap scheduler the decode input is the previous step's token, not the one just sampled",
-        "write_token (write-input assert) at HEAD, then verify_token"),
+        "HEAD write_token (write-input assert) in the very forward, then verify_token"),
 )
 
 BUGS: dict[str, Bug] = {b.name: b for b in _BUG_LIST}

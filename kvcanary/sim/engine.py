@@ -47,6 +47,7 @@ class SimResult:
     bug_hits: int
     violations: int  # total violations counted by the canary
     first_detected_step: int | None
+    first_report: str | None  # launch tag and reasons of the first violation, e.g. "HEAD_K_FULL verify_token"
     reasons: list[str]
     launch_tags: list[str]
     finished: int
@@ -241,11 +242,13 @@ class SimEngine:
         stats = self.canary.stats()
         reasons = sorted({label for v in vs for label in v.reasons})
         tags = sorted({v.launch_tag for v in vs})
+        first = min(vs, key=lambda v: v.step) if vs else None
         return SimResult(
             config=self.cfg.name, features=self.cfg.features(), seed=self.cfg.seed, bug=self.cfg.bug,
             steps=self.canary.step, planted_step=self.bugs.first_step, bug_hits=self.bugs.hits,
             violations=self.canary.monitor.total_violations,
-            first_detected_step=min((v.step for v in vs), default=None), reasons=reasons, launch_tags=tags,
+            first_detected_step=first.step if first else None,
+            first_report=f"{first.launch_tag} {first.reason_label}" if first else None, reasons=reasons, launch_tags=tags,
             finished=self.sched.finished, aborted=self.sched.aborted, retractions=self.sched.retractions,
             cache_hit_tokens=self.cache.hit_tokens, offloads=self.host.offloads if self.host else 0,
             loadbacks=self.host.loadbacks if self.host else 0, tokens_protected=stats["tokens_protected"],
