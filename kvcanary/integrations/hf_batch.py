@@ -84,12 +84,13 @@ class BatchBuilder:
             if toks is None or n < need:
                 init, gen = st.initial_tokens, st.generated_tokens
                 new = [init[i] if i < len(init) else gen[i - len(init)] for i in range(n, need)]
-                cap = max(need, 2 * (toks.shape[0] if toks is not None else 0), 64)
-                grown = torch.empty(cap, dtype=torch.int64)
-                if n:
-                    grown[:n] = toks[:n]
-                grown[n:need] = torch.tensor(new, dtype=torch.int64)
-                toks, n = grown, need
+                if toks is None or need > toks.shape[0]:
+                    grown = torch.empty(max(need, 2 * n, 64), dtype=torch.int64)
+                    if n:
+                        grown[:n] = toks[:n]
+                    toks = grown
+                toks[n:need] = torch.tensor(new, dtype=torch.int64)
+                n = need
                 self.history[st.request_id] = (toks, n)
             parts.append(toks[:need])
             offsets.append(offsets[-1] + need)

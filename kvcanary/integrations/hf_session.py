@@ -41,7 +41,7 @@ class Session:
         self.events: collections.Counter = collections.Counter()
         self.block_pos: dict[int, int] = {}
         self.saved: dict[str, list] = {}
-        self.timings: list[tuple[int, int, float, float, float]] = []
+        self.timings: list[dict] = []  # per step with timing=True: batch, tokens, host seconds of each part
         self.closed = False
         self.final_stats: dict | None = None
         self.final_violations: list = []
@@ -94,9 +94,14 @@ class Session:
             self._guarded(self._after)
 
         def update_batch():
+            t0 = time.perf_counter()
             snap = self._guarded(self._before_update)
+            t1 = time.perf_counter()
             orig_update()
+            t2 = time.perf_counter()
             self._guarded(self._after_update, snap)
+            if self.timings:
+                self.timings[-1]["update_s"] = t1 - t0 + time.perf_counter() - t2
 
         def copy_cache(src, dst):
             orig_copy(src, dst)
@@ -160,7 +165,8 @@ class Session:
         after_s = time.perf_counter() - t0
         if self.handle.options.get("timing"):
             b = self._batch
-            self.timings.append((b.batch_size, b.num_tokens, self._before_s, self._fwd_s, after_s))
+            self.timings.append({"batch": b.batch_size, "tokens": b.num_tokens, "before_s": self._before_s,
+                                 "forward_s": self._fwd_s, "after_s": after_s, "update_s": 0.0})
 
     def _before_update(self):
         io, lay = self.bp.inputs_and_outputs, self.layout
