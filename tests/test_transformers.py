@@ -410,3 +410,11 @@ def test_offload_restore_bug(llama):
     assert run.stats["restored_requests"] > 0 and run.violations
     first = run.violations[0]
     assert first.launch_tag == "TAIL_K_FULL" and first.reasons == ("verify_real_kv_hash",)
+
+
+def test_long_decode(llama):
+    # 120 decode steps of one request: per-request buffers grow with the sequence, not per step.
+    prompts = [[(7 * i + 1) % 512 for i in range(9)]]
+    base = run_workload(llama, canary=False, prompts=prompts, max_new_tokens=120, num_return_sequences=1)
+    run = run_workload(llama, prompts=prompts, max_new_tokens=120, num_return_sequences=1, token_oracle=False)
+    assert run.violations == [] and run.tokens == base.tokens and run.stats["forwards"] >= 120
