@@ -1,0 +1,190 @@
+"""Triton implementation of the canary ops: host launchers over ``triton_kernels``.
+
+Same keyword signatures as ``kvcanary.ops.reference`` (arguments already
+validated by ``kvcanary.ops.api``). Launchers never sync with the device: grids
+come from static shapes (batch size, plan and ring capacities), counts are read
+in the kernels, so every op can be captured in a CUDA graph. On CPU they run
+under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvcanary.format import ATTRIBUTION_STRIDE, PARTIAL_READ_BYTES, RealKvMode
+from kvcanary.ops import triton_kernels as k
+
+SCATTER_BLOCK = 256
+FINGERPRINT_BLOCK = 128
+PLAN_BLOCK_B = 512
+PLAN_BLOCK = 1024
+# Programs per request in plan: about this many programs in all, so a few long requests still fill the GPU.
+PLAN_PROGRAMS = 512
+WRITE_BLOCK = 128
+VERIFY_BLOCK = 128
+PLAN_WARPS = 8
+WRITE_WARPS = 4
+VERIFY_WARPS = 2
+# Persistent verify programs per SM: many small programs keep the most record gathers in flight
+# (H200: 72% of copy bandwidth at 1M entries, vs 61% with 4 programs of 256 entries per SM).
+VERIFY_PROGRAMS_PER_SM = 32
+# Under the interpreter programs run one after another: a couple exercise the stride loop.
+INTERPRETER_PROGRAMS = 2
+
+
+def _fix_interpreter_index() -> None:
+    """Let the Triton interpreter use a loaded scalar as a loop bound under numpy >= 2.4.
+
+    triton <= 3.6 converts the 1-element array behind a scalar with ``int()``, which numpy 2.4
+    rejects (triton-lang/triton#9171, fixed upstream by #9172); only the interpreter is affected.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.zeros(1))
+        return
+    except TypeError:
+        pass
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "kvcanary_index_fix", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.kvcanary_index_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter_index()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _verify_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return VERIFY_PROGRAMS_PER_SM * _sm_count(index)
+
+
+def _cdiv(a: int, b: int) -> int:
+    # plain int arithmetic: triton.cdiv is a jit function, slow to call from the host
+    return -(-a // b)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+# Source tensors passed as they are (the kernel reads their bytes through a uint8 pointer);
+# other dtypes go through a uint8 view of their storage.
+_POINTER_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                             torch.bfloat16, torch.float32, torch.float64))
+
+
+def _source_args(sources, real_kv_mode: int, dummy: torch.Tensor) -> dict:
+    """Kernel arguments describing the real-KV sources (tuples of per-source values)."""
+    if real_kv_mode == RealKvMode.NONE or not sources:
+        return dict(src_ptrs=(dummy,), src_row_stride=(0,), src_page_size=(1,), src_nbpt=(0,), src_nbytes=(0,),
+                    src_rows=(0,), NUM_SOURCES=0, ALIGNED=True)
+    rows = tuple(s.tensor if s.tensor.dtype in _POINTER_DTYPES else s.byte_rows() for s in sources)
+    return dict(
+        src_ptrs=rows,
+        src_row_stride=tuple(s.row_stride_bytes for s in sources),
+        src_page_size=tuple(s.page_size for s in sources),
+        src_nbpt=tuple(s.num_bytes_per_token for s in sources),
+        src_nbytes=tuple(PARTIAL_READ_BYTES if real_kv_mode == RealKvMode.PARTIAL else s.read_bytes
+                         for s in sources),
+        src_rows=tuple(s.tensor.shape[0] for s in sources),
+        NUM_SOURCES=len(sources),
+        # row strides and token widths are multiples of 16: one aligned base makes every word aligned
+        ALIGNED=all(r.data_ptr() % 8 == 0 for r in rows),
+    )
+
+
+def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out) -> None:
+    bs = req_pool_indices.shape[0]
+    if bs == 0 or flat_in.shape[0] == 0:
+        return
+    k._scatter_kernel[(bs,)](
+        p_flat=_flat(flat_in), flat_len=flat_in.shape[0], p_offsets=_flat(offsets), p_rows=_flat(req_pool_indices),
+        p_pool=pool_out, pool_rows=pool_out.shape[0], pool_cols=pool_out.shape[1],
+        pool_s0=pool_out.stride(0), pool_s1=pool_out.stride(1), BLOCK=SCATTER_BLOCK,
+    )
+
+
+def fingerprint(*, slots, sources, real_kv_mode) -> torch.Tensor:
+    n = slots.shape[0]
+    out = torch.empty(n, dtype=torch.int64, device=slots.device)
+    if n == 0:
+        return out
+    k._fingerprint_kernel[(_cdiv(n, FINGERPRINT_BLOCK),)](
+        p_slots=_flat(slots), n=n, p_out=out, **_source_args(sources, real_kv_mode, out),
+        BLOCK=FINGERPRINT_BLOCK,
+    )
+    return out
+
+
+def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, window=0, full_to_swa=None,
+         token_table=None, token_valid_lens=None, token_offset=0) -> None:
+    bs = req_pool_indices.shape[0]
+    e = out.entries
+    rows = _flat(req_pool_indices)
+    swa = rows if full_to_swa is None else _flat(full_to_swa)
+    tokens = req_to_token if token_table is None else token_table
+    valid = rows if token_valid_lens is None else _flat(token_valid_lens)
+    split = max(1, min(_cdiv(req_to_token.shape[1], PLAN_BLOCK), PLAN_PROGRAMS // max(bs, 1)))
+    k._plan_kernel[(max(bs, 1), split)](
+        p_rows=rows, p_prefix=_flat(prefix_lens), p_extend=_flat(extend_lens), bs=bs,
+        p_rtt=req_to_token, rtt_s0=req_to_token.stride(0), rtt_s1=req_to_token.stride(1),
+        num_rows=req_to_token.shape[0], max_ctx=req_to_token.shape[1], window=window,
+        p_swa=swa, swa_len=0 if full_to_swa is None else full_to_swa.shape[0],
+        p_tokens=tokens, tok_s0=tokens.stride(0), tok_s1=tokens.stride(1), tok_rows=tokens.shape[0],
+        tok_cols=tokens.shape[1], p_valid=valid, token_offset=token_offset,
+        p_slot=e.slot, p_position=e.position, p_prev=e.prev, p_expected=e.expected_token, p_count=e.count,
+        p_enable=e.enable, capacity=e.capacity, p_write_offsets=out.write_offsets, p_seed=out.seed_slot,
+        HAS_SWA=full_to_swa is not None, HAS_TOKENS=token_table is not None,
+        BLOCK_B=PLAN_BLOCK_B, BLOCK=PLAN_BLOCK, num_warps=PLAN_WARPS,
+    )
+
+
+def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_ids, positions, ring, counters,
+          launch_tag, sources=(), real_kv_mode=0, expected_input_ids=None, expected_positions=None,
+          chain_check=None, writer_ids=None, step=None) -> None:
+    loc = _flat(out_cache_loc)
+    k._write_kernel[(max(num_requests, 1),)](
+        p_buf=buf, stride=buf.shape[1], num_slots=buf.shape[0], p_write_offsets=write_offsets, p_seed=seed_slot,
+        num_requests=num_requests, p_loc=loc, p_ids=_flat(input_ids), p_pos=_flat(positions),
+        num_tokens=loc.shape[0], p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,
+        p_counters=counters, launch_tag=launch_tag, **_source_args(sources, real_kv_mode, buf),
+        p_exp_ids=loc if expected_input_ids is None else _flat(expected_input_ids),
+        p_exp_pos=loc if expected_positions is None else _flat(expected_positions),
+        p_chain_check=ring.write_index if chain_check is None else chain_check,
+        p_writer_ids=loc if writer_ids is None else _flat(writer_ids),
+        p_step=counters if step is None else step,
+        HAS_EXP_IDS=expected_input_ids is not None, HAS_EXP_POS=expected_positions is not None,
+        HAS_CHAIN_CHECK=chain_check is not None, ATTRIBUTION=buf.shape[1] >= ATTRIBUTION_STRIDE,
+        HAS_WRITER_IDS=writer_ids is not None, HAS_STEP=step is not None, BLOCK=WRITE_BLOCK,
+        num_warps=WRITE_WARPS,
+    )
+
+
+def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0) -> None:
+    num_programs = max(1, min(_cdiv(entries.capacity, VERIFY_BLOCK), _verify_programs(buf.device)))
+    k._verify_kernel[(num_programs,)](
+        p_buf=buf, stride=buf.shape[1], num_slots=buf.shape[0], p_slot=entries.slot, p_position=entries.position,
+        p_prev=entries.prev, p_expected=entries.expected_token, p_count=entries.count, p_enable=entries.enable,
+        capacity=entries.capacity, p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,
+        p_counters=counters, launch_tag=launch_tag, **_source_args(sources, real_kv_mode, buf),
+        BLOCK=VERIFY_BLOCK, num_warps=VERIFY_WARPS,
+    )
