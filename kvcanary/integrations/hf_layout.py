@@ -8,8 +8,6 @@ the canary's padding slot, so block 0 is kept out of the engine's free list whil
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import gcd
-
 import torch
 
 from kvcanary.ops.types import RealKvSource
@@ -153,8 +151,3 @@ def kv_sources(tensor: torch.Tensor | None) -> tuple[RealKvSource, ...]:
     if nbpt % 16:
         return ()
     return (RealKvSource(rows, page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt),)
-
-
-def group_count(config) -> int:
-    types = layer_types(config)
-    return len(types) // gcd(*[types.count(t) for t in set(types)])

@@ -152,14 +152,14 @@ class Session:
     # -- per step --------------------------------------------------------------------------------
     def _before(self) -> None:
         t0 = time.perf_counter()
-        with self.lock, self._range("kvcanary_before"):
+        with self.lock, self._range("kvcanary_before"), self._engine_stream():
             self._batch = self.builder.build()
             self.canary.before_forward(self._batch)
         self._before_s = time.perf_counter() - t0
 
     def _after(self) -> None:
         t0 = time.perf_counter()
-        with self.lock, self._range("kvcanary_after"):
+        with self.lock, self._range("kvcanary_after"), self._engine_stream():
             self.canary.after_forward(self._batch)
             self.handle.forwards += 1
         after_s = time.perf_counter() - t0
@@ -191,7 +191,7 @@ class Session:
 
     def _copy_records(self, src, dst) -> None:
         s, d = self.layout.blocks_to_slots(src, self.device), self.layout.blocks_to_slots(dst, self.device)
-        with self.lock:
+        with self.lock, self._engine_stream():
             for g in self.canary.groups:
                 self.canary.copy_records(s, d, group=g.name)
         self.events["fork_block_copies"] += len(src)
@@ -200,7 +200,7 @@ class Session:
         return [b for cm in self.bp.cache.group_cache_managers for b in cm.block_table.get(rid, [])]
 
     def _save(self, blocks: dict[str, list[int]]) -> None:
-        with self.lock:
+        with self.lock, self._engine_stream():
             for rid, bl in blocks.items():
                 slots = self.layout.blocks_to_slots(bl, self.device)
                 self.saved[rid] = [(g.name, self.canary.save_records(slots, group=g.name))
@@ -209,7 +209,7 @@ class Session:
 
     def _restore(self, counts: dict[str, list[int]]) -> None:
         cms = self.bp.cache.group_cache_managers
-        with self.lock:
+        with self.lock, self._engine_stream():
             for rid, per_group in counts.items():
                 blocks = [b for g, n in enumerate(per_group) for b in cms[g].block_table.get(rid, [])[:n]]
                 slots = self.layout.blocks_to_slots(blocks, self.device)
@@ -244,6 +244,16 @@ class Session:
 
     def oracle(self, rid: int, position: int) -> int:
         return oracle_token(rid, position, self.vocab)
+
+    def _engine_stream(self):
+        """On CUDA the engine runs its forward, fork copies and offload copies on its compute stream: the
+        canary's kernels go there too (after the default stream's batch preparation), so they are ordered
+        with every KV write and read."""
+        stream = self.bp.inputs_and_outputs.compute_stream
+        if stream is None:
+            return nullcontext()
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        return torch.cuda.stream(stream)
 
     def _range(self, name: str):
         if self.handle.options.get("timing"):
