@@ -8,6 +8,7 @@ picks Triton on CUDA when it imports, torch otherwise.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -22,6 +23,7 @@ _MODULES = {"reference": "kvcanary.ops.reference", "torch": "kvcanary.ops.torch_
             "triton": "kvcanary.ops.triton_ops"}
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     try:
         importlib.import_module("triton")
@@ -46,7 +48,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _impl(backend: str, device: torch.device):
-    return importlib.import_module(_MODULES[resolve_backend(backend, device)])
+    return impl_module(backend, device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str):
+    return importlib.import_module(_MODULES[name])
+
+
+def impl_module(backend: str, device_type: str):
+    """The implementation module ``backend`` selects on ``device_type`` (the import is cached)."""
+    return _module(resolve_backend(backend, torch.device(device_type)))
 
 
 def scatter_req_token_ids(flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,

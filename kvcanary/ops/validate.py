@@ -53,9 +53,16 @@ def check_vector(op: str, name: str, t: torch.Tensor, dtypes: Sequence[torch.dty
 
 
 def check_device(op: str, device: torch.device, **tensors: torch.Tensor | None) -> None:
+    # is_cpu / is_cuda / get_device() are plain attributes: far cheaper than comparing device objects.
+    cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
     for name, t in tensors.items():
-        if t is not None and t.device != device:
-            raise fail_value(op, name, f"on {device}", f"{t.device}")
+        if t is None:
+            continue
+        if (t.is_cuda and t.get_device() == index) if cuda else (t.is_cpu if device.type == "cpu" else
+                                                                  t.device == device):
+            continue
+        raise fail_value(op, name, f"on {device}", f"{t.device}")
 
 
 def check_canary_buffer(op: str, buf: torch.Tensor, name: str = "buf") -> None:

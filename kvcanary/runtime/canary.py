@@ -20,6 +20,7 @@ from kvcanary.format import RealKvMode, launch_tag
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.inject import Injector
+from kvcanary.runtime.launch import ForwardLauncher
 from kvcanary.runtime.monitor import Monitor
 from kvcanary.runtime.report import Violation
 
@@ -32,15 +33,18 @@ class _Group:
     def __init__(self, name, num_slots, window, table, k_sources, v_sources, cfg, plan_capacity, sweep_capacity,
                  max_batch, device):
         self.name, self.num_slots, self.window, self.table = name, num_slots, window, table
-        self.sources = {"k": tuple(k_sources), "v": tuple(v_sources)}
+        self.sources = {"k": tuple(k_sources), "v": tuple(v_sources)}  # validated by ForwardLauncher
         self.kvs = ("k", "v") if cfg.check_v else ("k",)
         self.bufs = {(phase, kv): ops.allocate_canary_buffer(num_slots, cfg.record_stride, device)
                      for phase in ("head", "tail") for kv in self.kvs}
         self.plan = ops.Plan.allocate(plan_capacity, max_batch, device)
         self.sweep_entries = ops.Entries.allocate(sweep_capacity or num_slots, device)
 
+        self._tags = {(phase, kv): int(launch_tag(phase, kv, name)) for phase in ("head", "tail", "sweep")
+                      for kv in ("k", "v")}
+
     def tag(self, phase: str, kv: str) -> int:
-        return int(launch_tag(phase, kv, self.name))
+        return self._tags[phase, kv]
 
 
 class Canary:
@@ -82,7 +86,6 @@ class Canary:
             self.groups.append(_Group("swa", s.num_slots, s.window, s.full_to_swa, s.k_sources, s.v_sources, cfg,
                                       min(plan_capacity, max_batch * s.window), cfg.sweep_capacity, max_batch,
                                       self.device))
-            self._swa_loc = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
         self.ring = ops.ViolationRing.allocate(cfg.ring_capacity, self.device)
         self.counters = ops.allocate_counters(self.device)
         self.token_table = torch.zeros(num_rows, max_context, dtype=torch.int32, device=self.device)
@@ -92,6 +95,7 @@ class Canary:
         self.sweep_provider: SweepProvider | None = None
         self.step = 0
         self.monitor = Monitor(self, on_violation)
+        self.launcher = ForwardLauncher(self)
         # Fault injection (a self-test, docs/fault_injection.md): None unless an inject_*_prob is above 0.
         self.injector = Injector(self) if cfg.injecting else None
 
@@ -123,28 +127,11 @@ class Canary:
 
     def device_before(self, batch: ForwardBatch) -> None:
         """Plan, HEAD verify, HEAD write: static buffers only, no sync (CUDA-graph capturable)."""
-        be = self.config.backend
-        table, valid = self._refill_tokens(batch)
-        for g in self.groups:
-            ops.plan(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
-                     extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out=g.plan, window=g.window,
-                     full_to_swa=g.table, token_table=table, token_valid_lens=valid,
-                     token_offset=batch.token_offset, backend=be)
-            for kv in g.kvs:
-                ops.verify(buf=g.bufs["head", kv], entries=g.plan.entries, ring=self.ring, counters=self.counters,
-                           launch_tag=g.tag("head", kv), backend=be)
-        self._write_all(batch, "head")
+        self.launcher.before(batch)
 
     def device_after(self, batch: ForwardBatch) -> None:
         """TAIL verify (with real-KV hash) and TAIL write; advances the device step."""
-        be = self.config.backend
-        for g in self.groups:
-            for kv in g.kvs:
-                ops.verify(buf=g.bufs["tail", kv], entries=g.plan.entries, ring=self.ring, counters=self.counters,
-                           launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=self._mode(g, kv),
-                           backend=be)
-        self._write_all(batch, "tail")
-        self.step_tensor.add_(1)
+        self.launcher.after(batch)
 
     def host_after(self, batch: ForwardBatch) -> None:
         """Periodic sweep, then close the step: snapshot for the one-step-late drain, health, stats."""
@@ -263,44 +250,3 @@ class Canary:
         if hist is not None and hist.offsets.shape[0] != batch.batch_size + 1:
             raise ValueError(f"kv-canary: token_history offsets must have bs+1 ({batch.batch_size + 1}) entries, "
                              f"got {hist.offsets.shape[0]}")
-
-    def _refill_tokens(self, batch: ForwardBatch):
-        hist = batch.token_history
-        if not self.config.token_check or hist is None:
-            return None, None
-        rows = batch.req_pool_indices.to(torch.int64)
-        ops.scatter_req_token_ids(hist.flat.to(torch.int64), hist.offsets.to(torch.int64), rows, self.token_table,
-                                  backend=self.config.backend)
-        bs = batch.batch_size
-        valid = self._valid_lens[:bs]
-        torch.sub(hist.offsets[1:], hist.offsets[:-1], out=valid)
-        return self.token_table, valid
-
-    def _write_all(self, batch: ForwardBatch, phase: str) -> None:
-        cfg, bs = self.config, batch.batch_size
-        for g in self.groups:
-            loc = batch.out_cache_loc
-            if g.table is not None:
-                loc = self._translate(loc, g.table)
-            for kv in g.kvs:
-                # The input and chain-position asserts run once per forward: on the HEAD K write of FULL.
-                first = phase == "head" and kv == "k" and g.name == "full"
-                ops.write(buf=g.bufs[phase, kv], plan=g.plan, num_requests=bs, out_cache_loc=loc,
-                          input_ids=batch.input_ids, positions=batch.positions, ring=self.ring,
-                          counters=self.counters, launch_tag=g.tag(phase, kv),
-                          sources=g.sources[kv] if phase == "tail" else (),
-                          real_kv_mode=self._mode(g, kv) if phase == "tail" else 0,
-                          expected_input_ids=batch.expected_input_ids if first and cfg.input_check else None,
-                          expected_positions=batch.expected_positions if first and cfg.input_check else None,
-                          chain_check=self.chain_check if first else None,
-                          writer_ids=batch.request_ids, step=self.step_tensor, backend=cfg.backend)
-
-    def _translate(self, loc: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        n = loc.shape[0]
-        out = self._swa_loc[:n]
-        idx = loc.to(torch.int64)
-        inside = (idx >= 0) & (idx < table.shape[0])
-        torch.index_select(table, 0, idx.clamp(0, table.shape[0] - 1), out=out) if table.dtype == torch.int64 \
-            else out.copy_(table.index_select(0, idx.clamp(0, table.shape[0] - 1)))
-        torch.where(inside, out, idx, out=out)
-        return out
