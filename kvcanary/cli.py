@@ -114,6 +114,21 @@ def _zoo(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from kvcanary.bench import add_arguments
+
+    add_arguments(p)
+
+
+@command("bench", "op throughput (verify/write entries/s, GB/s, % of copy bandwidth); JSON and PNG", _bench_args)
+def _bench(args: argparse.Namespace) -> int:
+    from kvcanary.bench import bench_main
+
+    out = bench_main(args)
+    emit(args, out, json.dumps(out["meta"]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache integrity sanitizer for LLM engines")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything the GPU machine must run, in one call per part, each well under 10 minutes:
+#   bash benchmarks/gpu_suite.sh tests    # the whole test suite natively (Triton compiled), self-check, demo
+#   bash benchmarks/gpu_suite.sh ops      # op throughput (benchmarks/ops_bench.py)
+#   bash benchmarks/gpu_suite.sh engine   # canary cost inside transformers continuous batching, 1B and 8B
+# Results and logs go to $OUT (default ./out). Runs from a checkout without installing (PYTHONPATH).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+part=${1:-tests}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git rev-parse --short HEAD 2>/dev/null;
+  $py -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+} > "$OUT/env.txt" 2>&1
+case "$part" in
+  tests)
+    timeout 420 $py -m pytest -q -p no:cacheprovider -x --durations=10 tests 2>&1 | tee "$OUT/tests.log" | tail -15
+    $py -m kvcanary.cli selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.log" | tail -3
+    timeout 90 $py -m kvcanary.cli demo --device cuda 2>&1 | tee "$OUT/demo.log" | head -12
+    ;;
+  ops)
+    timeout 500 $py -m kvcanary.cli bench --device cuda --out "$OUT/ops_bench.json" --plot "$OUT/ops_bench.png" 2>&1 | tee "$OUT/ops.log"
+    ;;
+  engine)
+    for spec in "1b 1 2048 decode" "1b 64 2048 decode" "1b 1 8192 decode" "1b 64 8192 decode" "1b 8 8192 prefill" \
+                "8b 1 2048 decode" "8b 64 2048 decode" "8b 8 8192 prefill"; do
+      set -- $spec
+      timeout 150 $py benchmarks/engine_overhead.py --device cuda --model-size "$1" --batch "$2" --context "$3" \
+        --mode "$4" --json "$OUT/engine_$1_b$2_c$3_$4.json" > "$OUT/engine_$1_b$2_c$3_$4.log" 2>&1
+      echo "$spec rc=$?"
+    done
+    $py benchmarks/summarize_engine.py "$OUT"/engine_*.json --plot "$OUT/overhead.png" 2>&1 | tee "$OUT/engine_summary.txt"
+    ;;
+  *) echo "unknown part $part (tests | ops | engine)"; exit 2 ;;
+esac

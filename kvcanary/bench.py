@@ -1,0 +1,232 @@
+"""Throughput of the canary ops: verify and write entries/s and effective GB/s.
+
+Workloads are declared once in WORKLOADS; providers (torch, triton) are a separate axis.
+Bytes-moved model (per entry, what a kernel must touch at minimum):
+  verify: entry (slot, position, prev, expected_token: 32 B) + the slot's record fields 0-3 (32 B)
+          + the predecessor's record fields 0-2 (24 B) + real-KV bytes read (16 B in PARTIAL, 0 in NONE)
+  write:  inputs (out_cache_loc, input_ids, positions: 24 B) + record stored (stride B)
+          + real-KV bytes read (16 B in PARTIAL)
+Results are compared across providers before any number is printed.
+
+    kvcanary bench --device cuda --providers triton torch --out results.json
+    python benchmarks/ops_bench.py ...   (the same, from a checkout)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from kvcanary import ops
+from kvcanary.format import LaunchTag, RealKvMode
+
+# name: (batch, prefix per request, new tokens per request)
+WORKLOADS = {
+    "decode-bs256-ctx4k": (256, 4095, 1),
+    "prefill-bs4-8k": (4, 8192, 8192),
+}
+CPU_WORKLOADS = {
+    "decode-bs64-ctx1k": (64, 1023, 1),
+    "prefill-bs2-2k": (2, 2048, 2048),
+}
+
+
+def bench(fn, device: torch.device, reps: int = 20) -> float:
+    """Median milliseconds of fn (do_bench with warm-up on CUDA, a plain timer on CPU)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(max(3, reps // 4)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth_gbs(device: torch.device) -> float:
+    n = (1 << 30) if device.type == "cuda" else (1 << 27)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), device)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+class Setup:
+    """A pool with clean chains for `bs` requests of prefix P, then a forward of E new tokens each."""
+
+    def __init__(self, bs: int, P: int, E: int, device: torch.device, stride: int = 48):
+        g = torch.Generator().manual_seed(0)
+        ctx = P + E
+        self.num_slots = bs * ctx + 1
+        perm = torch.randperm(self.num_slots - 1, generator=g) + 1
+        self.rtt = torch.zeros(bs + 1, ctx, dtype=torch.int32)
+        self.rtt[1:] = perm.view(bs, ctx).to(torch.int32)
+        self.rtt = self.rtt.to(device)
+        self.kv = torch.randn(self.num_slots, 64, generator=g).to(torch.bfloat16).to(device)
+        self.sources = (ops.RealKvSource(self.kv, 1, 128, 128),)
+        self.buf = ops.allocate_canary_buffer(self.num_slots, stride, device)
+        self.ring = ops.ViolationRing.allocate(1024, device)
+        self.counters = ops.allocate_counters(device)
+        self.rows = torch.arange(1, bs + 1, device=device)
+        self.bs, self.P, self.E, self.device = bs, P, E, device
+        self.plan = ops.Plan.allocate(bs * P, bs, device)
+        # Fill the prefix records with a clean chain (one prefill write of P tokens per request).
+        self._write_forward(0, P, RealKvMode.PARTIAL, "auto")
+        ops.plan(req_pool_indices=self.rows, prefix_lens=torch.full((bs,), P, device=device),
+                 extend_lens=torch.full((bs,), E, device=device), req_to_token=self.rtt, out=self.plan)
+        self.loc, self.ids, self.pos = self._inputs(P, E)
+
+    def _inputs(self, P, E):
+        loc = self.rtt[1:, P:P + E].reshape(-1).to(torch.int64)
+        ids = (torch.arange(self.bs * E, device=self.device) * 7919) % 32000
+        pos = torch.arange(P, P + E, device=self.device).repeat(self.bs)
+        return loc, ids, pos
+
+    def _write_forward(self, P, E, mode, backend):
+        plan = ops.Plan.allocate(1, self.bs, self.device)
+        ops.plan(req_pool_indices=self.rows, prefix_lens=torch.full((self.bs,), P, device=self.device),
+                 extend_lens=torch.full((self.bs,), E, device=self.device), req_to_token=self.rtt, out=plan,
+                 backend=backend)
+        loc, ids, pos = self._inputs(P, E)
+        ops.write(buf=self.buf, plan=plan, num_requests=self.bs, out_cache_loc=loc, input_ids=ids, positions=pos,
+                  ring=self.ring, counters=self.counters, launch_tag=LaunchTag.TAIL_K_FULL, sources=self.sources,
+                  real_kv_mode=mode, backend=backend)
+
+    def verify(self, backend, mode=RealKvMode.PARTIAL):
+        ops.verify(buf=self.buf, entries=self.plan.entries, ring=self.ring, counters=self.counters,
+                   launch_tag=LaunchTag.TAIL_K_FULL, sources=self.sources, real_kv_mode=mode, backend=backend)
+
+    def write(self, backend, mode=RealKvMode.PARTIAL):
+        ops.write(buf=self.buf, plan=self.plan, num_requests=self.bs, out_cache_loc=self.loc, input_ids=self.ids,
+                  positions=self.pos, ring=self.ring, counters=self.counters, launch_tag=LaunchTag.TAIL_K_FULL,
+                  sources=self.sources, real_kv_mode=mode, backend=backend)
+
+
+def run(device: torch.device, providers: list[str], workloads: dict, progress=None) -> dict:
+    """Check, then time every (workload, provider, op, real-KV mode); progress lines go to ``progress``."""
+    progress = progress if progress is not None else sys.stderr
+    copy_gbs = copy_bandwidth_gbs(device)
+    results = []
+    for name, (bs, P, E) in workloads.items():
+        s = Setup(bs, P, E, device)
+        n_verify, n_write = bs * P, bs * E
+        # Correctness first: clean verify finds nothing, and every provider writes identical bytes.
+        written = {}
+        # The torch write walks the chain one Python step per token: skip it for long chains on the GPU.
+        skip = {p for p in providers if p == "torch" and device.type == "cuda" and E > 64}
+        for p in providers:
+            s.ring.reset()
+            s.verify(p)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            assert int(s.ring.write_index[0]) == 0, f"{p}: clean verify reported violations"
+            if p in skip:
+                continue
+            before = s.buf.clone()
+            s.write(p)
+            written[p] = s.buf.clone()
+            s.buf.copy_(before)
+        ref = written[providers[0]]
+        for p in [p for p in providers[1:] if p not in skip]:
+            assert torch.equal(written[p], ref), f"{p} wrote different records than {providers[0]}"
+        for p in providers:
+            for mode in (RealKvMode.NONE, RealKvMode.PARTIAL):
+                extra = 16 if mode == RealKvMode.PARTIAL else 0
+                ms_v = bench(lambda: s.verify(p, mode), device)
+                ms_w = float("nan") if p in skip else bench(lambda: s.write(p, mode), device)
+                bytes_v = n_verify * (32 + 32 + 24 + extra)
+                bytes_w = n_write * (24 + s.buf.shape[1] + extra)
+                for op, ms, n, nbytes in (("verify", ms_v, n_verify, bytes_v), ("write", ms_w, n_write, bytes_w)):
+                    if ms != ms:
+                        continue
+                    gbs = nbytes / (ms * 1e-3) / 1e9
+                    results.append({"workload": name, "provider": p, "op": op, "real_kv": mode.name.lower(),
+                                    "entries": n, "ms": round(ms, 4), "entries_per_s": n / (ms * 1e-3),
+                                    "gb_per_s": round(gbs, 2), "pct_copy_bw": round(100 * gbs / copy_gbs, 1)})
+                    print(f"{name:22s} {p:7s} {op:6s} real_kv={mode.name.lower():8s} {ms:9.3f} ms "
+                          f"{n / (ms * 1e-3) / 1e6:9.1f} M entries/s {gbs:8.1f} GB/s "
+                          f"{100 * gbs / copy_gbs:5.1f}% of copy", file=progress, flush=True)
+    return {"meta": meta(device, copy_gbs), "results": results}
+
+
+def meta(device: torch.device, copy_gbs: float) -> dict:
+    import subprocess
+
+    info = {"torch": torch.__version__, "device": str(device), "copy_gb_per_s": round(copy_gbs, 1)}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
+    except OSError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return info
+
+
+def plot(results: dict, path: str) -> None:
+    """Bar chart of % of copy bandwidth per workload, provider, op and real-KV mode (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["results"]
+    labels = [f"{r['workload']}\n{r['provider']} {r['op']} {r['real_kv']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.6), 4))
+    ax.bar(range(len(rows)), [r["pct_copy_bw"] for r in rows])
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("% of measured copy bandwidth")
+    ax.set_title(f"kv-canary ops on {results['meta'].get('gpu', results['meta']['device'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, torch on cpu")
+    ap.add_argument("--small", action="store_true", help="the CPU-sized workloads")
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+
+
+def bench_main(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    providers = args.providers or (["triton", "torch"] if device.type == "cuda" else ["torch"])
+    workloads = CPU_WORKLOADS if (args.small or device.type == "cpu") else WORKLOADS
+    out = run(device, providers, workloads)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    if args.plot:
+        plot(out, args.plot)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    out = bench_main(ap.parse_args())
+    print(json.dumps(out["meta"]))
+
+
+if __name__ == "__main__":
+    main()

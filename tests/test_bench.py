@@ -1,0 +1,27 @@
+"""The op benchmark checks correctness before timing and reports every (provider, op, mode)."""
+
+import io
+
+import torch
+
+from kvcanary import bench
+
+from conftest import DEVICE, FAST_BACKENDS
+
+
+def test_bench_runs_a_tiny_workload_and_agrees_across_providers():
+    out = bench.run(DEVICE, FAST_BACKENDS, {"tiny": (3, 17, 5)}, progress=io.StringIO())
+    rows = out["results"]
+    assert {(r["provider"], r["op"], r["real_kv"]) for r in rows} == {
+        (p, op, mode) for p in FAST_BACKENDS for op in ("verify", "write") for mode in ("none", "partial")}
+    assert all(r["entries"] == (3 * 17 if r["op"] == "verify" else 3 * 5) and r["ms"] > 0 for r in rows)
+    assert out["meta"]["device"] == str(DEVICE) and out["meta"]["copy_gb_per_s"] > 0
+
+
+def test_bench_setup_chain_is_clean_and_a_planted_flip_is_seen():
+    s = bench.Setup(2, 9, 3, torch.device("cpu"))
+    s.verify("reference")
+    assert int(s.ring.write_index[0]) == 0
+    s.kv.view(torch.uint8)[int(s.rtt[1, 4]), 0] ^= 1
+    s.verify("reference")
+    assert int(s.ring.write_index[0]) == 1 and int(s.ring.rows[0, 1]) == int(s.rtt[1, 4])
