@@ -216,7 +216,9 @@ def test_clean_run_exercises_its_features_and_reports_nothing(name):
     if cfg.offload:
         assert result.offloads > 0 and result.loadbacks > 0
     if cfg.num_slots < 512:
-        assert result.retractions > 0
+        assert engine.tree.evicted_pages > 0
+    if cfg.num_slots < 512 and cfg.spec_tokens:
+        assert result.retractions > 0  # verify needs 1 + drafts slots per request (and scratch pages)
 
 
 def test_retracted_requests_are_readmitted_and_finish_with_oracle_outputs():

@@ -28,30 +28,39 @@ class PageAllocator:
         [8, 9, 10, 11]
     """
 
-    def __init__(self, num_slots: int, page_size: int):
+    def __init__(self, num_slots: int, page_size: int, stack: bool = False):
         if page_size < 1 or num_slots % page_size or num_slots < 2 * page_size:
             raise ValueError(f"kv-canary: PageAllocator needs page_size >= 1 and num_slots a multiple of it with "
                              f"at least 2 pages, got num_slots={num_slots} page_size={page_size}")
         self.page_size = page_size
         self.num_pages = num_slots // page_size
+        self.stack = stack
         self._free = list(range(1, self.num_pages))
-        heapq.heapify(self._free)
+        if stack:
+            self._free.reverse()  # the lowest page on top
+        else:
+            heapq.heapify(self._free)
 
     @property
     def free_pages(self) -> int:
         return len(self._free)
 
     def alloc(self, num_pages: int) -> list[int] | None:
-        """The ``num_pages`` lowest free pages, or None (and nothing taken) when there are fewer."""
+        """The ``num_pages`` lowest free pages (last freed first with ``stack``), or None (nothing taken) if fewer."""
         if num_pages > len(self._free):
             return None
+        if self.stack:
+            return [self._free.pop() for _ in range(num_pages)]
         return [heapq.heappop(self._free) for _ in range(num_pages)]
 
     def free(self, pages) -> None:
         """Return pages to the free list (page 0 is ignored)."""
         for page in pages:
             if page > 0:
-                heapq.heappush(self._free, page)
+                if self.stack:
+                    self._free.append(page)
+                else:
+                    heapq.heappush(self._free, page)
 
     def page_of(self, slot: int) -> int:
         return slot // self.page_size

@@ -138,7 +138,12 @@ BUGS: dict[str, Bug] = {b.name: b for b in _BUG_LIST}
 
 
 class BugSwitch:
-    """The run's planted bug (or none); ``hit`` asks for it and records when it first took effect."""
+    """The run's planted bug (or none).
+
+    ``hit(name)``: is ``name`` planted? If so the mistake takes effect now (recorded). Bugs whose mistake
+    is sometimes harmless (a copy to slots that already hold the same bytes) ask ``on(name)`` and call
+    ``took_effect(name)`` only when it corrupts KV, so "planted" means "corrupted something".
+    """
 
     def __init__(self, name: str | None):
         if name is not None and name not in BUGS:
@@ -148,11 +153,19 @@ class BugSwitch:
         self.first_step: int | None = None
         self.hits = 0
 
+    def on(self, name: str) -> bool:
+        """True when ``name`` is the planted bug (nothing recorded)."""
+        return name == self.name
+
+    def took_effect(self, name: str) -> None:
+        if name == self.name:
+            self.hits += 1
+            if self.first_step is None:
+                self.first_step = self.step
+
     def hit(self, name: str) -> bool:
-        """True when ``name`` is the planted bug (the caller then takes the buggy path)."""
+        """True when ``name`` is the planted bug (the caller then takes the buggy path, which corrupts KV)."""
         if name != self.name:
             return False
-        self.hits += 1
-        if self.first_step is None:
-            self.first_step = self.step
+        self.took_effect(name)
         return True

@@ -57,7 +57,7 @@ class SimConfig:
     max_steps: int = 160
     vocab: int = 32000
     num_layers: int = 2
-    graph_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    graph_sizes: tuple[int, ...] = (1, 4, 8)
     sweep_interval: int = 4
     bug: str | None = None
     name: str = "custom"
@@ -116,13 +116,13 @@ class SimConfig:
 
 
 # Memory pressure: pools small enough that the prefix cache evicts and decode retracts.
-_PRESSURE = dict(num_slots=224, host_slots=256)
+_PRESSURE = dict(num_slots=224, host_slots=1024)
 
 # The zoo's configuration matrix: each feature appears with page size 1 and > 1.
 MATRIX: dict[str, SimConfig] = {
     "base": SimConfig(name="base"),
     "paged": SimConfig(name="paged", page_size=4),
-    "swa-chunked": SimConfig(name="swa-chunked", swa_window=8, chunk_size=16),
+    "swa-chunked": SimConfig(name="swa-chunked", swa_window=8, chunk_size=16, num_slots=320),
     "spec": SimConfig(name="spec", spec_tokens=3),
     "spec-paged-swa": SimConfig(name="spec-paged-swa", page_size=4, swa_window=12, spec_tokens=3, chunk_size=24),
     "pressure-offload": SimConfig(name="pressure-offload", offload=True, **_PRESSURE),

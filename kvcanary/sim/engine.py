@@ -143,8 +143,11 @@ class SimEngine:
     def forward(self, works: list[Work]) -> ForwardBatch:
         batch = self.build_batch(works)
         self.canary.before_forward(batch)
-        if self.host is not None and self.host.h2d.pending and not self.bugs.hit("loadback_no_wait"):
-            self.host.h2d.synchronize()  # the forward waits on the load-back event
+        if self.host is not None and self.host.h2d.pending:
+            if not self.bugs.on("loadback_no_wait"):
+                self.host.h2d.synchronize()  # the forward waits on the load-back event
+            elif self.host.h2d.pending_changes():
+                self.bugs.took_effect("loadback_no_wait")  # Planted: it reads the pages before the copy landed.
         loc = batch.out_cache_loc
         swa_loc = None
         if self.pool.full_to_swa is not None:
@@ -210,9 +213,18 @@ class SimEngine:
         n = len(loc)
         self.graph_loc[:n] = torch.tensor(loc, dtype=torch.int64)
         stale = self.graph_loc[n:total]
-        if not (bool((stale != 0).any()) and self.bugs.hit("padding_write")):
+        if not (bool((stale != 0).any()) and self.bugs.on("padding_write")):
             stale.zero_()  # padding tokens write slot 0; the planted bug keeps the last replay's slot ids
+        elif self._holds_live_kv(set(stale.tolist()) - set(loc)):
+            self.bugs.took_effect("padding_write")
         return self.graph_loc[:total].tolist()
+
+    def _holds_live_kv(self, slots: set[int]) -> bool:
+        """Whether any of ``slots`` holds KV someone will read (cached, or a running request's)."""
+        live = set(self.tree.device_triples()[0])
+        for r in self.sched.running:
+            live.update(r.slots)
+        return bool(slots & live)
 
     def sweep_triples(self):
         """The canary's sweep provider: (slot, position, prev_slot) of every device-resident cached token."""

@@ -33,7 +33,7 @@ class KvPool:
         self.pages = PageAllocator(cfg.num_slots, cfg.page_size)
         self.rows = RowAllocator(cfg.num_rows)
         self.table = torch.zeros(cfg.num_rows, cfg.max_context, dtype=torch.int32)
-        self.swa = PageAllocator(cfg.num_slots, 1) if self.window else None
+        self.swa = PageAllocator(cfg.num_slots, 1, stack=True) if self.window else None
         self.full_to_swa = torch.zeros(cfg.num_slots, dtype=torch.int64) if self.window else None
 
     # -- sizes ---------------------------------------------------------------------------------

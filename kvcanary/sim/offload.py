@@ -22,29 +22,37 @@ from kvcanary.sim.model import WORDS
 
 
 class CopyStream:
-    """Copies issued in order; ``synchronize`` runs the pending ones (a wait on their event)."""
+    """Copies issued in order; ``synchronize`` runs the pending ones (a wait on their event).
+
+    A copy may come with ``changes()``: whether running it would change its destination's bytes
+    (for bookkeeping of planted bugs only: a late copy that changes nothing corrupts nothing).
+    """
 
     def __init__(self):
-        self.pending: list[Callable[[], None]] = []
+        self.pending: list[tuple[Callable[[], None], Callable[[], bool] | None]] = []
         self.issued = 0
 
-    def issue(self, copy: Callable[[], None]) -> None:
-        self.pending.append(copy)
+    def issue(self, copy: Callable[[], None], changes: Callable[[], bool] | None = None) -> None:
+        self.pending.append((copy, changes))
         self.issued += 1
+
+    def pending_changes(self) -> bool:
+        return any(changes is None or changes() for _, changes in self.pending)
 
     def synchronize(self) -> None:
         pending, self.pending = self.pending, []
-        for copy in pending:
+        for copy, _ in pending:
             copy()
 
 
 class HostEntry:
     """Host copy of a node's tokens: KV bytes per full layer, canary records, original device slots."""
 
-    def __init__(self, kv: list[torch.Tensor], records: dict, src_slots: list[int]):
+    def __init__(self, kv: list[torch.Tensor], records: dict, src_slots: list[int], corrupt: bool = False):
         self.kv = kv  # per layer and K/V: int64 [n, WORDS] (filled when the D2H copy runs)
         self.records = records  # Canary.save_records output: buffer key -> [n, stride]
         self.src_slots = src_slots  # device slots the copy came from
+        self.corrupt = corrupt  # the D2H copy captured bytes other than the offloaded KV (planted bug)
 
     @property
     def n(self) -> int:
@@ -52,8 +60,10 @@ class HostEntry:
 
     def split(self, m: int) -> tuple[HostEntry, HostEntry]:
         """Views of tokens [0, m) and [m, n) (a copy still in flight lands in both)."""
-        head = HostEntry([t[:m] for t in self.kv], {k: v[:m] for k, v in self.records.items()}, self.src_slots[:m])
-        tail = HostEntry([t[m:] for t in self.kv], {k: v[m:] for k, v in self.records.items()}, self.src_slots[m:])
+        head = HostEntry([t[:m] for t in self.kv], {k: v[:m] for k, v in self.records.items()}, self.src_slots[:m],
+                         self.corrupt)
+        tail = HostEntry([t[m:] for t in self.kv], {k: v[m:] for k, v in self.records.items()}, self.src_slots[m:],
+                         self.corrupt)
         return head, tail
 
 
@@ -94,8 +104,11 @@ class HostCache:
             node.host = entry
             self.d2h.issue(lambda: _copy_into(entry.kv, self.model.read(slots)))
             self.offloads += 1
-            # Planted: the device pages are freed before the D2H copy reading them has run.
-            if not self.bugs.hit("offload_free_before_copy"):
+            if self.bugs.on("offload_free_before_copy"):
+                # Planted: the device pages are freed before the D2H copy reading them has run.
+                offloaded = self.model.read(slots)
+                self.d2h.issue(lambda: setattr(entry, "corrupt", not _same(entry.kv, offloaded)))
+            else:
                 self.d2h.synchronize()
         self.pool.free(slots)
         return True
@@ -119,13 +132,21 @@ class HostCache:
             self.canary.restore_records(entry.records, torch.tensor(dst, dtype=torch.int64))
             node.value = dst
             target, count = dst, n
-            if self.bugs.hit("loadback_wrong_slots"):
+            if self.bugs.on("loadback_wrong_slots"):
                 # Planted: the copy goes to the node's old device slots, not the ones just allocated.
                 target = entry.src_slots
-            if n > 1 and self.bugs.hit("loadback_partial"):
+                if not _same(self.model.read(dst), entry.kv):
+                    self.bugs.took_effect("loadback_wrong_slots")
+            if n > 1 and self.bugs.on("loadback_partial"):
                 # Planted: a short transfer is taken as complete; only the first half arrives.
                 count = n // 2
-            self.h2d.issue(lambda e=entry, t=target, c=count: self.model.write(t[:c], [x[:c] for x in e.kv]))
+                if not _same(self.model.read(dst[count:]), [x[count:] for x in entry.kv]):
+                    self.bugs.took_effect("loadback_partial")
+            if entry.corrupt:
+                self.bugs.took_effect("offload_free_before_copy")
+            self.h2d.issue(lambda e=entry, t=target, c=count: self.model.write(t[:c], [x[:c] for x in e.kv]),
+                           lambda e=entry, t=target, c=count: not _same(self.model.read(t[:c]),
+                                                                        [x[:c] for x in e.kv]))
             off += n
         self.loadbacks += 1
         return slots
@@ -134,3 +155,7 @@ class HostCache:
 def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     for d, s in zip(dst, src):
         d.copy_(s)
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))

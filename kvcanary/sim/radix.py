@@ -81,6 +81,7 @@ class RadixCache:
         self.root = Node(value=[])
         self.root.lock_ref = 1
         self.clock = 0
+        self.evicted_pages = 0
 
     # -- lookups -------------------------------------------------------------------------------
     def _match_len(self, node_key: tuple[int, ...], key: tuple[int, ...], for_match: bool = False) -> int:
@@ -216,6 +217,7 @@ class RadixCache:
                 self.free_slots(node.value)
                 self._drop(node)
             freed += pages
+            self.evicted_pages += pages
             parent = node.parent
             if (parent is not None and parent is not self.root and parent.on_device and parent.lock_ref <= 0
                     and not parent.has_device_child()):

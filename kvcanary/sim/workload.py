@@ -70,7 +70,16 @@ def make_workload(cfg: SimConfig) -> Workload:
             burst, burst_prefix = 3, shared[1]
         for _ in range(min(burst, cfg.num_requests - rid + 1)):
             roll = rng.random()
-            if roll < 0.1 and prompts:
+            if rid <= 3:
+                prompt = tuple(burst_prefix + [tok() for _ in range(rng.randint(1, 24))])
+            elif rid == 5:
+                prompt = tuple(tok() for _ in range(rng.randint(24, 40)))  # a one-off conversation ...
+            elif rid == 4 or roll < 0.05 and prompts:
+                # A near repeat (an edited or truncated earlier prompt): the match ends inside a cached node.
+                base = prompts[0] if rid == 4 else rng.choice(prompts)
+                cut = max(2 * cfg.page_size, len(base) // 2 + rng.randint(0, 3))
+                prompt = tuple(base[:cut]) + tuple(tok() for _ in range(rng.randint(1, 24)))
+            elif roll < 0.15 and prompts:
                 prompt = rng.choice(prompts)  # an exact repeat: a full prefix-cache hit
             elif roll < 0.8:
                 prefix = burst_prefix if burst_prefix is not None else rng.choice(shared)
@@ -84,6 +93,15 @@ def make_workload(cfg: SimConfig) -> Workload:
             if rng.random() < 0.3:
                 # Early (while queued or prefilling), mid-decode, or late (often after it finished).
                 abort_at = step + rng.choice((rng.randint(0, 4), rng.randint(3, 14), rng.randint(12, 45)))
+            if rid == 2:
+                max_new, abort_at = min(2, max_new), step + 24  # its client disconnects after it finished
+            elif rid == 3:
+                max_new, abort_at = max(max_new, min(24, cfg.max_output)), step + 5  # ... while it decodes
+            elif rid == 5:
+                max_new, abort_at = min(max_new, 4), None
+            elif rid == cfg.num_requests and rid > 5:
+                prompt, abort_at = prompts[4], None  # ... that returns late, after memory pressure evicted it
+                step += 8
             specs.append(RequestSpec(rid, step, prompt, max_new, abort_at))
             prompts.append(prompt)
             rid += 1
