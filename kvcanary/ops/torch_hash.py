@@ -78,3 +78,16 @@ def fingerprint(*, slots: torch.Tensor, sources, real_kv_mode: int) -> torch.Ten
         num_bytes = PARTIAL_READ_BYTES if real_kv_mode == RealKvMode.PARTIAL else src.read_bytes
         acc = splitmix64(acc ^ source_hash(src, slots, num_bytes))
     return acc
+
+
+def count_le(cum: torch.Tensor, start, count: int) -> torch.Tensor:
+    """For v in [start, start + count): how many values of the non-decreasing ``cum`` are <= v.
+
+    The same as ``searchsorted(cum, start + arange(count), right=True)``, built from index_add and
+    cumsum, which stay on one thread for small inputs: CPU searchsorted goes parallel at a few
+    hundred elements and can stall for milliseconds when the other cores are busy.
+    """
+    idx = (cum - start).clamp(0, count)
+    hits = torch.zeros(count + 1, dtype=torch.int64, device=cum.device)
+    hits.index_add_(0, idx, torch.ones_like(idx))
+    return torch.cumsum(hits[:count], 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary.format import ATTRIBUTION_STRIDE, Counter, FailReason
-from kvcanary.ops.torch_hash import HEAD, INT64_MAX, fingerprint, gather_rows, mix3
+from kvcanary.ops.torch_hash import HEAD, INT64_MAX, count_le, fingerprint, gather_rows, mix3
 
 __all__ = ["fingerprint", "plan", "scatter_req_token_ids", "verify", "write"]
 
@@ -40,7 +40,7 @@ def _push(ring, rows: torch.Tensor, flag: torch.Tensor) -> None:
         k = torch.arange(lo, hi, device=flag.device)
         m = k - base
         take = (m >= 0) & (m < total)
-        src = torch.searchsorted(cum, m.clamp(min=0), right=True).clamp(max=rows.shape[0] - 1)
+        src = count_le(cum, lo - base, hi - lo).clamp(max=rows.shape[0] - 1)
         ring.rows[lo:hi] = torch.where(take[:, None], rows[src], ring.rows[lo:hi])
     ring.write_index.add_(total.to(torch.int32))
 
@@ -105,7 +105,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
         return
     # Entry e belongs to the request whose inclusive cumsum first passes e.
     o_e = torch.arange(n, device=dev)
-    r = torch.searchsorted(cum, o_e, right=True).clamp(max=bs - 1)
+    r = count_le(cum, 0, n).clamp(max=bs - 1)
     p = start[r] + o_e - (cum[r] - count[r])
     row = rows[r]
     slot = _translate(gather_rows(req_to_token, row, p), full_to_swa)
@@ -196,7 +196,7 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
     o_i = torch.arange(n_tok, device=dev)
     slot, tok, pos = out_cache_loc.long(), input_ids.long(), positions.long()
     done = (o_i >= offs[0]) & (o_i < end)
-    req = torch.searchsorted(offs[1:], o_i, right=True).clamp(max=nr - 1)
+    req = count_le(offs[1:], 0, n_tok).clamp(max=nr - 1)
     begin = offs[:nr]
     length = (torch.minimum(offs[1:], end) - begin).clamp(min=0)
 
