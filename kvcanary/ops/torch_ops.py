@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.format import ATTRIBUTION_STRIDE, Counter, FailReason
+from kvcanary.format import ATTRIBUTION_STRIDE, MASK64, Counter, FailReason, to_signed
+from kvcanary.format import mix3 as mix3_int
 from kvcanary.ops.torch_hash import HEAD, INT64_MAX, count_le, fingerprint, gather_rows, mix3
 
 __all__ = ["fingerprint", "plan", "scatter_req_token_ids", "verify", "write"]
@@ -140,6 +141,8 @@ def _chain_delays(dep, has_dep, req, begin, num_requests):
 def _run_chains(running, tok, pos, begin, length, delay, dep, has_dep):
     """prev_hash each entry stores: the serial chains, stepped together across requests."""
     n_tok, dev = tok.shape[0], tok.device
+    if _host_reads(dev) and length.numel() and int(length.max()) > SCALAR_CHAIN_MIN:
+        return _run_chains_scalar(running, tok, pos, begin, length, delay, dep, has_dep)
     # Index n_tok is a scratch entry that idle requests write each step.
     tok_x, pos_x = torch.cat([tok, tok[:1]]), torch.cat([pos, pos[:1]])
     run_before = torch.zeros(n_tok + 1, dtype=torch.int64, device=dev)
@@ -156,6 +159,28 @@ def _run_chains(running, tok, pos, begin, length, delay, dep, has_dep):
         running = torch.where(act, mix3(running, tok_x[i], pos_x[i]), running)
         run_after[i] = running
     return run_before[:n_tok]
+
+
+# On the CPU a long chain is cheaper in Python integers (a few us a token) than as one round of
+# small torch ops per token; both give the same bits.
+SCALAR_CHAIN_MIN = 16
+
+
+def _run_chains_scalar(running, tok, pos, begin, length, delay, dep, has_dep):
+    """``_run_chains`` for CPU tensors: requests in start order, each chain a Python-int loop."""
+    tok_l, pos_l = tok.tolist(), pos.tolist()
+    run0, begin_l, length_l = running.tolist(), begin.tolist(), length.tolist()
+    dep_l, has_dep_l, delay_l = dep.tolist(), has_dep.tolist(), delay.tolist()
+    before = [0] * len(tok_l)
+    after = [0] * len(tok_l)
+    # A request that continues another's entry starts after it (larger delay): sorted order is safe.
+    for r in sorted(range(len(run0)), key=lambda r: delay_l[r]):
+        h = (after[dep_l[r]] if has_dep_l[r] and length_l[r] > 0 else run0[r]) & MASK64
+        for i in range(begin_l[r], begin_l[r] + length_l[r]):
+            before[i] = h
+            h = mix3_int(h, tok_l[i], pos_l[i])
+            after[i] = h
+    return torch.tensor([to_signed(x) for x in before], dtype=torch.int64)
 
 
 def _write_checks(tok, pos, prev_pos, has_prev_pos, expected_input_ids, expected_positions, chain_check):
