@@ -125,3 +125,32 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.out_cache_loc.shape[0])
+
+
+def translate_slot(x: int, table: list[int] | None) -> int:
+    """A full-pool slot through a full->SWA table as a list (out of range passes through, as in the ops)."""
+    return table[x] if table is not None and 0 <= x < len(table) else x
+
+
+def batch_lists(batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
+    """(rows, prefix_lens, request ids) of a batch as host lists; ids default to the rows."""
+    rows, prefix = batch.req_pool_indices.tolist(), batch.prefix_lens.tolist()
+    ids = batch.request_ids.tolist() if batch.request_ids is not None else rows
+    return rows, prefix, ids
+
+
+def verified_cells(batch: ForwardBatch, window: int, table: torch.Tensor | None) -> list[tuple[int, int, int, int]]:
+    """(request id, position, slot, prev slot) of every cell a forward verifies in one group.
+
+    Host-side and syncing: for reports and self-tests, never the hot path.
+    """
+    rows, prefix, ids = batch_lists(batch)
+    table_l = None if table is None else table.tolist()
+    out = []
+    for r, row in enumerate(rows):
+        if row == 0 or prefix[r] <= 0:
+            continue
+        start = max(0, prefix[r] - window) if window else 0
+        cells = [translate_slot(c, table_l) for c in batch.req_to_token[row, :prefix[r]].tolist()]
+        out.extend((ids[r], p, cells[p], cells[p - 1] if p > 0 else -1) for p in range(start, prefix[r]))
+    return out

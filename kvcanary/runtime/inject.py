@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.format import RealKvMode, RecordField as R
+from kvcanary.runtime.batch import batch_lists, translate_slot, verified_cells
 from kvcanary.runtime.recall import KINDS, Injection
 
 __all__ = ["KINDS", "Injection", "Injector"]
@@ -176,7 +177,7 @@ class Injector:
     # -- the perturbations -----------------------------------------------------------------------
     def _inject_table(self, batch, step: int) -> None:
         table = batch.req_to_token
-        rows, prefix, ids = _batch_lists(batch)
+        rows, prefix, ids = batch_lists(batch)
         cells = [(r, p) for r in range(len(rows)) if rows[r] != 0 for p in range(max(0, prefix[r] - 1))]
         reads = sorted({s for s, _, _ in self._reads(batch, "full")})
         if not cells or len(reads) < 2:
@@ -317,29 +318,18 @@ class Injector:
     def _reads(self, batch, group: str) -> list[tuple[int, int, int]]:
         """(slot, request, position) of every cell this forward verifies in ``group``."""
         g = self.canary._group(group)
-        rows, prefix, ids = _batch_lists(batch)
-        table = None if g.table is None else g.table.tolist()
-        out = []
-        for r, row in enumerate(rows):
-            if row == 0 or prefix[r] <= 0:
-                continue
-            start = max(0, prefix[r] - g.window) if g.window else 0
-            for p, cell in enumerate(batch.req_to_token[row, start:prefix[r]].tolist(), start):
-                slot = _translate(cell, table)
-                if slot > 0:
-                    out.append((slot, ids[r], p))
-        return out
+        return [(slot, rid, p) for rid, p, slot, _ in verified_cells(batch, g.window, g.table) if slot > 0]
 
     def _writes(self, batch, group: str) -> list[tuple[int, int, int]]:
         """(slot, request, position) of every token this forward writes in ``group``."""
         g = self.canary._group(group)
         table = None if g.table is None else g.table.tolist()
-        rows, _, ids = _batch_lists(batch)
+        rows, _, ids = batch_lists(batch)
         extend = batch.extend_lens.tolist()
         owner = [ids[r] for r in range(len(rows)) if rows[r] != 0 for _ in range(max(0, extend[r]))]
         out = []
         for i, (loc, pos) in enumerate(zip(batch.out_cache_loc.tolist(), batch.positions.tolist())):
-            slot = _translate(loc, table) if loc >= 0 else -1
+            slot = translate_slot(loc, table) if loc >= 0 else -1
             if slot > 0:
                 out.append((slot, owner[i] if i < len(owner) else -1, pos))
         return out
@@ -375,15 +365,6 @@ def _entry_slots(entries) -> list[int]:
     n = min(int(entries.count.item()), entries.capacity)
     return entries.slot[:n].tolist()
 
-
-def _batch_lists(batch):
-    rows, prefix = batch.req_pool_indices.tolist(), batch.prefix_lens.tolist()
-    ids = batch.request_ids.tolist() if batch.request_ids is not None else rows
-    return rows, prefix, ids
-
-
-def _translate(x: int, table: list[int] | None) -> int:
-    return table[x] if table is not None and 0 <= x < len(table) else x
 
 
 def _as_list(x) -> list[int]:

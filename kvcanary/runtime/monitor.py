@@ -15,6 +15,7 @@ from kvcanary.format import (
     link,
     to_unsigned,
 )
+from kvcanary.runtime.batch import verified_cells
 from kvcanary.runtime.observer import HostObserver, Observation
 from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation
 
@@ -135,18 +136,7 @@ class Monitor:
         slot = row[1]
         g = self.canary._group(group)
         buf = g.bufs[phase, kv]
-        rows, prefix = batch.req_pool_indices.tolist(), batch.prefix_lens.tolist()
-        ids = batch.request_ids.tolist() if batch.request_ids is not None else rows
-        table = None if g.table is None else g.table.tolist()
-        candidates = []
-        for r, req_row in enumerate(rows):
-            if req_row == 0 or prefix[r] <= 0:
-                continue
-            start = max(0, prefix[r] - g.window) if g.window else 0
-            cells = [_translate(c, table) for c in batch.req_to_token[req_row, :prefix[r]].tolist()]
-            for p in range(start, prefix[r]):
-                if cells[p] == slot:
-                    candidates.append((ids[r], p, cells[p - 1] if p > 0 else -1))
+        candidates = [(rid, p, prev) for rid, p, s, prev in verified_cells(batch, g.window, g.table) if s == slot]
         if row[7] & FailReason.VERIFY_CHAIN_HASH:
             matching = [c for c in candidates if _expected_prev_hash(buf, c[2]) == to_unsigned(row[6])]
             candidates = matching or candidates
@@ -205,10 +195,6 @@ class Monitor:
         s = self.stats()
         return (f"kv_canary stats: step={s['step']} tokens_protected={s['tokens_protected']} "
                 f"entries_checked={s['entries_checked']} sweeps={s['sweeps']} violations={s['violations']}")
-
-
-def _translate(x: int, table: list[int] | None) -> int:
-    return table[x] if table is not None and 0 <= x < len(table) else x
 
 
 def _expected_prev_hash(buf: torch.Tensor, prev: int) -> int | None:
