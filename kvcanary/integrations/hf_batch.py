@@ -59,7 +59,7 @@ class BatchBuilder:
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
         if io.use_block_table:
             # Flash decode fast path: write_index is not filled; the kernel writes through the table.
-            rows = self.rows[:bs].repeat_interleave(extend_t)
+            rows = self.rows[:bs].repeat_interleave(extend_t, output_size=T)  # host-known size: no sync
             out_cache_loc = rtt[rows, positions.to(torch.int64)]
         else:
             out_cache_loc = io.write_index_storage[lay.full_group, :T]
