@@ -342,3 +342,15 @@ def test_config_from_env_and_errors():
         CanaryConfig(record_stride=36)
     with pytest.raises(ValueError, match="backend"):
         CanaryConfig(backend="cuda")
+
+
+def test_memory_report_follows_the_documented_formulas():
+    e = engine(check_v=True, swa_window=3, swa_slots=40, record_stride=64, plan_capacity=100)
+    m = e.canary.memory()
+    assert m["record_bytes_per_slot"] == {"full": 4 * 64, "swa": 4 * 64}
+    assert m["canary_buffers"] == 4 * 64 * (64 + 40)
+    # 32 B per plan entry (full: plan_capacity; SWA: min(plan_capacity, max_batch * window)) + write metadata.
+    assert m["plans"] == 32 * (100 + min(100, 4 * 3)) + 2 * (8 * (4 + 1) + 8 * 4)
+    assert m["sweep_entries"] == 32 * (64 + 40)
+    assert m["token_table"] == 8 * 32 * 4
+    assert m["total"] == sum(v for k, v in m.items() if k not in ("total", "record_bytes_per_slot"))

@@ -216,6 +216,23 @@ class Canary:
     def stats(self) -> dict:
         return self.monitor.stats()
 
+    def memory(self) -> dict:
+        """Bytes the canary holds on its device, by part (docs/runtime.md gives the formulas)."""
+        def nbytes(*ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        out = {"record_bytes_per_slot": {g.name: sum(b.shape[1] for b in g.bufs.values()) for g in self.groups},
+               "canary_buffers": sum(nbytes(*g.bufs.values()) for g in self.groups),
+               "plans": sum(nbytes(g.plan.entries.slot, g.plan.entries.position, g.plan.entries.prev,
+                                   g.plan.entries.expected_token, g.plan.write_offsets, g.plan.seed_slot)
+                            for g in self.groups),
+               "sweep_entries": sum(nbytes(g.sweep_entries.slot, g.sweep_entries.position, g.sweep_entries.prev,
+                                           g.sweep_entries.expected_token) for g in self.groups),
+               "token_table": nbytes(self.token_table),
+               "ring": nbytes(self.ring.rows) * (1 + len(self.monitor.observer.slots))}
+        out["total"] = sum(v for k, v in out.items() if k != "record_bytes_per_slot")
+        return out
+
     def check_health(self) -> list[str]:
         """Problems found (an expected launch that stopped running); raises in mode "raise"."""
         return self.monitor.check_health(force=True)
