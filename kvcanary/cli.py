@@ -115,12 +115,14 @@ def _zoo(args: argparse.Namespace) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    from kvcanary.bench import add_arguments
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, torch on cpu")
+    p.add_argument("--small", action="store_true", help="the CPU-sized workloads")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
 
-    add_arguments(p)
 
-
-@command("bench", "op throughput (verify/write entries/s, GB/s, % of copy bandwidth); JSON and PNG", _bench_args)
+@command("bench", "op throughput (verify/write entries/s, GB/s, share of copy bandwidth); JSON and PNG", _bench_args)
 def _bench(args: argparse.Namespace) -> int:
     from kvcanary.bench import bench_main
 
