@@ -83,6 +83,8 @@ def _same(a, b) -> bool:
 def run_selfcheck(device: str | torch.device = "cpu") -> dict:
     """Run the example on every usable backend; returns {"vectors": bool, "rows": [...], "ok": bool}."""
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"kv-canary: selfcheck device must be available, got {device} without a CUDA GPU")
     vectors = (splitmix64(1) == 0x5692161D100B05E5 and CHAIN_HEAD == 0xDE7FAE23A9A1B716)
     results = {b: _run(b, _example(device)) for b in usable_backends(device)}
     ref = results["reference"]
