@@ -214,6 +214,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def bench_main(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"kv-canary: bench device must be available, got {device} without a CUDA GPU")
     providers = args.providers or (["triton", "torch"] if device.type == "cuda" else ["torch"])
     workloads = CPU_WORKLOADS if (args.small or device.type == "cpu") else WORKLOADS
     out = run(device, providers, workloads)
