@@ -6,7 +6,7 @@ An engine adapter fills these from its own bookkeeping; the canary knows no engi
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -116,7 +116,6 @@ class ForwardBatch:
     expected_positions: torch.Tensor | None = None
     mode: ForwardMode = ForwardMode.EXTEND
     token_offset: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from kvcanary import ops
+from kvcanary.ops import validate as v
 from kvcanary.format import RealKvMode, launch_tag
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec
 from kvcanary.runtime.config import CanaryConfig
@@ -30,10 +31,11 @@ SweepProvider = Callable[[], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | 
 class _Group:
     """One address space (FULL or SWA) with its canary buffers and static plan."""
 
-    def __init__(self, name, num_slots, window, table, k_sources, v_sources, cfg, plan_capacity, sweep_capacity,
-                 max_batch, device):
+    def __init__(self, name, num_slots, window, table, k_sources, v_sources, cfg, real_kv_mode, plan_capacity,
+                 sweep_capacity, max_batch, device):
         self.name, self.num_slots, self.window, self.table = name, num_slots, window, table
-        self.sources = {"k": tuple(k_sources), "v": tuple(v_sources)}  # validated by ForwardLauncher
+        self.sources = {kv: v.check_sources("Canary", srcs, real_kv_mode, device)
+                        for kv, srcs in (("k", k_sources), ("v", v_sources))}
         self.kvs = ("k", "v") if cfg.check_v else ("k",)
         self.bufs = {(phase, kv): ops.allocate_canary_buffer(num_slots, cfg.record_stride, device)
                      for phase in ("head", "tail") for kv in self.kvs}
@@ -79,12 +81,12 @@ class Canary:
         self.enabled = cfg.mode != "none"
         self.real_kv_mode = RealKvMode[cfg.real_kv.upper()]
         plan_capacity = cfg.plan_capacity or max_batch * max_context
-        self.groups = [_Group("full", pool.num_slots, 0, None, pool.k_sources, pool.v_sources, cfg, plan_capacity,
-                              cfg.sweep_capacity, max_batch, self.device)]
+        self.groups = [_Group("full", pool.num_slots, 0, None, pool.k_sources, pool.v_sources, cfg,
+                              self.real_kv_mode, plan_capacity, cfg.sweep_capacity, max_batch, self.device)]
         if pool.swa is not None:
             s = pool.swa
             self.groups.append(_Group("swa", s.num_slots, s.window, s.full_to_swa, s.k_sources, s.v_sources, cfg,
-                                      min(plan_capacity, max_batch * s.window), cfg.sweep_capacity, max_batch,
+                                      self.real_kv_mode, min(plan_capacity, max_batch * s.window), cfg.sweep_capacity, max_batch,
                                       self.device))
         self.ring = ops.ViolationRing.allocate(cfg.ring_capacity, self.device)
         self.counters = ops.allocate_counters(self.device)
@@ -230,7 +232,7 @@ class Canary:
                                            g.sweep_entries.expected_token) for g in self.groups),
                "token_table": nbytes(self.token_table),
                "ring": nbytes(self.ring.rows) * (1 + len(self.monitor.observer.slots))}
-        out["total"] = sum(v for k, v in out.items() if k != "record_bytes_per_slot")
+        out["total"] = sum(n for k, n in out.items() if k != "record_bytes_per_slot")
         return out
 
     def check_health(self) -> list[str]:
@@ -263,7 +265,3 @@ class Canary:
         if batch.req_to_token.shape[1] > self.max_context:
             raise ValueError(f"kv-canary: req_to_token columns must be <= max_context ({self.max_context}), got "
                              f"{batch.req_to_token.shape[1]}; raise Canary(max_context=...)")
-        hist = batch.token_history
-        if hist is not None and hist.offsets.shape[0] != batch.batch_size + 1:
-            raise ValueError(f"kv-canary: token_history offsets must have bs+1 ({batch.batch_size + 1}) entries, "
-                             f"got {hist.offsets.shape[0]}")

@@ -10,6 +10,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from kvcanary.format import DEFAULT_RECORD_STRIDE
+
 MODES = ("none", "log", "raise")
 REAL_KV_MODES = ("none", "partial", "all")
 ENV_PREFIX = "KV_CANARY_"
@@ -58,7 +60,7 @@ class CanaryConfig:
     ring_capacity: int = 1024
     plan_capacity: int = 0
     sweep_capacity: int = 0
-    record_stride: int = 48
+    record_stride: int = DEFAULT_RECORD_STRIDE
     warmup_steps: int = 2
     health_interval: int = 50
     stats_interval: int = 0

@@ -54,9 +54,6 @@ class ForwardLauncher:
     def __init__(self, canary):
         self.c = canary
         self.impl = api.impl_module(canary.config.backend, canary.device.type)
-        for g in canary.groups:
-            for kv in ("k", "v"):
-                g.sources[kv] = v.check_sources("Canary", g.sources[kv], canary.real_kv_mode, canary.device)
         self.attribution = canary.config.record_stride >= ATTRIBUTION_STRIDE
         if any(g.table is not None for g in canary.groups):
             self.swa_loc = torch.zeros(canary.max_tokens, dtype=torch.int64, device=canary.device)

@@ -38,7 +38,8 @@ class Monitor:
         self.sweeps = {g.name: 0 for g in canary.groups}
         self.batches: dict[int, object] = {}
         self.counters: list[list[int]] | None = None
-        self.last_health: tuple[int, dict, list[list[int]]] | None = None
+        self.counters_meta: dict | None = None  # host facts (forwards, sweeps) at the counters' snapshot
+        self.last_health: tuple[dict, list[list[int]]] | None = None
         self.overflowing = {g.name: False for g in canary.groups}
         self.health_problems: list[str] = []
 
@@ -72,7 +73,7 @@ class Monitor:
         fresh: list[Violation] = []
         total = 0
         for obs in observations:
-            self.counters = obs.values["counters"]
+            self.counters, self.counters_meta = obs.values["counters"], obs.host_meta
             self._note_overflow(obs)
             if not obs.count:
                 continue
@@ -155,17 +156,18 @@ class Monitor:
             self.flush()
         if self.counters is None:
             return []
-        now = (self.forwards, dict(self.sweeps), self.counters)
+        # Counters arrive one step late on CUDA: compare them with the host facts of the same snapshot.
+        meta, now = self.counters_meta, (self.counters_meta, self.counters)
         problems = []
         if self.last_health is not None:
-            forwards0, sweeps0, counters0 = self.last_health
-            forwards = self.forwards - forwards0
+            meta0, counters0 = self.last_health
+            forwards = meta["forwards"] - meta0["forwards"]
             for name in self.expected_tags():
                 ran = self.counters[LaunchTag[name]][0] - counters0[LaunchTag[name]][0]
                 if forwards > 0 and ran == 0:
                     problems.append(f"{name} ran 0 launches over {forwards} forwards")
             for g in self.canary.groups:
-                asked = self.sweeps[g.name] - sweeps0[g.name]
+                asked = meta["sweeps"][g.name] - meta0["sweeps"][g.name]
                 for kv in g.kvs:
                     tag = g.tag("sweep", kv)
                     ran = self.counters[tag][0] - counters0[tag][0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from kvcanary.format import FailReason, LaunchTag, ViolationField as F, reason_label, to_unsigned
+from kvcanary.format import FailReason, LaunchTag, ViolationField as F, reason_label, to_signed, to_unsigned
 
 WRITE_REASONS = int(FailReason.WRITE_TOKEN | FailReason.WRITE_POSITION)
 
@@ -69,7 +69,7 @@ class Violation:
         """A readable multi-line explanation."""
         lines = [f"KV canary violation at step {self.step} ({self.launch_tag}): {self.reason_label}"]
         if self.is_write_check:
-            expected_pos = to_signed64(self.expected_aux)
+            expected_pos = to_signed(self.expected_aux)
             lines.append(f"  the engine wrote token {self.stored_token} at position {self.position} into slot "
                          f"{self.slot}; expected token {self.expected_token} at position {expected_pos}")
         else:
@@ -95,10 +95,6 @@ class Violation:
         d = asdict(self)
         d["reasons"] = list(self.reasons)
         return d
-
-
-def to_signed64(x: int) -> int:
-    return x - (1 << 64) if x >> 63 else x
 
 
 def _tag_name(kind: int) -> str:
