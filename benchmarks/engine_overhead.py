@@ -30,15 +30,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-try:
-    import kvcanary  # noqa: F401
-except ImportError:  # run from a checkout without installing: the repository root holds the package
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The repository root: the package when run from a checkout, and benchmarks.varlen_attention.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -51,7 +48,7 @@ SIZES = {
 VOCAB = 32000
 
 
-def build_model(size: str, device: torch.device, dtype: torch.dtype, max_len: int):
+def build_model(size: str, device: torch.device, dtype: torch.dtype, max_len: int, attention: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**SIZES[size], vocab_size=VOCAB, max_position_embeddings=max(2048, max_len))
@@ -59,21 +56,27 @@ def build_model(size: str, device: torch.device, dtype: torch.dtype, max_len: in
     with torch.device(device):
         model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
     model.eval()
-    model.set_attn_implementation("paged|sdpa")
+    if attention == "varlen":
+        from benchmarks.varlen_attention import register
+
+        model.set_attn_implementation(register())
+    else:
+        model.set_attn_implementation("paged|sdpa")
     return model
 
 
 class Workload:
-    def __init__(self, args, device):
+    def __init__(self, args, device, context: int | None = None):
         self.args, self.device = args, device
+        context = context or args.context
         g = torch.Generator().manual_seed(1)
-        self.prompts = [torch.randint(5, VOCAB, (args.context,), generator=g).tolist() for _ in range(args.batch)]
+        self.prompts = [torch.randint(5, VOCAB, (context,), generator=g).tolist() for _ in range(args.batch)]
         # Decode: requests that finish prefill early decode alongside later prefill chunks; generate enough
         # tokens that, once every prompt is prefilled, `steps` more steps decode the whole batch together.
-        prefill_steps = math.ceil(args.batch * args.context / max(1, args.chunk - args.batch)) + 1
+        prefill_steps = math.ceil(args.batch * context / max(1, args.chunk - args.batch)) + 1
         self.new_tokens = prefill_steps + args.skip + args.steps + 2 if args.mode == "decode" else 1
         bs = args.block_size
-        blocks = args.batch * (math.ceil((args.context + self.new_tokens + 1) / bs) + 1) + 8
+        blocks = args.batch * (math.ceil((context + self.new_tokens + 1) / bs) + 1) + 8
         self.cb = dict(block_size=bs, num_blocks=blocks, max_batch_tokens=args.chunk,
                        max_requests_per_batch=args.batch, use_async_batching=False, use_cuda_graph=False,
                        allow_block_sharing=False, scheduler_type="fifo", safety_margin=0.0)
@@ -85,7 +88,7 @@ class Workload:
         return tokens > batch
 
 
-def run_once(model, wl: Workload, canary: bool, profile: bool = False) -> dict:
+def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: str | None = None) -> dict:
     """One full generation of the workload on this thread; per-step wall times of the measured steps."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -141,6 +144,8 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False) -> dict:
             prof.__exit__(None, None, None)
         if prof is not None and not profiled:
             prof = None  # no measured step ran: nothing was profiled
+        if prof is not None and trace:
+            prof.export_chrome_trace(trace)
         for state in list(bp.scheduler.active_requests.values()):
             outputs[state.request_id] = state.generated_tokens
         while not manager.output_router.output_queue.empty():
@@ -215,7 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (decode mode)")
     ap.add_argument("--skip", type=int, default=2, help="measured-kind steps skipped at the start of each run")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating (without, with) rounds after warm-up")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating (without, with) rounds after warm-up")
+    ap.add_argument("--attention", choices=("varlen", "sdpa"), default=None,
+                    help="paged attention: varlen (benchmarks/varlen_attention.py; default on cuda) or the engine's "
+                         "dense paged|sdpa (default on cpu)")
+    ap.add_argument("--warmup-context", type=int, default=256,
+                    help="prompt length of the warm-up generations (kernels and allocator; 0 = --context)")
+    ap.add_argument("--trace", default=None, metavar="PATH", help="chrome trace of the profiled run")
     ap.add_argument("--chunk", type=int, default=0, help="max_batch_tokens (default 4096 on cuda, 256 on cpu)")
     ap.add_argument("--block-size", type=int, default=0, help="default 256 on cuda, 16 on cpu")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled run (GPU time split)")
@@ -230,29 +241,46 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.perf_counter()
-    model = build_model(args.model_size, device, dtype, args.context + args.steps + 8)
+    args.attention = args.attention or ("varlen" if device.type == "cuda" else "sdpa")
+    if args.attention == "varlen" and device.type == "cuda":
+        from benchmarks.varlen_attention import self_check
+
+        err = self_check(device)
+        if err > 0.05:
+            raise SystemExit(f"engine_overhead: the varlen attention disagrees with per-request SDPA by {err}")
+    model = build_model(args.model_size, device, dtype, args.context + args.steps + 8, args.attention)
     wl = Workload(args, device)
     build_s = time.perf_counter() - t0
 
-    run_once(model, wl, canary=False)  # warm-up: allocator, kernels, autotune
-    run_once(model, wl, canary=True)
+    # Warm-up (allocator, kernels) on a short prompt: the kernels do not recompile for other lengths.
+    warm = Workload(args, device, min(args.context, args.warmup_context or args.context))
+    for c in (False, True):
+        t1 = time.perf_counter()
+        run_once(model, warm, canary=c)
+        print(f"warm-up canary={c}: {time.perf_counter() - t1:.1f} s", file=sys.stderr)
     off, on, canary_s, ok, violations = [], [], [], True, 0
     for r in range(args.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)
-        res = {c: run_once(model, wl, canary=c) for c in order}
+        res = {}
+        for c in order:
+            t1 = time.perf_counter()
+            res[c] = run_once(model, wl, canary=c)
+            print(f"round {r} canary={c}: {time.perf_counter() - t1:.1f} s, {len(res[c]['steps'])} steps",
+                  file=sys.stderr)
         off += res[False]["steps"]
         on += res[True]["steps"]
         canary_s += res[True]["canary_s"]
         ok &= res[False]["outputs"] == res[True]["outputs"]
         violations += res[True]["violations"]
-    profile = None if args.no_profile else run_once(model, wl, canary=True, profile=True)["profile"]
+    profile = None if args.no_profile else run_once(model, wl, canary=True, profile=True, trace=args.trace)["profile"]
 
     q_off, q_on, q_c = quantiles(off), quantiles(on), quantiles(canary_s)
     result = {
         "workload": {"model_size": args.model_size, **SIZES[args.model_size], "vocab_size": VOCAB,
                      "dtype": str(dtype).replace("torch.", ""), "batch": args.batch, "context": args.context,
                      "mode": args.mode, "max_batch_tokens": args.chunk, "block_size": args.block_size,
-                     "rounds": args.rounds, "attention": "paged|sdpa", "cuda_graphs": False,
+                     "rounds": args.rounds,
+                     "attention": "paged|kvc_varlen" if args.attention == "varlen" else "paged|sdpa", "cuda_graphs": False,
                      "async_batching": False},
         "environment": {**environment(device), "device": str(device)},
         "correctness": {"tokens_identical": ok, "violations": violations},

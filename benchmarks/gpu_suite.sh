@@ -2,7 +2,7 @@
 # Everything the GPU machine must run, in one call per part, each well under 10 minutes:
 #   bash benchmarks/gpu_suite.sh tests    # the whole test suite natively (Triton compiled), self-check, demo
 #   bash benchmarks/gpu_suite.sh ops      # op throughput (benchmarks/ops_bench.py)
-#   bash benchmarks/gpu_suite.sh engine   # canary cost inside transformers continuous batching, 1B and 8B
+#   bash benchmarks/gpu_suite.sh engine [SPEC ...]  # canary cost inside transformers continuous batching, 1B and 8B
 # Results and logs go to $OUT (default ./out). Runs from a checkout without installing (PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,20 +16,30 @@ part=${1:-tests}
 } > "$OUT/env.txt" 2>&1
 case "$part" in
   tests)
-    timeout 420 $py -m pytest -q -p no:cacheprovider -x --durations=10 tests 2>&1 | tee "$OUT/tests.log" | tail -15
+    timeout ${TESTS_TIMEOUT:-420} $py -m pytest -q -p no:cacheprovider --durations=15 tests 2>&1 | tee "$OUT/tests.log" | tail -15
     $py -m kvcanary.cli selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.log" | tail -3
     timeout 90 $py -m kvcanary.cli demo --device cuda 2>&1 | tee "$OUT/demo.log" | head -12
     ;;
   ops)
-    timeout 500 $py -m kvcanary.cli bench --device cuda --out "$OUT/ops_bench.json" --plot "$OUT/ops_bench.png" 2>&1 | tee "$OUT/ops.log"
+    timeout ${OPS_TIMEOUT:-500} $py -m kvcanary.cli bench --device cuda --out "$OUT/ops_bench.json" --plot "$OUT/ops_bench.png" 2>&1 | tee "$OUT/ops.log"
     ;;
   engine)
-    for spec in "1b 1 2048 decode" "1b 64 2048 decode" "1b 1 8192 decode" "1b 64 8192 decode" "1b 8 8192 prefill" \
-                "8b 1 2048 decode" "8b 64 2048 decode" "8b 8 8192 prefill"; do
+    # Specs "size batch context mode"; the default list covers the performance targets (1B and 8B,
+    # batch 1 and 64, contexts 2K and 8K, prefill). Pass specs as further arguments to run a subset.
+    shift
+    specs=("$@")
+    [ ${#specs[@]} -eq 0 ] && specs=("1b 1 2048 decode" "1b 64 2048 decode" "1b 1 8192 decode" "1b 64 8192 decode"
+      "1b 8 8192 prefill" "8b 1 2048 decode" "8b 64 2048 decode" "8b 1 8192 decode" "8b 64 8192 decode"
+      "8b 8 8192 prefill")
+    for spec in "${specs[@]}"; do
       set -- $spec
-      timeout 150 $py benchmarks/engine_overhead.py --device cuda --model-size "$1" --batch "$2" --context "$3" \
-        --mode "$4" --json "$OUT/engine_$1_b$2_c$3_$4.json" > "$OUT/engine_$1_b$2_c$3_$4.log" 2>&1
-      echo "$spec rc=$?"
+      name="engine_$1_b$2_c$3_$4"
+      start=$(date +%s)
+      timeout ${ENGINE_TIMEOUT:-240} $py benchmarks/engine_overhead.py --device cuda --model-size "$1" --batch "$2" \
+        --context "$3" --mode "$4" --json "$OUT/$name.json" --trace "$OUT/$name.trace.json" > "$OUT/$name.log" 2>&1
+      rc=$?
+      gzip -f "$OUT/$name.trace.json" 2>/dev/null
+      echo "$spec rc=$rc $(( $(date +%s) - start )) s"
     done
     $py benchmarks/summarize_engine.py "$OUT"/engine_*.json --plot "$OUT/overhead.png" 2>&1 | tee "$OUT/engine_summary.txt"
     ;;

@@ -1,0 +1,80 @@
+"""A varlen (per-request, causal) paged attention for transformers continuous batching, for the benchmarks.
+
+transformers' ``paged|sdpa`` attends densely over every request's KV in the batch with an additive
+mask of (batch tokens x all cached tokens): a batch of 64 requests at 8K context makes each prefill
+chunk attend over half a million keys, hours of work for one run. Real engines use varlen kernels;
+without flash-attn installed, this registers ``paged|kvc_varlen``: the engine's own cache update
+(``cache.update`` with its read/write indices, so kv-canary sees exactly the engine's KV writes),
+then PyTorch's built-in flash kernel over packed sequences on CUDA, and a per-request SDPA loop on
+the CPU (the reference the CUDA path is checked against).
+
+    from benchmarks.varlen_attention import NAME, register
+    register(); model.set_attn_implementation(NAME)
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "paged|kvc_varlen"
+
+
+def _per_request(q, k, v, cu_q, cu_k, scale):
+    """Causal attention per request, aligned bottom-right (the new tokens are the last keys)."""
+    rep = q.shape[1] // k.shape[1]
+    outs = []
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        qi = q[cq[i]:cq[i + 1]].transpose(0, 1)
+        ki = k[ck[i]:ck[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+        vi = v[ck[i]:ck[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+        lq, lk = qi.shape[1], ki.shape[1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        out = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """q (Tq, H, D), k/v (Tk, Hkv, D) packed; bottom-right causal per request; (Tq, H, D)."""
+    if q.is_cuda:
+        # Flash supports grouped KV heads natively and aligns the causal mask bottom-right.
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
+    return _per_request(q, k, v, cu_q, cu_k, scale)
+
+
+def paged_varlen_forward(module, query, key, value, attention_mask, cache=None, cu_seq_lens_q=None,
+                         cu_seq_lens_k=None, max_seqlen_q=None, max_seqlen_k=None, **kwargs):
+    if cache is None:
+        raise ValueError(f"{NAME} needs the paged cache that continuous batching passes")
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    if isinstance(cu_seq_lens_k, dict):
+        layer_type = "sliding_attention" if getattr(module, "sliding_window", None) else "full_attention"
+        cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
+    q = query.transpose(1, 2).squeeze(0).contiguous()
+    out = varlen(q, key.contiguous(), value.contiguous(), cu_seq_lens_q.to(torch.int32),
+                 cu_seq_lens_k.to(torch.int32), int(max_seqlen_q), int(max_seqlen_k), module.scaling)
+    return out, None
+
+
+def register() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, paged_varlen_forward)
+    return NAME
+
+
+def self_check(device: torch.device) -> float:
+    """Largest difference between the CUDA kernel and the per-request loop on a small random batch."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lq, lk = [3, 1, 17], [40, 9, 17]
+    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device=device)
+    q = torch.randn(sum(lq), 8, 64, generator=g).to(device, torch.bfloat16)
+    k = torch.randn(sum(lk), 2, 64, generator=g).to(device, torch.bfloat16)
+    v = torch.randn(sum(lk), 2, 64, generator=g).to(device, torch.bfloat16)
+    fast = varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), 0.125).float()
+    ref = _per_request(q.float(), k.float(), v.float(), cu_q, cu_k, 0.125)
+    return float((fast - ref).abs().max())
