@@ -25,6 +25,8 @@ class BatchBuilder:
         self.next_tokens: torch.Tensor | None = None  # token oracle: tokens _sample must emit this step
         self.want_history = session.handle.options.get("token_history", True) and session.config.token_check
         self.oracle = bool(session.handle.options.get("token_oracle"))
+        self.stage = Staging(self.device)
+        self.in_block = torch.arange(session.layout.block_size, dtype=torch.int64, device=self.device)
 
     def build(self) -> ForwardBatch:
         s, lay = self.s, self.s.layout
@@ -47,15 +49,16 @@ class BatchBuilder:
         T = cu[-1]
         maxb = max(1, max(len(t) for t in tables))
         flat_tables = [b for t in tables for b in t + [0] * (maxb - len(t))]
-        # One host-to-device copy for every small per-request array.
-        packed = torch.tensor(prefix + extend + rids + flat_tables, dtype=torch.int64).to(self.device)
+        small = prefix + extend + rids + flat_tables
+        hist = self._history_parts(reqs, prefix, extend) if self.want_history else None
+        packed = self.stage.send(small, hist)
         prefix_t, extend_t, rids_t = packed[:bs], packed[bs:2 * bs], packed[2 * bs:3 * bs]
-        block_table = packed[3 * bs:].view(bs, maxb)
-        L = max(1, max(p + q for p, q in zip(prefix, extend)))
-        pos = torch.arange(L, dtype=torch.int64, device=self.device)
-        cols = (pos // B).clamp(max=maxb - 1).expand(bs, L)
-        rtt = torch.zeros(bs + 1, L, dtype=torch.int64, device=self.device)
-        rtt[1:] = block_table.gather(1, cols) * B + pos % B
+        block_table = packed[3 * bs:len(small)].view(bs, maxb)
+        # Row i + 1 = request i's slots, block by block: three kernels into a table as wide as its blocks
+        # (columns past a request's length are never read).
+        rtt = torch.empty(bs + 1, maxb * B, dtype=torch.int64, device=self.device)
+        rtt[0].zero_()
+        torch.add(block_table.mul(B).unsqueeze(2), self.in_block[:B], out=rtt[1:].view(bs, maxb, B))
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
         if io.use_block_table:
             # Flash decode fast path: write_index is not filled; the kernel writes through the table.
@@ -67,16 +70,18 @@ class BatchBuilder:
                              input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              req_to_token=rtt, request_ids=rids_t,
                              mode=ForwardMode.DECODE if all(q == 1 for q in extend) else ForwardMode.EXTEND)
-        if self.want_history:
-            batch.token_history = self._history(reqs, prefix, extend)
+        if hist is not None:
+            n = len(small)
+            batch.token_history = TokenHistory(packed[n + bs + 1:], packed[n:n + bs + 1])
         if self.oracle:
             self._oracle(batch, reqs, prefix, extend, rids)
         if lay.swa_group is not None:
             self._fill_swa_table(io, cms, reqs, prefix, extend, tables, cu, out_cache_loc)
         return batch
 
-    def _history(self, reqs, prefix, extend) -> TokenHistory:
-        """Prompt + generated tokens of positions [0, prefix + extend) per request, cached across steps."""
+    def _history_parts(self, reqs, prefix, extend) -> tuple[list[int], list[torch.Tensor]]:
+        """Offsets and per-request host tensors of the tokens of positions [0, prefix + extend), cached
+        across steps (only tokens not seen before are converted)."""
         parts, offsets = [], [0]
         for fs, p, q in zip(reqs, prefix, extend):
             st, need = fs.state, p + q
@@ -94,8 +99,7 @@ class BatchBuilder:
                 self.history[st.request_id] = (toks, n)
             parts.append(toks[:need])
             offsets.append(offsets[-1] + need)
-        flat = torch.cat(parts).to(self.device)
-        return TokenHistory(flat, torch.tensor(offsets, dtype=torch.int64).to(self.device))
+        return offsets, parts
 
     def _oracle(self, batch, reqs, prefix, extend, rids) -> None:
         """Expected inputs (prompt, then oracle tokens) and the tokens the sampler will be forced to emit."""
@@ -145,6 +149,38 @@ class BatchBuilder:
         for fs in self.s.bp.inputs_and_outputs.requests_in_batch:
             if fs.state.status == _STATUS_FINISHED:
                 self.history.pop(fs.state.request_id, None)
+
+
+class Staging:
+    """The step's small host arrays in one pinned buffer and one asynchronous copy into a device buffer
+    reused across steps (pageable copies would block the host on every step)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.host = self.dev = None
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def send(self, small: list[int], hist: tuple[list[int], list[torch.Tensor]] | None) -> torch.Tensor:
+        n_small = len(small) + (len(hist[0]) if hist else 0)
+        n = n_small + (hist[0][-1] if hist else 0)
+        if self.host is None or self.host.shape[0] < n:
+            size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 1024)
+            if self.event is not None:
+                self.event.synchronize()
+            self.host = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
+            self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
+        elif self.event is not None:
+            self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
+        head = small + hist[0] if hist else small
+        self.host[:n_small] = torch.tensor(head, dtype=torch.int64)
+        if hist and hist[1]:
+            torch.cat(hist[1], out=self.host[n_small:n])
+        if not self.cuda:
+            return self.host[:n]
+        out = self.dev[:n]
+        out.copy_(self.host[:n], non_blocking=True)
+        self.event.record()
+        return out
 
 
 def _put(mapping: dict[int, int], full_slot: int, swa_slot: int) -> None:

@@ -57,8 +57,9 @@ class Session:
         num_pages = lay.num_blocks * lay.block_size
         max_batch = max(1, int(bp.cb_config.max_requests_per_batch))
         max_tokens = max(1, int(cache.max_batch_tokens))
-        max_pos = getattr(cache.config, "max_position_embeddings", None) or num_pages
-        max_context = int(opts.get("max_context") or max(1, min(num_pages, max_pos)))
+        # A request may generate past max_position_embeddings, never past the pool: the table is as wide
+        # as the pool by default (token table: 4 bytes per cell, (max_batch + 1) x max_context cells).
+        max_context = int(opts.get("max_context") or max(1, num_pages))
         config = self.handle.config
         if not config.plan_capacity:
             config = config.replace(plan_capacity=min(max_batch * max_context, 2 * num_pages + max_tokens))

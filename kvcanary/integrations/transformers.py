@@ -42,7 +42,7 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
         token_history: check stored tokens against each request's prompt + generated tokens (default True).
         timing: record per-step host times and profiler ranges (``kvcanary_before``, ``engine_forward``,
             ``kvcanary_after``) for benchmarks.
-        max_context: columns of the canary's tables (default min(cache pages, max_position_embeddings)).
+        max_context: columns of the canary's tables (default: the cache's pages, the longest a request can be).
         allow_unsupported_version: skip the transformers version gate.
 
     Returns:

@@ -131,6 +131,5 @@ def check_sources(op: str, sources, mode: int, device: torch.device) -> tuple:
     for i, s in enumerate(sources):
         if type(s).__name__ != "RealKvSource":
             raise fail_type(op, f"sources[{i}]", "a RealKvSource", type(s).__name__)
-        if s.tensor.device != device:
-            raise fail_value(op, f"sources[{i}].tensor", f"on {device}", s.tensor.device)
+        check_device(op, device, **{f"sources[{i}].tensor": s.tensor})
     return sources

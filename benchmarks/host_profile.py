@@ -1,0 +1,50 @@
+"""Where the canary's host time goes inside transformers continuous batching: cProfile over its hooks.
+
+Runs ``engine_overhead.py`` with the given arguments (one round, no torch profiler) and profiles
+only the canary's parts of each step (before/after the forward and its update bookkeeping), then
+prints the functions with the most own time. On a GPU the kernel launches show up as the builtins
+that enqueue them.
+
+    python benchmarks/host_profile.py --device cuda --model-size 1b --batch 64 --context 2048
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine_overhead  # noqa: E402
+
+from kvcanary.integrations import hf_session  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    prof = cProfile.Profile()
+    cls = hf_session.Session
+
+    def profiled(fn):
+        def run(self, *args):
+            prof.enable()
+            try:
+                return fn(self, *args)
+            finally:
+                prof.disable()
+        return run
+
+    for name in ("_before", "_after", "_before_update", "_after_update"):
+        setattr(cls, name, profiled(getattr(cls, name)))
+    engine_overhead.main(argv + ["--rounds", "1", "--no-profile"])
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+    stats.print_stats(25)
+    print(out.getvalue(), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
