@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import math
 import statistics
 import subprocess
@@ -201,8 +202,9 @@ def environment(device: torch.device) -> dict:
     except ImportError:
         info["triton"] = None
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        timeout=10).stdout.strip()
+        # KVCANARY_COMMIT names the commit where the checkout carries no (or a stale) .git
+        info["commit"] = os.environ.get("KVCANARY_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
     except OSError:
         info["commit"] = None
     if device.type == "cuda":

@@ -16,7 +16,10 @@ part=${1:-tests}
 } > "$OUT/env.txt" 2>&1
 case "$part" in
   tests)
-    timeout ${TESTS_TIMEOUT:-420} $py -m pytest -q -p no:cacheprovider --durations=15 tests 2>&1 | tee "$OUT/tests.log" | tail -15
+    # pytest-xdist, where installed, spreads the suite over a few processes sharing the GPU.
+    par=$($py -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
+    timeout ${TESTS_TIMEOUT:-420} $py -m pytest -q -p no:cacheprovider -rf --tb=short $par --durations=15 tests 2>&1 \
+      | tee "$OUT/tests.log" | tail -40
     $py -m kvcanary.cli selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.log" | tail -3
     timeout 90 $py -m kvcanary.cli demo --device cuda 2>&1 | tee "$OUT/demo.log" | head -12
     ;;

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -26,8 +27,8 @@ from kvcanary.format import LaunchTag, RealKvMode
 
 # name: (batch, prefix per request, new tokens per request)
 WORKLOADS = {
-    "decode-bs256-ctx4k": (256, 4095, 1),
     "prefill-bs4-8k": (4, 8192, 8192),
+    "decode-bs256-ctx4k": (256, 4095, 1),
 }
 CPU_WORKLOADS = {
     "decode-bs64-ctx1k": (64, 1023, 1),
@@ -119,45 +120,57 @@ def run(device: torch.device, providers: list[str], workloads: dict, progress=No
     copy_gbs = copy_bandwidth_gbs(device)
     results = []
     for name, (bs, P, E) in workloads.items():
-        s = Setup(bs, P, E, device)
-        n_verify, n_write = bs * P, bs * E
-        # Correctness first: clean verify finds nothing, and every provider writes identical bytes.
-        written = {}
-        # The torch write walks the chain one Python step per token: skip it for long chains on the GPU.
-        skip = {p for p in providers if p == "torch" and device.type == "cuda" and E > 64}
-        for p in providers:
-            s.ring.reset()
-            s.verify(p)
+        try:
+            results += _run_workload(device, providers, name, bs, P, E, copy_gbs, progress)
+        except Exception as e:  # one workload's failure must not hide the others' numbers
+            print(f"{name}: failed: {type(e).__name__}: {e}", file=progress, flush=True)
+            results.append({"workload": name, "error": f"{type(e).__name__}: {e}"})
             if device.type == "cuda":
-                torch.cuda.synchronize()
-            assert int(s.ring.write_index[0]) == 0, f"{p}: clean verify reported violations"
-            if p in skip:
-                continue
-            before = s.buf.clone()
-            s.write(p)
-            written[p] = s.buf.clone()
-            s.buf.copy_(before)
-        ref = written[providers[0]]
-        for p in [p for p in providers[1:] if p not in skip]:
-            assert torch.equal(written[p], ref), f"{p} wrote different records than {providers[0]}"
-        for p in providers:
-            for mode in (RealKvMode.NONE, RealKvMode.PARTIAL):
-                extra = 16 if mode == RealKvMode.PARTIAL else 0
-                ms_v = bench(lambda: s.verify(p, mode), device)
-                ms_w = float("nan") if p in skip else bench(lambda: s.write(p, mode), device)
-                bytes_v = n_verify * (32 + 32 + 24 + extra)
-                bytes_w = n_write * (24 + s.buf.shape[1] + extra)
-                for op, ms, n, nbytes in (("verify", ms_v, n_verify, bytes_v), ("write", ms_w, n_write, bytes_w)):
-                    if ms != ms:
-                        continue
-                    gbs = nbytes / (ms * 1e-3) / 1e9
-                    results.append({"workload": name, "provider": p, "op": op, "real_kv": mode.name.lower(),
-                                    "entries": n, "ms": round(ms, 4), "entries_per_s": n / (ms * 1e-3),
-                                    "gb_per_s": round(gbs, 2), "pct_copy_bw": round(100 * gbs / copy_gbs, 1)})
-                    print(f"{name:22s} {p:7s} {op:6s} real_kv={mode.name.lower():8s} {ms:9.3f} ms "
-                          f"{n / (ms * 1e-3) / 1e6:9.1f} M entries/s {gbs:8.1f} GB/s "
-                          f"{100 * gbs / copy_gbs:5.1f}% of copy", file=progress, flush=True)
+                raise  # a device fault poisons the context: nothing after it can be trusted
     return {"meta": meta(device, copy_gbs), "results": results}
+
+
+def _run_workload(device, providers, name, bs, P, E, copy_gbs, progress) -> list[dict]:
+    results = []
+    s = Setup(bs, P, E, device)
+    n_verify, n_write = bs * P, bs * E
+    # Correctness first: clean verify finds nothing, and every provider writes identical bytes.
+    written = {}
+    # The torch write walks the chain one Python step per token: skip it for long chains on the GPU.
+    skip = {p for p in providers if p == "torch" and device.type == "cuda" and E > 64}
+    for p in providers:
+        s.ring.reset()
+        s.verify(p)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        assert int(s.ring.write_index[0]) == 0, f"{p}: clean verify reported violations"
+        if p in skip:
+            continue
+        before = s.buf.clone()
+        s.write(p)
+        written[p] = s.buf.clone()
+        s.buf.copy_(before)
+    ref = written[providers[0]]
+    for p in [p for p in providers[1:] if p not in skip]:
+        assert torch.equal(written[p], ref), f"{p} wrote different records than {providers[0]}"
+    for p in providers:
+        for mode in (RealKvMode.NONE, RealKvMode.PARTIAL):
+            extra = 16 if mode == RealKvMode.PARTIAL else 0
+            ms_v = bench(lambda: s.verify(p, mode), device)
+            ms_w = float("nan") if p in skip else bench(lambda: s.write(p, mode), device)
+            bytes_v = n_verify * (32 + 32 + 24 + extra)
+            bytes_w = n_write * (24 + s.buf.shape[1] + extra)
+            for op, ms, n, nbytes in (("verify", ms_v, n_verify, bytes_v), ("write", ms_w, n_write, bytes_w)):
+                if ms != ms:
+                    continue
+                gbs = nbytes / (ms * 1e-3) / 1e9
+                results.append({"workload": name, "provider": p, "op": op, "real_kv": mode.name.lower(),
+                                "entries": n, "ms": round(ms, 4), "entries_per_s": n / (ms * 1e-3),
+                                "gb_per_s": round(gbs, 2), "pct_copy_bw": round(100 * gbs / copy_gbs, 1)})
+                print(f"{name:22s} {p:7s} {op:6s} real_kv={mode.name.lower():8s} {ms:9.3f} ms "
+                      f"{n / (ms * 1e-3) / 1e6:9.1f} M entries/s {gbs:8.1f} GB/s "
+                      f"{100 * gbs / copy_gbs:5.1f}% of copy", file=progress, flush=True)
+    return results
 
 
 def meta(device: torch.device, copy_gbs: float) -> dict:
@@ -171,8 +184,9 @@ def meta(device: torch.device, copy_gbs: float) -> dict:
     except ImportError:
         pass
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip()
+        # KVCANARY_COMMIT names the commit where the checkout carries no (or a stale) .git
+        info["commit"] = os.environ.get("KVCANARY_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
     except OSError:
         pass
     if device.type == "cuda":

@@ -61,7 +61,8 @@ def _fix_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if _INTERPRETED:
     _fix_interpreter_index()
 
 
@@ -75,6 +76,78 @@ def _verify_programs(device: torch.device) -> int:
         return INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return VERIFY_PROGRAMS_PER_SM * _sm_count(index)
+
+
+def _spec(x):
+    """What Triton specialises an argument on: tensor dtype and 16-byte alignment, an int's width,
+    value 1 and divisibility by 16, a tuple's members. A superset of Triton's own key is safe: it
+    can only cache more kernels, never reuse one compiled for other assumptions."""
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, x.data_ptr() % 16 == 0)
+    if isinstance(x, bool) or x is None:
+        return x
+    if isinstance(x, int):
+        return (x == 1, x % 16 == 0, -(1 << 31) <= x < (1 << 31), x >= (1 << 63))
+    if isinstance(x, tuple):
+        return tuple(_spec(v) for v in x)
+    return (type(x), x)
+
+
+class _Launcher:
+    """Launch a Triton kernel through Triton once per specialisation, then call the compiled kernel.
+
+    Triton's own launch path re-binds and re-specialises every argument on each call, tens of
+    microseconds of host time per launch for kernels with this many arguments; the canary launches
+    several per forward. Off under the interpreter, with a launch hook set (profilers), or with
+    KV_CANARY_TRITON_FAST_LAUNCH=0.
+    """
+
+    enabled = os.environ.get("KV_CANARY_TRITON_FAST_LAUNCH", "1") != "0"
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.names = tuple(fn.arg_names)
+        # constexpr arguments are compiled in: their exact values belong in the key
+        self.exact = tuple(p.is_constexpr for p in fn.params)
+        self.cache: dict = {}
+
+    def __call__(self, grid: tuple, num_warps: int = 4, **kw) -> None:
+        from triton import knobs
+
+        if not self.enabled or knobs.runtime.launch_enter_hook:
+            self.fn[grid](**kw, num_warps=num_warps)
+            return
+        args = [kw[n] for n in self.names]
+        device = torch.cuda.current_device()
+        key = (device, num_warps, tuple(a if exact else _spec(a) for a, exact in zip(args, self.exact)))
+        kernel = self.cache.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](**kw, num_warps=num_warps)
+            self.cache[key] = kernel.result() if hasattr(kernel, "result") else kernel
+            return
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch.cuda.current_stream(device).cuda_stream
+        try:
+            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+        except (AttributeError, TypeError):
+            # A Triton whose compiled-kernel interface differs: its own launch path from now on.
+            _Launcher.enabled = False
+            self.fn[grid](**kw, num_warps=num_warps)
+
+
+_launchers: dict = {}
+
+
+def _launch(fn, grid: tuple, **kw) -> None:
+    launcher = _launchers.get(fn)
+    if launcher is None:
+        # The interpreter, or a wrapped kernel (tests record launches): launch as given.
+        if not _Launcher.enabled or _INTERPRETED or not hasattr(fn, "params"):
+            fn[grid](**kw)
+            return
+        launcher = _launchers[fn] = _Launcher(fn)
+    launcher(grid, **kw)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -116,7 +189,7 @@ def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out) -> None:
     bs = req_pool_indices.shape[0]
     if bs == 0 or flat_in.shape[0] == 0:
         return
-    k._scatter_kernel[(bs,)](
+    _launch(k._scatter_kernel, (bs,),
         p_flat=_flat(flat_in), flat_len=flat_in.shape[0], p_offsets=_flat(offsets), p_rows=_flat(req_pool_indices),
         p_pool=pool_out, pool_rows=pool_out.shape[0], pool_cols=pool_out.shape[1],
         pool_s0=pool_out.stride(0), pool_s1=pool_out.stride(1), BLOCK=SCATTER_BLOCK,
@@ -128,7 +201,7 @@ def fingerprint(*, slots, sources, real_kv_mode) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.int64, device=slots.device)
     if n == 0:
         return out
-    k._fingerprint_kernel[(_cdiv(n, FINGERPRINT_BLOCK),)](
+    _launch(k._fingerprint_kernel, (_cdiv(n, FINGERPRINT_BLOCK),),
         p_slots=_flat(slots), n=n, p_out=out, **_source_args(sources, real_kv_mode, out),
         BLOCK=FINGERPRINT_BLOCK,
     )
@@ -144,7 +217,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
     tokens = req_to_token if token_table is None else token_table
     valid = rows if token_valid_lens is None else _flat(token_valid_lens)
     split = max(1, min(_cdiv(req_to_token.shape[1], PLAN_BLOCK), PLAN_PROGRAMS // max(bs, 1)))
-    k._plan_kernel[(max(bs, 1), split)](
+    _launch(k._plan_kernel, (max(bs, 1), split),
         p_rows=rows, p_prefix=_flat(prefix_lens), p_extend=_flat(extend_lens), bs=bs,
         p_rtt=req_to_token, rtt_s0=req_to_token.stride(0), rtt_s1=req_to_token.stride(1),
         num_rows=req_to_token.shape[0], max_ctx=req_to_token.shape[1], window=window,
@@ -162,7 +235,7 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
           launch_tag, sources=(), real_kv_mode=0, expected_input_ids=None, expected_positions=None,
           chain_check=None, writer_ids=None, step=None) -> None:
     loc = _flat(out_cache_loc)
-    k._write_kernel[(max(num_requests, 1),)](
+    _launch(k._write_kernel, (max(num_requests, 1),),
         p_buf=buf, stride=buf.shape[1], num_slots=buf.shape[0], p_write_offsets=write_offsets, p_seed=seed_slot,
         num_requests=num_requests, p_loc=loc, p_ids=_flat(input_ids), p_pos=_flat(positions),
         num_tokens=loc.shape[0], p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,
@@ -181,7 +254,7 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
 
 def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0) -> None:
     num_programs = max(1, min(_cdiv(entries.capacity, VERIFY_BLOCK), _verify_programs(buf.device)))
-    k._verify_kernel[(num_programs,)](
+    _launch(k._verify_kernel, (num_programs,),
         p_buf=buf, stride=buf.shape[1], num_slots=buf.shape[0], p_slot=entries.slot, p_position=entries.position,
         p_prev=entries.prev, p_expected=entries.expected_token, p_count=entries.count, p_enable=entries.enable,
         capacity=entries.capacity, p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,

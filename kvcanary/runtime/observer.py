@@ -29,13 +29,11 @@ class Observation:
 
 
 class _Slot:
-    def __init__(self, ring: ViolationRing, watched: dict[str, torch.Tensor], cuda: bool):
+    def __init__(self, ring: ViolationRing, size: int, cuda: bool):
         self.rows = torch.empty_like(ring.rows)
-        self.index = torch.zeros_like(ring.write_index)
-        self.values = {k: torch.empty_like(t) for k, t in watched.items()}
-        pin = dict(pin_memory=True) if cuda else {}
-        self.host_index = torch.zeros(1, dtype=torch.int32, **pin)
-        self.host_values = {k: torch.zeros(t.shape, dtype=t.dtype, **pin) for k, t in watched.items()}
+        # the ring's write index, then every watched tensor flattened: one gather, one host copy
+        self.small = torch.zeros(size, dtype=torch.int64, device=ring.rows.device)
+        self.host_small = torch.zeros(size, dtype=torch.int64, pin_memory=True) if cuda else None
         self.event = torch.cuda.Event() if cuda else None
         self.pending: tuple[int, dict] | None = None
 
@@ -47,7 +45,12 @@ class HostObserver:
         self.ring = ring
         self.watched = watched
         self.cuda = ring.rows.device.type == "cuda"
-        self.slots = [_Slot(ring, watched, self.cuda) for _ in range(NUM_SLOTS if self.cuda else 1)]
+        self.parts = [ring.write_index] + [t.view(-1) for t in watched.values()]  # views: read at snapshot time
+        self.layout, at = {}, 1
+        for k, t in watched.items():
+            self.layout[k] = (at, t.numel(), t.shape)
+            at += t.numel()
+        self.slots = [_Slot(ring, at, self.cuda) for _ in range(NUM_SLOTS if self.cuda else 1)]
         self.side = torch.cuda.Stream(device=ring.rows.device) if self.cuda else None
         self.next = 0
         self.order: list[_Slot] = []
@@ -58,9 +61,7 @@ class HostObserver:
         self.next = (self.next + 1) % len(self.slots)
         done = self._finish(slot) if slot.pending is not None else []
         slot.rows.copy_(self.ring.rows)
-        slot.index.copy_(self.ring.write_index)
-        for k, t in self.watched.items():
-            slot.values[k].copy_(t)
+        torch.cat(self.parts, out=slot.small)
         self.ring.write_index.zero_()
         slot.pending = (step, dict(host_meta))
         self.order.append(slot)
@@ -69,9 +70,7 @@ class HostObserver:
         main = torch.cuda.current_stream(self.ring.rows.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            slot.host_index.copy_(slot.index, non_blocking=True)
-            for k in self.watched:
-                slot.host_values[k].copy_(slot.values[k], non_blocking=True)
+            slot.host_small.copy_(slot.small, non_blocking=True)
             slot.event.record(self.side)
         return done
 
@@ -90,15 +89,23 @@ class HostObserver:
             return []
         if slot.event is not None:
             slot.event.synchronize()
-            index, values = slot.host_index, slot.host_values
+            small = slot.host_small.tolist()
         else:
-            index, values = slot.index, slot.values
-        count = int(index[0])
+            small = slot.small.tolist()
+        count = small[0]
+        values = {k: _unflatten(small[at:at + n], shape) for k, (at, n, shape) in self.layout.items()}
         stored = min(count, self.ring.capacity)
         # Rows cross to the host only when there are some: the rare, slow path.
         rows = slot.rows[:stored].cpu().tolist() if stored else []
         step, meta = slot.pending
         slot.pending = None
         self.order.remove(slot)
-        return [Observation(step=step, host_meta=meta, count=count, rows=rows,
-                            values={k: v.tolist() for k, v in values.items()})]
+        return [Observation(step=step, host_meta=meta, count=count, rows=rows, values=values)]
+
+
+def _unflatten(flat: list[int], shape: torch.Size):
+    """The nested lists ``tensor.tolist()`` would give for ``shape``."""
+    if len(shape) <= 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_unflatten(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
