@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from kvcanary import CanaryConfig, KvCanaryHealthError, KvCanaryViolationError, violations_to_json
+from kvcanary import CanaryConfig, KvCanaryHealthError, KvCanaryViolationError, TokenAppend, violations_to_json
 from kvcanary.format import FailReason
 
 from toy_engine import ToyEngine
@@ -117,6 +117,50 @@ def test_wrong_token_in_history_is_a_token_violation():
     vs = e.canary.flush()
     assert {(v.launch_tag, v.reasons, v.expected_token, v.stored_token) for v in vs} == {
         ("HEAD_K_FULL", ("verify_token",), 99, 3), ("TAIL_K_FULL", ("verify_token",), 99, 3)}
+
+
+def _stale_cell_run(token_history):
+    e = engine(token_history=token_history)
+    e.add(1, [5, 6, 7, 8])
+    e.add(2, [9, 9, 9, 9])
+    e.forward([(1, 4), (2, 4)])
+    e.forward([(1, 1), (2, 1)])
+    victim = e.slot(1, 2)
+    e.rtt[e.reqs[2]["row"], 2] = victim  # request 2 now reads request 1's KV at position 2
+    e.forward([(1, 1), (2, 1)])
+    return e.canary.flush(), victim
+
+
+def test_token_append_reports_what_a_whole_history_reports():
+    whole, victim = _stale_cell_run(True)
+    append, _ = _stale_cell_run("append")
+    key = lambda vs: sorted((v.launch_tag, v.slot, v.position, v.reasons, v.expected_token) for v in vs)  # noqa: E731
+    assert key(append) == key(whole)
+    token = [v for v in append if v.slot == victim and v.launch_tag == "HEAD_K_FULL"]
+    assert token and "verify_token" in token[0].reasons and token[0].expected_token == 9
+
+
+def test_token_append_only_sends_new_cells_and_a_clean_run_stays_clean():
+    e = engine(token_history="append")
+    e.add(1, [1, 2, 3, 4])
+    e.forward([(1, 4)])
+    assert e.sent == {1: 4}
+    for _ in range(3):
+        e.forward([(1, 1)])
+    assert e.sent == {1: 7} and e.canary.flush() == []
+    assert e.canary.token_table[e.reqs[1]["row"], :7].tolist() == e.reqs[1]["tokens"][:7]
+
+
+def test_token_append_with_mismatched_lengths_is_rejected_before_any_launch():
+    e = engine(token_history="append")
+    e.add(1, [1, 2])
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+
+    def bad(batch):
+        batch.token_history = TokenAppend(t([1, 1]), t([0]), t([1, 2]), t([2]))
+
+    with pytest.raises(ValueError, match="token_history.cell_cols"):
+        e.forward([(1, 2)], feed=bad)
 
 
 def test_wrong_position_fed_to_the_model():

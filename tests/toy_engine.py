@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary import Canary, CanaryConfig, ForwardBatch, PoolSpec, RealKvSource, SwaSpec, TokenHistory
+from kvcanary import Canary, CanaryConfig, ForwardBatch, PoolSpec, RealKvSource, SwaSpec, TokenAppend, TokenHistory
 from kvcanary.format import oracle_token
 
 DIM = 8  # float32 values per token: 32 bytes of K per slot
@@ -39,6 +39,7 @@ class ToyEngine:
         self.free_rows = list(range(1, num_rows))
         self.reqs: dict[int, dict] = {}
         self.token_history, self.oracle = token_history, oracle
+        self.sent: dict[int, int] = {}  # token_history='append': tokens sent per request
 
     def add(self, rid: int, prompt: list[int], share_from: int | None = None, shared: int = 0) -> None:
         """New request; optionally its first `shared` positions map onto request share_from's slots."""
@@ -72,7 +73,17 @@ class ToyEngine:
             hist.append(r["tokens"][:P + n])
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
         history = None
-        if self.token_history:
+        if self.token_history == "append":
+            # Rows are stable here: send each request's tokens once, as table cells.
+            cells = [[], [], []]
+            for row, rid, h in zip(rows, rids, hist):
+                have = self.sent.get(rid, 0)
+                cells[0] += [row] * (len(h) - have)
+                cells[1] += range(have, len(h))
+                cells[2] += h[have:]
+                self.sent[rid] = len(h)
+            history = TokenAppend(t(cells[0]), t(cells[1]), t(cells[2]), t([len(h) for h in hist]))
+        elif self.token_history:
             offs = [0]
             for h in hist:
                 offs.append(offs[-1] + len(h))

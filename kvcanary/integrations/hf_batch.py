@@ -3,15 +3,18 @@
 Per request i of ``io.requests_in_batch`` (a ``FutureRequestState``): ``extend = query_length``,
 ``prefix = state.position_offset - query_length`` (prepare_batch_tensors advanced the offset),
 input ids and positions are ``io.input_ids`` / ``io.position_ids`` slices, the written slots are
-``io.write_index_storage[full_group]`` (or, on the flash decode fast path, the table's), and the
-canary's row ``i + 1`` of req_to_token is rebuilt from the request's block table every step.
+``io.write_index_storage[full_group]`` (or, on the flash decode fast path, the table's). Each request
+keeps one canary row while it lives; that row of req_to_token is rebuilt from the request's block
+table every step, and its token table row receives only the tokens it has not seen.
 """
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
-from kvcanary.runtime import ForwardBatch, ForwardMode, TokenHistory
+from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
 
@@ -20,8 +23,12 @@ class BatchBuilder:
     def __init__(self, session):
         self.s = session
         self.device = session.device
-        self.rows = torch.arange(1, session.canary.max_batch + 1, dtype=torch.int64, device=self.device)
-        self.history: dict[str, tuple[torch.Tensor, int]] = {}  # engine request id -> (host int64 tokens, n)
+        self.num_rows = session.canary.num_rows
+        # Stable canary row per engine request (LRU among requests not in the batch when rows run out):
+        # the canary's token table keeps a row's tokens, so only new ones cross to the device.
+        self.row_of: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.sent: dict[str, int] = {}  # tokens of the request already in its token table row
+        self.free = list(range(self.num_rows - 1, 0, -1))
         self.next_tokens: torch.Tensor | None = None  # token oracle: tokens _sample must emit this step
         self.want_history = session.handle.options.get("token_history", True) and session.config.token_check
         self.oracle = bool(session.handle.options.get("token_oracle"))
@@ -36,6 +43,8 @@ class BatchBuilder:
         bs, B = len(reqs), lay.block_size
         cms = bp.cache.group_cache_managers
         full_tables = cms[lay.full_group].block_table
+        names = [fs.state.request_id for fs in reqs]
+        rows = self._rows(names)
         prefix, extend, rids, tables = [], [], [], []
         for fs in reqs:
             st, q = fs.state, fs.query_length
@@ -49,57 +58,74 @@ class BatchBuilder:
         T = cu[-1]
         maxb = max(1, max(len(t) for t in tables))
         flat_tables = [b for t in tables for b in t + [0] * (maxb - len(t))]
-        small = prefix + extend + rids + flat_tables
-        hist = self._history_parts(reqs, prefix, extend) if self.want_history else None
-        packed = self.stage.send(small, hist)
-        prefix_t, extend_t, rids_t = packed[:bs], packed[bs:2 * bs], packed[2 * bs:3 * bs]
-        block_table = packed[3 * bs:len(small)].view(bs, maxb)
-        # Row i + 1 = request i's slots, block by block: three kernels into a table as wide as its blocks
-        # (columns past a request's length are never read).
-        rtt = torch.empty(bs + 1, maxb * B, dtype=torch.int64, device=self.device)
-        rtt[0].zero_()
-        torch.add(block_table.mul(B).unsqueeze(2), self.in_block[:B], out=rtt[1:].view(bs, maxb, B))
+        small = rows + prefix + extend + rids + flat_tables
+        if self.want_history:
+            small += self._token_cells(reqs, rows, prefix, extend)
+        packed = self.stage.send(small)
+        rows_t, prefix_t, extend_t, rids_t = (packed[i * bs:(i + 1) * bs] for i in range(4))
+        n = 4 * bs + bs * maxb
+        block_table = packed[4 * bs:n].view(bs, maxb)
+        # Each batch row of the table = the request's slots, block by block; other rows are never read,
+        # and columns past a request's length neither.
+        rtt = torch.empty(self.num_rows, maxb * B, dtype=torch.int64, device=self.device)
+        rtt.view(self.num_rows, maxb, B)[rows_t] = block_table.mul(B).unsqueeze(2) + self.in_block[:B]
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
         if io.use_block_table:
             # Flash decode fast path: write_index is not filled; the kernel writes through the table.
-            rows = self.rows[:bs].repeat_interleave(extend_t, output_size=T)  # host-known size: no sync
-            out_cache_loc = rtt[rows, positions.to(torch.int64)]
+            per_token = rows_t.repeat_interleave(extend_t, output_size=T)  # host-known size: no sync
+            out_cache_loc = rtt[per_token, positions.to(torch.int64)]
         else:
             out_cache_loc = io.write_index_storage[lay.full_group, :T]
-        batch = ForwardBatch(req_pool_indices=self.rows[:bs], prefix_lens=prefix_t, extend_lens=extend_t,
+        batch = ForwardBatch(req_pool_indices=rows_t, prefix_lens=prefix_t, extend_lens=extend_t,
                              input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              req_to_token=rtt, request_ids=rids_t,
                              mode=ForwardMode.DECODE if all(q == 1 for q in extend) else ForwardMode.EXTEND)
-        if hist is not None:
-            n = len(small)
-            batch.token_history = TokenHistory(packed[n + bs + 1:], packed[n:n + bs + 1])
+        if self.want_history:
+            k = (len(small) - n - bs) // 3
+            c0 = n + bs
+            batch.token_history = TokenAppend(packed[c0:c0 + k], packed[c0 + k:c0 + 2 * k],
+                                              packed[c0 + 2 * k:c0 + 3 * k], packed[n:n + bs])
         if self.oracle:
             self._oracle(batch, reqs, prefix, extend, rids)
         if lay.swa_group is not None:
             self._fill_swa_table(io, cms, reqs, prefix, extend, tables, cu, out_cache_loc)
         return batch
 
-    def _history_parts(self, reqs, prefix, extend) -> tuple[list[int], list[torch.Tensor]]:
-        """Offsets and per-request host tensors of the tokens of positions [0, prefix + extend), cached
-        across steps (only tokens not seen before are converted)."""
-        parts, offsets = [], [0]
-        for fs, p, q in zip(reqs, prefix, extend):
+    def _rows(self, names: list[str]) -> list[int]:
+        """The stable row of each request of the batch, assigning rows to new ones."""
+        in_batch, rows = set(names), []
+        for name in names:
+            row = self.row_of.get(name)
+            if row is None:
+                if not self.free:
+                    # rows >= 2 x max batch: some request outside this batch always holds one
+                    old = next(r for r in self.row_of if r not in in_batch)
+                    self.free.append(self.row_of.pop(old))
+                    self.sent.pop(old, None)
+                row = self.row_of[name] = self.free.pop()
+                self.sent[name] = 0
+            else:
+                self.row_of.move_to_end(name)
+            rows.append(row)
+        return rows
+
+    def _token_cells(self, reqs, rows, prefix, extend) -> list[int]:
+        """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens."""
+        valid, cell_rows, cell_cols, cell_tokens = [], [], [], []
+        for fs, row, p, q in zip(reqs, rows, prefix, extend):
             st, need = fs.state, p + q
-            toks, n = self.history.get(st.request_id, (None, 0))
-            if toks is None or n < need:
+            name = st.request_id
+            have = self.sent[name]
+            if have < need:
                 init, gen = st.initial_tokens, st.generated_tokens
-                new = [init[i] if i < len(init) else gen[i - len(init)] for i in range(n, need)]
-                if toks is None or need > toks.shape[0]:
-                    grown = torch.empty(max(need, 2 * n, 64), dtype=torch.int64)
-                    if n:
-                        grown[:n] = toks[:n]
-                    toks = grown
-                toks[n:need] = torch.tensor(new, dtype=torch.int64)
-                n = need
-                self.history[st.request_id] = (toks, n)
-            parts.append(toks[:need])
-            offsets.append(offsets[-1] + need)
-        return offsets, parts
+                n0 = len(init)
+                toks = init[have:min(need, n0)] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
+                cell_rows += [row] * (need - have)
+                cell_cols += range(have, need)
+                cell_tokens += toks
+                self.sent[name] = need
+            valid.append(need)
+        return valid + cell_rows + cell_cols + cell_tokens
 
     def _oracle(self, batch, reqs, prefix, extend, rids) -> None:
         """Expected inputs (prompt, then oracle tokens) and the tokens the sampler will be forced to emit."""
@@ -148,7 +174,11 @@ class BatchBuilder:
     def forget_finished(self) -> None:
         for fs in self.s.bp.inputs_and_outputs.requests_in_batch:
             if fs.state.status == _STATUS_FINISHED:
-                self.history.pop(fs.state.request_id, None)
+                name = fs.state.request_id
+                row = self.row_of.pop(name, None)
+                if row is not None:
+                    self.free.append(row)
+                self.sent.pop(name, None)
 
 
 class Staging:
@@ -160,9 +190,8 @@ class Staging:
         self.host = self.dev = None
         self.event = torch.cuda.Event() if self.cuda else None
 
-    def send(self, small: list[int], hist: tuple[list[int], list[torch.Tensor]] | None) -> torch.Tensor:
-        n_small = len(small) + (len(hist[0]) if hist else 0)
-        n = n_small + (hist[0][-1] if hist else 0)
+    def send(self, small: list[int]) -> torch.Tensor:
+        n = len(small)
         if self.host is None or self.host.shape[0] < n:
             size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 1024)
             if self.event is not None:
@@ -171,10 +200,7 @@ class Staging:
             self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
         elif self.event is not None:
             self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
-        head = small + hist[0] if hist else small
-        self.host[:n_small] = torch.tensor(head, dtype=torch.int64)
-        if hist and hist[1]:
-            torch.cat(hist[1], out=self.host[n_small:n])
+        self.host[:n] = torch.tensor(small, dtype=torch.int64)
         if not self.cuda:
             return self.host[:n]
         out = self.dev[:n]

@@ -72,7 +72,7 @@ class Session:
                           kv_sources(lay.v_swa) if check_v else ())
         pool = PoolSpec(lay.num_slots, kv_sources(lay.k_full), kv_sources(lay.v_full) if check_v else (), swa=swa)
         canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
-                        num_rows=max_batch + 1, device=self.device)
+                        num_rows=2 * max_batch + 1, device=self.device)
         canary.sweep_provider = self._sweep_triples
         # No graph capture or warm-up forward writes KV outside the hooked step: arm the chain assert now.
         canary.mark_ready()

@@ -1,6 +1,6 @@
 """The runtime that drives the canary ops forward by forward (SPEC section 5)."""
 
-from kvcanary.runtime.batch import ForwardBatch, ForwardMode, PoolSpec, SwaSpec, TokenHistory
+from kvcanary.runtime.batch import ForwardBatch, ForwardMode, PoolSpec, SwaSpec, TokenAppend, TokenHistory
 from kvcanary.runtime.canary import Canary
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation, violations_to_json
@@ -14,6 +14,7 @@ __all__ = [
     "KvCanaryViolationError",
     "PoolSpec",
     "SwaSpec",
+    "TokenAppend",
     "TokenHistory",
     "Violation",
     "violations_to_json",

@@ -84,6 +84,25 @@ class TokenHistory:
 
 
 @dataclass
+class TokenAppend:
+    """The token history as an update, for engines whose request rows stay put across forwards.
+
+    The canary's token table keeps each row between forwards; an engine that gives every request a
+    stable ``req_pool_indices`` row sends only the cells the table lacks (a decode step: one token per
+    request) instead of every request's whole history each forward.
+
+    cell_rows, cell_cols, cell_tokens: int32/int64 [n] token table cells to set (rows < the canary's
+        num_rows, columns < its max_context: the caller guarantees the range).
+    valid_lens: int32/int64 [bs] per request of the batch, the positions [0, valid) its row holds.
+    """
+
+    cell_rows: torch.Tensor
+    cell_cols: torch.Tensor
+    cell_tokens: torch.Tensor
+    valid_lens: torch.Tensor
+
+
+@dataclass
 class ForwardBatch:
     """One forward as the engine runs it.
 
@@ -97,7 +116,8 @@ class ForwardBatch:
         req_to_token: int32/int64 [num_rows, max_context] the engine's table (or one built from
             block tables), already holding this forward's slots.
         request_ids: optional int64 [bs] stable request ids (attribution, token oracle).
-        token_history: optional per-request prompt + outputs (token-history check).
+        token_history: optional per-request prompt + outputs (token-history check): a whole
+            ``TokenHistory`` per forward, or a ``TokenAppend`` update when rows are stable.
         expected_input_ids, expected_positions: optional [num_tokens] (write-input assert).
         mode: the forward mode (SPEC 2 table); informational.
         token_offset: 1 for a draft model whose slot p holds the token of position p + 1.
@@ -111,7 +131,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor
     req_to_token: torch.Tensor
     request_ids: torch.Tensor | None = None
-    token_history: TokenHistory | None = None
+    token_history: TokenHistory | TokenAppend | None = None
     expected_input_ids: torch.Tensor | None = None
     expected_positions: torch.Tensor | None = None
     mode: ForwardMode = ForwardMode.EXTEND

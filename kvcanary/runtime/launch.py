@@ -13,6 +13,7 @@ import torch
 from kvcanary.format import ATTRIBUTION_STRIDE, RealKvMode
 from kvcanary.ops import api
 from kvcanary.ops import validate as v
+from kvcanary.runtime.batch import TokenAppend
 
 OP = "forward batch"
 
@@ -35,17 +36,27 @@ def check_batch(batch, device: torch.device) -> None:
     if batch.request_ids is not None:
         v.check_vector(OP, "request_ids", batch.request_ids, (torch.int64,), min_length=bs)
     hist = batch.token_history
-    if hist is not None:
+    if isinstance(hist, TokenAppend):
+        v.check_vector(OP, "token_history.cell_rows", hist.cell_rows, v.INDEX_DTYPES)
+        n = hist.cell_rows.shape[0]
+        for name in ("cell_cols", "cell_tokens"):
+            v.check_vector(OP, f"token_history.{name}", getattr(hist, name), v.INDEX_DTYPES, length=n)
+        v.check_vector(OP, "token_history.valid_lens", hist.valid_lens, v.INDEX_DTYPES, length=bs)
+        tensors = {f"token_history.{k}": getattr(hist, k) for k in ("cell_rows", "cell_cols", "cell_tokens",
+                                                                    "valid_lens")}
+    elif hist is not None:
         v.check_vector(OP, "token_history.flat", hist.flat, v.INDEX_DTYPES)
         v.check_vector(OP, "token_history.offsets", hist.offsets, v.INDEX_DTYPES, length=bs + 1)
+        tensors = {"token_history.flat": hist.flat, "token_history.offsets": hist.offsets}
+    else:
+        tensors = {}
     if batch.token_offset not in (0, 1):
         raise v.fail_value(OP, "token_offset", "0 or 1", repr(batch.token_offset))
     v.check_device(OP, device, req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
                    extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out_cache_loc=batch.out_cache_loc,
                    input_ids=batch.input_ids, positions=batch.positions, request_ids=batch.request_ids,
                    expected_input_ids=batch.expected_input_ids, expected_positions=batch.expected_positions,
-                   **({} if hist is None else {"token_history.flat": hist.flat,
-                                               "token_history.offsets": hist.offsets}))
+                   **tensors)
 
 
 class ForwardLauncher:
@@ -87,6 +98,10 @@ class ForwardLauncher:
         c, hist = self.c, batch.token_history
         if not c.config.token_check or hist is None:
             return None, None
+        if isinstance(hist, TokenAppend):
+            if hist.cell_rows.shape[0]:
+                c.token_table.index_put_((hist.cell_rows, hist.cell_cols), hist.cell_tokens.to(torch.int32))
+            return c.token_table, hist.valid_lens
         flat, offsets = hist.flat.to(torch.int64), hist.offsets.to(torch.int64)
         if batch.batch_size and flat.shape[0]:
             self.impl.scatter_req_token_ids(flat, offsets, batch.req_pool_indices.to(torch.int64), c.token_table)
