@@ -28,7 +28,9 @@ case "$part" in
     ;;
   engine)
     # Specs "size batch context mode"; the default list covers the performance targets (1B and 8B,
-    # batch 1 and 64, contexts 2K and 8K, prefill). Pass specs as further arguments to run a subset.
+    # batch 1 and 64, contexts 2K and 8K, prefill). Pass specs as further arguments to run a subset:
+    # on an H200 the whole list takes longer than one 10-minute call, and each batch-64 8K spec
+    # needs several minutes (ENGINE_TIMEOUT) on its own.
     shift
     specs=("$@")
     [ ${#specs[@]} -eq 0 ] && specs=("1b 1 2048 decode" "1b 64 2048 decode" "1b 1 8192 decode" "1b 64 8192 decode"
