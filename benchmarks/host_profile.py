@@ -6,6 +6,8 @@ prints the functions with the most own time. On a GPU the kernel launches show u
 that enqueue them.
 
     python benchmarks/host_profile.py --device cuda --model-size 1b --batch 64 --context 2048
+    python benchmarks/host_profile.py --device cpu --model-size tiny --batch 64 --context 512 --steps 16 \
+        --stub-kernels --no-cprofile    # the canary's own Python per step, in the JSON it prints
 """
 
 from __future__ import annotations
@@ -22,9 +24,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_overhead  # noqa: E402
 
 from kvcanary.integrations import hf_session  # noqa: E402
+from kvcanary.runtime import launch  # noqa: E402
+
+
+class _NoKernels:
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
 
 
 def main(argv: list[str]) -> None:
+    """Extra flags: --stub-kernels (the canary's own Python only: every op a no-op, so its health
+    check complains of missing launches), --no-cprofile (time without the profiler's overhead)."""
+    stub, plain = "--stub-kernels" in argv, "--no-cprofile" in argv
+    argv = [a for a in argv if a not in ("--stub-kernels", "--no-cprofile")]
+    if stub:
+        orig_init = launch.ForwardLauncher.__init__
+
+        def init(self, canary):
+            orig_init(self, canary)
+            self.impl = _NoKernels()
+
+        launch.ForwardLauncher.__init__ = init
     prof = cProfile.Profile()
     cls = hf_session.Session
 
@@ -37,9 +57,11 @@ def main(argv: list[str]) -> None:
                 prof.disable()
         return run
 
-    for name in ("_before", "_after", "_before_update", "_after_update"):
+    for name in () if plain else ("_before", "_after", "_before_update", "_after_update"):
         setattr(cls, name, profiled(getattr(cls, name)))
     engine_overhead.main(argv + ["--rounds", "1", "--no-profile"])
+    if plain:
+        return
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
     stats.print_stats(25)

@@ -40,6 +40,7 @@ class Session:
         self.ids: dict[str, int] = {}
         self.events: collections.Counter = collections.Counter()
         self.block_pos: dict[int, int] = {}
+        self.recorded: dict[str, int] = {}  # per request: table entries whose block_pos is recorded
         self.saved: dict[str, list] = {}
         self.timings: list[dict] = []  # per step with timing=True: batch, tokens, host seconds of each part
         self.closed = False
@@ -117,6 +118,8 @@ class Session:
         def offload_to_cpu(victims):
             blocks = {st.request_id: self._all_blocks(st.request_id) for st in victims}
             done = orig_offload(victims)
+            for st in victims:  # offloaded or soft reset: either way its blocks come back elsewhere
+                self.recorded.pop(st.request_id, None)
             # Victims that did not fit the CPU pool are soft reset: re-prefilled later from position 0.
             self.events["soft_resets"] += len(victims) - len(done)
             if done:
@@ -170,25 +173,39 @@ class Session:
                                  "forward_s": self._fwd_s, "after_s": after_s, "update_s": 0.0})
 
     def _before_update(self):
+        """Table index of each block (the positions it holds, for later sweeps), recorded once per
+        block; and the blocks this step's tokens landed in: the only ones the update may remap."""
         io, lay = self.bp.inputs_and_outputs, self.layout
         tables = self.bp.cache.group_cache_managers[lay.full_group].block_table
-        snap = {}
+        B, snap = lay.block_size, {}
         for fs in io.requests_in_batch:
-            rid = fs.state.request_id
-            table = list(tables.get(rid, ()))
-            snap[rid] = table
-            # Table index of each block: the positions a cached block holds, for later sweeps.
-            for i, b in enumerate(table):
-                self.block_pos[b] = i * lay.block_size
+            st = fs.state
+            rid = st.request_id
+            table = tables.get(rid, ())
+            n = self.recorded.get(rid, 0)
+            if n > len(table):  # the request lost blocks (a soft reset): its table starts again
+                n = 0
+            for i in range(n, len(table)):
+                self.block_pos[table[i]] = i * B
+            self.recorded[rid] = len(table)
+            lo = max(0, st.position_offset - fs.query_length) // B
+            snap[rid] = (lo, list(table[lo:]))
         return snap
 
     def _after_update(self, snap) -> None:
         tables = self.bp.cache.group_cache_managers[self.layout.full_group].block_table
-        for rid, old in snap.items():
+        B = self.layout.block_size
+        for rid, (lo, old) in snap.items():
             new = tables.get(rid)
-            if new is not None and new[:len(old)] != old:
-                self.events["dedup_remaps"] += sum(a != b for a, b in zip(old, new))
-        self.builder.forget_finished()
+            if new is None:
+                continue
+            seg = new[lo:lo + len(old)]
+            if seg != old:
+                self.events["dedup_remaps"] += sum(a != b for a, b in zip(old, seg))
+                for i, b in enumerate(seg):
+                    self.block_pos[b] = (lo + i) * B
+        for name in self.builder.forget_finished():
+            self.recorded.pop(name, None)
 
     def _copy_records(self, src, dst) -> None:
         s, d = self.layout.blocks_to_slots(src, self.device), self.layout.blocks_to_slots(dst, self.device)
