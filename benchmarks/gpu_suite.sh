@@ -40,7 +40,7 @@ case "$part" in
       set -- $spec
       name="engine_$1_b$2_c$3_$4"
       start=$(date +%s)
-      timeout ${ENGINE_TIMEOUT:-240} $py benchmarks/engine_overhead.py --device cuda --model-size "$1" --batch "$2" \
+      timeout ${ENGINE_TIMEOUT:-240} $py -m kvcanary.bench_engine --device cuda --model-size "$1" --batch "$2" \
         --context "$3" --mode "$4" --json "$OUT/$name.json" --trace "$OUT/$name.trace.json" > "$OUT/$name.log" 2>&1
       rc=$?
       gzip -f "$OUT/$name.trace.json" 2>/dev/null

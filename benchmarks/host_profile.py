@@ -1,6 +1,6 @@
 """Where the canary's host time goes inside transformers continuous batching: cProfile over its hooks.
 
-Runs ``engine_overhead.py`` with the given arguments (one round, no torch profiler) and profiles
+Runs ``kvcanary.bench_engine`` with the given arguments (one round, no torch profiler) and profiles
 only the canary's parts of each step (before/after the forward and its update bookkeeping), then
 prints the functions with the most own time. On a GPU the kernel launches show up as the builtins
 that enqueue them.
@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import engine_overhead  # noqa: E402
+from kvcanary import bench_engine  # noqa: E402
 
 from kvcanary.integrations import hf_session  # noqa: E402
 from kvcanary.runtime import launch  # noqa: E402
@@ -59,7 +58,7 @@ def main(argv: list[str]) -> None:
 
     for name in () if plain else ("_before", "_after", "_before_update", "_after_update"):
         setattr(cls, name, profiled(getattr(cls, name)))
-    engine_overhead.main(argv + ["--rounds", "1", "--no-profile"])
+    bench_engine.main(argv + ["--rounds", "1", "--no-profile"])
     if plain:
         return
     out = io.StringIO()

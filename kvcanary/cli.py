@@ -120,15 +120,42 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small", action="store_true", help="the CPU-sized workloads")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--engine", nargs="*", default=None, metavar="WORKLOAD",
+                   help="canary cost inside transformers continuous batching instead of op throughput: the "
+                        "named workloads (default: every one for the device; kvcanary.bench_suite)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per engine workload (default 900)")
 
 
-@command("bench", "op throughput (verify/write entries/s, GB/s, share of copy bandwidth); JSON and PNG", _bench_args)
+@command("bench", "op throughput, or with --engine the canary's cost inside transformers CB; JSON and PNG",
+         _bench_args)
 def _bench(args: argparse.Namespace) -> int:
+    if args.engine is not None:
+        return _bench_engine(args)
     from kvcanary.bench import bench_main
 
     out = bench_main(args)
     emit(args, out, json.dumps(out["meta"]))
     return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcanary import bench_suite
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"kv-canary: bench device must be available, got {device} without a CUDA GPU")
+    out = bench_suite.run_engine(device, args.engine, args.timeout)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    if args.plot:
+        bench_suite.plot(out["results"], args.plot)
+    emit(args, out, bench_suite.table(out["results"]))
+    ok = all(not d.get("error") and d["correctness"]["tokens_identical"] and not d["correctness"]["violations"]
+             for d in out["results"])
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""A varlen (per-request, causal) paged attention for transformers continuous batching, for the benchmarks.
+"""A varlen (per-request, causal) paged attention for transformers continuous batching.
 
 transformers' ``paged|sdpa`` attends densely over every request's KV in the batch with an additive
 mask of (batch tokens x all cached tokens): a batch of 64 requests at 8K context makes each prefill
@@ -8,7 +8,7 @@ without flash-attn installed, this registers ``paged|kvc_varlen``: the engine's 
 then PyTorch's built-in flash kernel over packed sequences on CUDA, and a per-request SDPA loop on
 the CPU (the reference the CUDA path is checked against).
 
-    from benchmarks.varlen_attention import NAME, register
+    from kvcanary.integrations.varlen_attention import NAME, register
     register(); model.set_attn_implementation(NAME)
 """
 

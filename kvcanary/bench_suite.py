@@ -1,0 +1,123 @@
+"""The engine workloads of ``kvcanary bench --engine``: registry, runner, table and plot.
+
+Each workload runs ``kvcanary.bench_engine`` (transformers continuous batching without and with
+the canary) in its own process, so one model's memory is gone before the next loads and a
+workload that fails or runs out of time does not stop the others.
+
+    kvcanary bench --engine --device cuda --out engine.json --plot overhead.png
+    kvcanary bench --engine 1b-decode-b64-c2k 8b-prefill-b8-c8k --device cuda
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+# name: (model size, batch, context, mode); the GPU list covers the performance goals.
+ENGINE_WORKLOADS = {
+    f"{size}-{mode}-b{batch}-c{ctx // 1024}k": (size, batch, ctx, mode)
+    for size in ("1b", "8b")
+    for (batch, ctx, mode) in ((1, 2048, "decode"), (64, 2048, "decode"), (1, 8192, "decode"),
+                               (64, 8192, "decode"), (8, 8192, "prefill"))
+}
+CPU_ENGINE_WORKLOADS = {
+    "tiny-decode-b4-c64": ("tiny", 4, 64, "decode"),
+    "tiny-prefill-b4-c256": ("tiny", 4, 256, "prefill"),
+}
+
+
+def run_engine(device: str, names: list[str] | None, timeout_s: float, progress=None) -> dict:
+    """Run the named workloads (default: all of the device's list); one result row per workload."""
+    progress = progress if progress is not None else sys.stderr
+    registry = CPU_ENGINE_WORKLOADS if device == "cpu" else ENGINE_WORKLOADS
+    known = {**ENGINE_WORKLOADS, **CPU_ENGINE_WORKLOADS}
+    names = names or list(registry)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"kv-canary: bench --engine workloads must be among {sorted(known)}, got {unknown}")
+    results = []
+    for i, name in enumerate(names, 1):
+        size, batch, ctx, mode = known[name]
+        print(f"[{i}/{len(names)}] {name} ...", file=progress, flush=True)
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "result.json")
+            cmd = [sys.executable, "-m", "kvcanary.bench_engine", "--device", device, "--model-size", size,
+                   "--batch", str(batch), "--context", str(ctx), "--mode", mode, "--json", path]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+                error = None if os.path.exists(path) else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            except subprocess.TimeoutExpired:
+                error = f"did not finish within {timeout_s:.0f} s"
+            row = {"name": name, "error": error} if error else {"name": name, **_load(path)}
+        results.append(row)
+        print(f"[{i}/{len(names)}] {name}: {error or summary_line(row)} ({time.perf_counter() - t0:.0f} s)",
+              file=progress, flush=True)
+    return {"device": device, "results": results}
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def row_of(d: dict) -> dict:
+    """The table's fields of one bench_engine result."""
+    w, g = d["workload"], d.get("gpu_time") or {}
+    return {
+        "model": w["model_size"], "mode": w["mode"], "batch": w["batch"], "context": w["context"],
+        "step_ms": d["step_without_canary"]["median_ms"], "step_canary_ms": d["step_with_canary"]["median_ms"],
+        "canary_host_ms": d["canary_host_time_in_step"]["median_ms"],
+        "wall_share_pct": 100 * d["canary_share_of_step"],
+        "gpu_share_pct": None if g.get("canary_over_forward") is None else 100 * g["canary_over_forward"],
+        "tokens_identical": d["correctness"]["tokens_identical"], "violations": d["correctness"]["violations"],
+    }
+
+
+def summary_line(d: dict) -> str:
+    r = row_of(d)
+    gpu = "" if r["gpu_share_pct"] is None else f", canary GPU {r['gpu_share_pct']:.2f}% of the forward's"
+    return (f"step {r['step_ms']:.2f} -> {r['step_canary_ms']:.2f} ms, canary host {r['canary_host_ms']:.2f} ms"
+            f"{gpu}, tokens identical {r['tokens_identical']}, violations {r['violations']}")
+
+
+def table(results: list[dict]) -> str:
+    rows = sorted((row_of(d) for d in results if not d.get("error")),
+                  key=lambda r: (r["model"], r["mode"], r["context"], r["batch"]))
+    out = [f"{'model':5s} {'mode':8s} {'batch':>5s} {'context':>7s} {'step ms':>8s} {'+canary ms':>10s} "
+           f"{'canary host ms':>14s} {'wall share':>10s} {'GPU share':>9s} {'tokens==':>8s} {'viol':>4s}"]
+    for r in rows:
+        gpu = "n/a" if r["gpu_share_pct"] is None else f"{r['gpu_share_pct']:.2f}%"
+        out.append(f"{r['model']:5s} {r['mode']:8s} {r['batch']:5d} {r['context']:7d} {r['step_ms']:8.2f} "
+                   f"{r['step_canary_ms']:10.2f} {r['canary_host_ms']:14.3f} {r['wall_share_pct']:9.2f}% "
+                   f"{gpu:>9s} {str(r['tokens_identical']):>8s} {r['violations']:4d}")
+    out += [f"{d['name']}: {d['error']}" for d in results if d.get("error")]
+    return "\n".join(out)
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Canary share of the step vs batch size, one line per (model, mode, context): wall and GPU."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row_of(d) for d in results if not d.get("error")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in sorted({(r["model"], r["mode"], r["context"]) for r in rows}):
+        pts = sorted((r for r in rows if (r["model"], r["mode"], r["context"]) == key), key=lambda r: r["batch"])
+        label = f"{key[0]} {key[1]} ctx {key[2]}"
+        ax.plot([r["batch"] for r in pts], [r["wall_share_pct"] for r in pts], "o-", label=f"{label} (host)")
+        if all(r["gpu_share_pct"] is not None for r in pts):
+            ax.plot([r["batch"] for r in pts], [r["gpu_share_pct"] for r in pts], "x--", label=f"{label} (GPU)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("canary share of step (%)")
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,71 @@
+"""The engine benchmark: its varlen attention, one CPU workload end to end, the registry's errors."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvcanary import bench_suite, cli  # noqa: E402
+from kvcanary.bench_engine import build_model  # noqa: E402
+from kvcanary.integrations.varlen_attention import NAME, register, varlen  # noqa: E402
+
+
+def _generate(attention: str) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = build_model("tiny", torch.device("cpu"), torch.float32, 256)
+    model.set_attn_implementation(attention)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 32000, (n,), generator=g).tolist() for n in (30, 50, 70)]
+    out = model.generate_batch(
+        prompts, generation_config=GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1),
+        continuous_batching_config=ContinuousBatchingConfig(
+            block_size=16, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=3,
+            use_async_batching=False, use_cuda_graph=False))
+    return {k: v.generated_tokens for k, v in out.items()}
+
+
+def test_varlen_attention_generates_what_paged_sdpa_generates():
+    register()
+    assert _generate(NAME) == _generate("paged|sdpa")
+
+
+def test_varlen_is_causal_per_request_aligned_to_the_last_keys():
+    # One request, one query: it sees every key; a second request's keys never leak into the first.
+    q = torch.randn(2, 2, 8)
+    k = torch.randn(5, 1, 8)
+    v = torch.randn(5, 1, 8)
+    cu_q, cu_k = torch.tensor([0, 1, 2]), torch.tensor([0, 3, 5])
+    out = varlen(q, k, v, cu_q, cu_k, 1, 3, 0.5)
+    alone = varlen(q[:1], k[:3], v[:3], cu_q[:2], cu_k[:2], 1, 3, 0.5)
+    assert out.shape == (2, 2, 8) and torch.allclose(out[:1], alone)
+    v2 = v.clone()
+    v2[3:] += 1.0
+    assert torch.allclose(varlen(q, k, v2, cu_q, cu_k, 1, 3, 0.5)[:1], out[:1])
+
+
+def test_bench_engine_runs_a_cpu_workload_and_reports_correctness(tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    assert cli.main(["bench", "--engine", "tiny-decode-b4-c64", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in res] == ["tiny-decode-b4-c64"]
+    r = res[0]
+    assert r["correctness"] == {"tokens_identical": True, "violations": 0}
+    assert r["step_with_canary"]["n"] > 0 and r["canary_host_time_in_step"]["median_ms"] > 0
+    printed = capsys.readouterr().out
+    assert "tiny  decode       4      64" in printed and bench_suite.row_of(r)["violations"] == 0
+
+
+def test_bench_engine_rejects_an_unknown_workload(capsys):
+    assert cli.main(["bench", "--engine", "no-such-workload", "--device", "cpu"]) == 2
+    assert "bench --engine workloads must be among" in capsys.readouterr().err
+
+
+def test_registry_covers_the_goal_shapes():
+    shapes = set(bench_suite.ENGINE_WORKLOADS.values())
+    for size in ("1b", "8b"):
+        assert {(size, 1, 2048, "decode"), (size, 64, 2048, "decode"), (size, 1, 8192, "decode"),
+                (size, 64, 8192, "decode"), (size, 8, 8192, "prefill")} <= shapes
