@@ -96,10 +96,10 @@ def _spec(x):
 class _Launcher:
     """Launch a Triton kernel through Triton once per specialisation, then call the compiled kernel.
 
-    Triton's own launch path re-binds and re-specialises every argument on each call, tens of
-    microseconds of host time per launch for kernels with this many arguments; the canary launches
-    several per forward. Off under the interpreter, with a launch hook set (profilers), or with
-    KV_CANARY_TRITON_FAST_LAUNCH=0.
+    Triton's own launch path re-binds every argument, specialises it and rebuilds the cache key on
+    each call; these kernels take about thirty arguments and the canary launches several per forward.
+    (On the H200 the gain was within the machine's noise: docs/benchmarks.md.) Off under the
+    interpreter, with a launch hook set (profilers), or with KV_CANARY_TRITON_FAST_LAUNCH=0.
     """
 
     enabled = os.environ.get("KV_CANARY_TRITON_FAST_LAUNCH", "1") != "0"
