@@ -100,6 +100,9 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     manager = bp = None
     steps, canary_s, outputs = [], [], {}
     prof = None
+    canary_memory = None
+    if wl.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(wl.device)
     try:
         manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(**wl.cb))
         bp = manager._create_batch_processor()
@@ -107,6 +110,8 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
         for i, p in enumerate(wl.prompts):
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=wl.new_tokens)
         session = handle.sessions[-1] if canary else None
+        if session is not None:
+            canary_memory = session.canary.memory()
         if profile:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if wl.device.type == "cuda":
@@ -161,8 +166,10 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
         gc.collect()
         if wl.device.type == "cuda":
             torch.cuda.empty_cache()
+    peak = torch.cuda.max_memory_allocated(wl.device) if wl.device.type == "cuda" else None
     return {"steps": steps, "canary_s": canary_s, "outputs": outputs, "violations": violations,
-            "profile": summarize_profile(prof) if prof is not None else None}
+            "profile": summarize_profile(prof) if prof is not None else None, "peak_bytes": peak,
+            "canary_memory": canary_memory}
 
 
 def summarize_profile(prof) -> dict:
@@ -259,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         run_once(model, warm, canary=c)
         print(f"warm-up canary={c}: {time.perf_counter() - t1:.1f} s", file=sys.stderr)
     off, on, canary_s, ok, violations = [], [], [], True, 0
+    peaks, canary_memory = {False: 0, True: 0}, None
     for r in range(args.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)
         res = {}
@@ -267,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             res[c] = run_once(model, wl, canary=c)
             print(f"round {r} canary={c}: {time.perf_counter() - t1:.1f} s, {len(res[c]['steps'])} steps",
                   file=sys.stderr)
+        for c in order:
+            peaks[c] = max(peaks[c], res[c]["peak_bytes"] or 0)
+        canary_memory = res[True]["canary_memory"]
         off += res[False]["steps"]
         on += res[True]["steps"]
         canary_s += res[True]["canary_s"]
@@ -288,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         "step_with_canary": q_on,
         "canary_host_time_in_step": q_c,
         "model_build_s": round(build_s, 1),
+        # Peak device memory of a whole generation (model, KV cache, activations, canary), and the
+        # canary's own buffers by part (Canary.memory()).
+        "peak_memory_mib": {"without_canary": peaks[False] / 2**20, "with_canary": peaks[True] / 2**20}
+        if device.type == "cuda" else None,
+        "canary_memory_bytes": canary_memory,
     }
     if q_off.get("n") and q_on.get("n"):
         result["step_ratio_with_over_without"] = q_on["median_ms"] / q_off["median_ms"]

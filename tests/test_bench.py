@@ -15,6 +15,7 @@ def test_bench_runs_a_tiny_workload_and_agrees_across_providers():
     assert {(r["provider"], r["op"], r["real_kv"]) for r in rows} == {
         (p, op, mode) for p in FAST_BACKENDS for op in ("verify", "write") for mode in ("none", "partial")}
     assert all(r["entries"] == (3 * 17 if r["op"] == "verify" else 3 * 5) and r["ms"] > 0 for r in rows)
+    assert all(r["ms_p20"] <= r["ms"] <= r["ms_p80"] for r in rows)
     assert out["meta"]["device"] == str(DEVICE) and out["meta"]["copy_gb_per_s"] > 0
 
 

@@ -55,6 +55,9 @@ def test_bench_engine_runs_a_cpu_workload_and_reports_correctness(tmp_path, caps
     r = res[0]
     assert r["correctness"] == {"tokens_identical": True, "violations": 0}
     assert r["step_with_canary"]["n"] > 0 and r["canary_host_time_in_step"]["median_ms"] > 0
+    mem = r["canary_memory_bytes"]
+    assert mem["record_bytes_per_slot"] == {"full": 96} and mem["total"] >= mem["canary_buffers"] > 0
+    assert r["peak_memory_mib"] is None  # device peaks only on CUDA
     printed = capsys.readouterr().out
     assert "tiny  decode       4      64" in printed and bench_suite.row_of(r)["violations"] == 0
 
