@@ -2,6 +2,7 @@
 # Everything the GPU machine must run, in one call per part, each well under 10 minutes:
 #   bash benchmarks/gpu_suite.sh tests    # the whole test suite natively (Triton compiled), self-check, demo
 #   bash benchmarks/gpu_suite.sh ops      # op throughput (benchmarks/ops_bench.py)
+#   bash benchmarks/gpu_suite.sh probe    # the decode-like op benchmark's fault, step by step
 #   bash benchmarks/gpu_suite.sh engine [SPEC ...]  # canary cost inside transformers continuous batching, 1B and 8B
 # Results and logs go to $OUT (default ./out). Runs from a checkout without installing (PYTHONPATH).
 set -uo pipefail
@@ -26,6 +27,12 @@ case "$part" in
   ops)
     timeout ${OPS_TIMEOUT:-500} $py -m kvcanary.cli bench --device cuda --out "$OUT/ops_bench.json" --plot "$OUT/ops_bench.png" 2>&1 | tee "$OUT/ops.log"
     ;;
+  probe)
+    # The decode-like op benchmark's fault (docs/benchmarks.md): each step synced, then the workload alone.
+    CUDA_LAUNCH_BLOCKING=1 timeout ${PROBE_TIMEOUT:-120} $py benchmarks/ops_probe.py 256 4095 1 --repeat 6 2>&1 | tee "$OUT/probe.log"
+    CUDA_LAUNCH_BLOCKING=1 timeout ${OPS_TIMEOUT:-200} $py -m kvcanary.cli bench --device cuda --providers triton \
+      --workloads decode-bs256-ctx4k --out "$OUT/ops_decode.json" 2>&1 | tee "$OUT/ops_decode.log"
+    ;;
   engine)
     # Specs "size batch context mode"; the default list covers the performance targets (1B and 8B,
     # batch 1 and 64, contexts 2K and 8K, prefill). Pass specs as further arguments to run a subset:
@@ -40,13 +47,15 @@ case "$part" in
       set -- $spec
       name="engine_$1_b$2_c$3_$4"
       start=$(date +%s)
+      # ENGINE_ARGS passes more options, e.g. "--rounds 1 --steps 12" for the batch-64 8K specs.
       timeout ${ENGINE_TIMEOUT:-240} $py -m kvcanary.bench_engine --device cuda --model-size "$1" --batch "$2" \
-        --context "$3" --mode "$4" --json "$OUT/$name.json" --trace "$OUT/$name.trace.json" > "$OUT/$name.log" 2>&1
+        --context "$3" --mode "$4" --json "$OUT/$name.json" --trace "$OUT/$name.trace.json" ${ENGINE_ARGS:-} \
+        > "$OUT/$name.log" 2>&1
       rc=$?
       gzip -f "$OUT/$name.trace.json" 2>/dev/null
       echo "$spec rc=$rc $(( $(date +%s) - start )) s"
     done
     $py benchmarks/summarize_engine.py "$OUT"/engine_*.json --plot "$OUT/overhead.png" 2>&1 | tee "$OUT/engine_summary.txt"
     ;;
-  *) echo "unknown part $part (tests | ops | engine)"; exit 2 ;;
+  *) echo "unknown part $part (tests | ops | probe | engine)"; exit 2 ;;
 esac

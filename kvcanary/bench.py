@@ -229,6 +229,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, torch on cpu")
     ap.add_argument("--small", action="store_true", help="the CPU-sized workloads")
+    ap.add_argument("--workloads", nargs="+", default=None, help="op workloads to run (default: all)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
 
@@ -239,6 +240,12 @@ def bench_main(args: argparse.Namespace) -> dict:
         raise ValueError(f"kv-canary: bench device must be available, got {device} without a CUDA GPU")
     providers = args.providers or (["triton", "torch"] if device.type == "cuda" else ["torch"])
     workloads = CPU_WORKLOADS if (args.small or device.type == "cpu") else WORKLOADS
+    if getattr(args, "workloads", None):
+        known = {**WORKLOADS, **CPU_WORKLOADS}
+        unknown = [n for n in args.workloads if n not in known]
+        if unknown:
+            raise ValueError(f"kv-canary: bench workloads must be among {sorted(known)}, got {unknown}")
+        workloads = {n: known[n] for n in args.workloads}
     out = run(device, providers, workloads)
     if args.out:
         with open(args.out, "w") as f:

@@ -118,6 +118,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, torch on cpu")
     p.add_argument("--small", action="store_true", help="the CPU-sized workloads")
+    p.add_argument("--workloads", nargs="+", default=None, metavar="NAME",
+                   help="op workloads to run (default: all of the size chosen; kvcanary.bench)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--engine", nargs="*", default=None, metavar="WORKLOAD",

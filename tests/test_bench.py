@@ -26,3 +26,10 @@ def test_bench_setup_chain_is_clean_and_a_planted_flip_is_seen():
     s.kv.view(torch.uint8)[int(s.rtt[1, 4]), 0] ^= 1
     s.verify("reference")
     assert int(s.ring.write_index[0]) == 1 and int(s.ring.rows[0, 1]) == int(s.rtt[1, 4])
+
+
+def test_bench_rejects_an_unknown_workload(capsys):
+    from kvcanary import cli
+
+    assert cli.main(["bench", "--device", "cpu", "--workloads", "no-such-workload"]) == 2
+    assert "bench workloads must be among" in capsys.readouterr().err
