@@ -59,7 +59,7 @@ class Session:
         max_batch = max(1, int(bp.cb_config.max_requests_per_batch))
         max_tokens = max(1, int(cache.max_batch_tokens))
         # A request may generate past max_position_embeddings, never past the pool: the table is as wide
-        # as the pool by default (token table: 4 bytes per cell, (max_batch + 1) x max_context cells).
+        # as the pool by default (token table: 4 bytes per cell, (2 * max_batch + 1) x max_context cells).
         max_context = int(opts.get("max_context") or max(1, num_pages))
         config = self.handle.config
         if not config.plan_capacity:

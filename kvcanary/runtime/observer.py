@@ -43,7 +43,6 @@ class HostObserver:
 
     def __init__(self, ring: ViolationRing, watched: dict[str, torch.Tensor]):
         self.ring = ring
-        self.watched = watched
         self.cuda = ring.rows.device.type == "cuda"
         self.parts = [ring.write_index] + [t.view(-1) for t in watched.values()]  # views: read at snapshot time
         self.layout, at = {}, 1
