@@ -32,6 +32,11 @@ case "$part" in
     CUDA_LAUNCH_BLOCKING=1 timeout ${PROBE_TIMEOUT:-120} $py benchmarks/ops_probe.py 256 4095 1 --repeat 6 2>&1 | tee "$OUT/probe.log"
     CUDA_LAUNCH_BLOCKING=1 timeout ${OPS_TIMEOUT:-200} $py -m kvcanary.cli bench --device cuda --providers triton \
       --workloads decode-bs256-ctx4k --out "$OUT/ops_decode.json" 2>&1 | tee "$OUT/ops_decode.log"
+    # The memory checker names the faulting kernel and address (it runs on Firecracker machines, not gVisor).
+    if command -v compute-sanitizer > /dev/null; then
+      timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool memcheck --print-limit 5 \
+        $py benchmarks/ops_probe.py 256 4095 1 --repeat 2 --backends triton 2>&1 | tail -60 | tee "$OUT/sanitizer.log"
+    fi
     ;;
   engine)
     # Specs "size batch context mode"; the default list covers the performance targets (1B and 8B,
