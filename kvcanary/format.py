@@ -52,6 +52,10 @@ class ViolationField(enum.IntEnum):
 
 
 VIOLATION_WIDTH = 8
+# The ring's int32 count saturates here instead of wrapping negative: a wrapped count would index
+# before the ring. Far above any capacity, and far enough below 2**31 that adds racing the clamp
+# on the GPU never overflow.
+VIOLATION_COUNT_LIMIT = 1 << 30
 
 
 class FailReason(enum.IntFlag):

@@ -2,7 +2,10 @@
 
 import collections
 
-from kvcanary.integrations.hf_batch import BatchBuilder
+import torch
+
+from kvcanary.integrations.hf_batch import BatchBuilder, Staging
+from kvcanary.runtime.monitor import KEEP_BATCHES
 
 
 def _builder(num_rows: int) -> BatchBuilder:
@@ -32,3 +35,18 @@ def test_rows_run_out_evict_the_least_recent_request_outside_the_batch():
     # b comes back: a row is freed from the least recent request outside the batch (a), and b resends all
     rows = b._rows(["b", "c", "d"])
     assert "a" not in b.row_of and b.sent["b"] == 0 and len(set(rows)) == 3
+
+
+def test_staged_batches_stay_intact_while_the_monitor_may_read_them():
+    # Violations reach the monitor steps after their forward (CUDA), which then reads that step's batch:
+    # the staged tensors of the last KEEP_BATCHES steps must still hold what was sent, and a step that
+    # outgrows the buffers must not disturb them either.
+    stage = Staging(torch.device("cpu"))
+    sent = [[step * 100 + i for i in range(3 + step)] for step in range(KEEP_BATCHES)]
+    views = [stage.send(small) for small in sent]
+    views.append(stage.send(list(range(5000))))  # larger than the first buffers: a new ring
+    sent.append(list(range(5000)))
+    for small, view in zip(sent, views):
+        assert view.tolist() == small
+    later = [stage.send([-step] * 4) for step in range(KEEP_BATCHES)]
+    assert views[-1].tolist() == sent[-1] and [v.tolist() for v in later] == [[-s] * 4 for s in range(KEEP_BATCHES)]

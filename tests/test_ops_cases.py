@@ -14,7 +14,7 @@ import torch
 
 from conftest import DEVICE, FAST_BACKENDS
 from kvcanary import ops
-from kvcanary.format import CHAIN_HEAD, FailReason, LaunchTag, RealKvMode, link, to_signed
+from kvcanary.format import VIOLATION_COUNT_LIMIT, CHAIN_HEAD, FailReason, LaunchTag, RealKvMode, link, to_signed
 from kvcanary.ops import ViolationRing, allocate_canary_buffer, allocate_counters
 from ops_harness import (SENTINEL, SENTINEL32, as_bytes, check, clean_chain, flatten, flip_kv_byte, kv_source,
                          poisoned_plan, poisoned_ring, put_record, reasons, ring_rows)
@@ -341,6 +341,11 @@ VERIFY_CASES = {
     "count-0": dict(entries=[(5, 9, 3, 1)], count=0),
     "ring-overflow": dict(entries=[(4, 9, 3, -1), (5, 9, 4, -1), (6, 9, 5, -1), (7, 9, 6, -1)], ring=3),
     "ring-already-full": dict(entries=[(4, 9, 3, -1), (5, 9, 4, -1)], ring=2, prefill_ring=5),
+    # the count saturates at VIOLATION_COUNT_LIMIT instead of wrapping negative (a wrapped count indexed
+    # before the ring: an illegal memory access on the GPU)
+    "saturating-count": dict(entries=[(4, 9, 3, -1), (5, 9, 4, -1), (6, 9, 5, -1)], ring=2,
+                            prefill_ring=VIOLATION_COUNT_LIMIT - 2),
+    "saturated-count": dict(entries=[(4, 9, 3, -1), (5, 9, 4, -1)], ring=2, prefill_ring=VIOLATION_COUNT_LIMIT),
 }
 
 
@@ -393,6 +398,8 @@ VERIFY_EXPECT = {
     "count-0": set(),
     "ring-overflow": {F.VERIFY_POSITION},
     "ring-already-full": None,  # rows stay poisoned: every push lands past capacity
+    "saturating-count": None,
+    "saturated-count": None,
 }
 
 
@@ -411,6 +418,8 @@ def test_verify(backend, case):
         assert int(ref["ring"].write_index[0]) == 4 and ref["ring"].rows[:, 1].tolist() == [4, 5, 6]
     if case == "ring-already-full":
         assert int(ref["ring"].write_index[0]) == 7 and (ref["ring"].rows == SENTINEL).all()
+    if case in ("saturating-count", "saturated-count"):
+        assert int(ref["ring"].write_index[0]) == VIOLATION_COUNT_LIMIT and (ref["ring"].rows == SENTINEL).all()
     if case == "wrong-predecessor":
         row = ring_rows(ref["ring"])[0]
         assert row[5] != row[6]  # stored vs expected prev hash

@@ -229,6 +229,9 @@ CASES = [
     ("verify-ring-index-length", "verify",
      dict(ring=ViolationRing(torch.zeros(4, 8, dtype=I64), torch.zeros(2, dtype=I32))), ValueError,
      P + "verify ring.write_index must be of length 1, got length 2"),
+    ("verify-ring-too-large", "verify",
+     dict(ring=ViolationRing(torch.empty(2**30 + 1, 8, dtype=I64, device="meta"), torch.zeros(1, dtype=I32))),
+     ValueError, P + "verify ring.rows must be at most 1073741824 rows, got 1073741825"),
     ("verify-launch-tag", "verify", dict(launch_tag=-1), ValueError,
      P + "verify launch_tag must be an int in [0, 12), got -1"),
     ("verify-source-type", "verify", dict(sources=[None]), TypeError,
@@ -357,3 +360,10 @@ def test_rejected_write_leaves_ring_and_buffer_alone():
     assert int(snapshot[2][0]) == 1
     for x, y in zip((kw["buf"], kw["ring"].rows, kw["ring"].write_index, kw["counters"]), snapshot):
         assert torch.equal(x, y)
+
+
+def test_ring_allocation_bounds_capacity_by_the_count_limit():
+    with pytest.raises(ValueError, match=r"kv-canary: ViolationRing capacity must be in \[0, 1073741824\], got -1"):
+        ViolationRing.allocate(-1)
+    with pytest.raises(ValueError, match="got 1073741825"):
+        ViolationRing.allocate(2**30 + 1)

@@ -15,6 +15,7 @@ import collections
 import torch
 
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
+from kvcanary.runtime.monitor import KEEP_BATCHES
 
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
 
@@ -190,30 +191,36 @@ class BatchBuilder:
 
 class Staging:
     """The step's small host arrays in one pinned buffer and one asynchronous copy into a device buffer
-    reused across steps (pageable copies would block the host on every step)."""
+    (pageable copies would block the host on every step).
 
-    def __init__(self, device: torch.device):
-        self.device, self.cuda = device, device.type == "cuda"
-        self.host = self.dev = None
+    Device buffers take turns over ``depth`` steps: a batch's tensors are views into one of them, and
+    the monitor reads a remembered batch when its violations arrive steps later (reader attribution),
+    so a buffer must not be refilled while that batch may still be read.
+    """
+
+    def __init__(self, device: torch.device, depth: int = KEEP_BATCHES + 2):
+        self.device, self.cuda, self.depth = device, device.type == "cuda", depth
+        self.host = None
+        self.ring: list[torch.Tensor] = []
+        self.turn = 0
         self.event = torch.cuda.Event() if self.cuda else None
 
     def send(self, small: list[int]) -> torch.Tensor:
         n = len(small)
+        if self.event is not None:
+            self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
         if self.host is None or self.host.shape[0] < n:
             size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 1024)
-            if self.event is not None:
-                self.event.synchronize()
             self.host = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
             self.host_np = self.host.numpy()
-            self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
-        elif self.event is not None:
-            self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
+            # (remembered batches keep their old buffers alive)
+            self.ring = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
         self.host_np[:n] = small  # numpy converts a list of ints several times faster than torch
-        if not self.cuda:
-            return self.host[:n]
-        out = self.dev[:n]
-        out.copy_(self.host[:n], non_blocking=True)
-        self.event.record()
+        out = self.ring[self.turn][:n]
+        self.turn = (self.turn + 1) % self.depth
+        out.copy_(self.host[:n], non_blocking=self.cuda)
+        if self.event is not None:
+            self.event.record()
         return out
 
 

@@ -14,6 +14,7 @@ from kvcanary.format import (
     CHAIN_HEAD,
     MASK64,
     PARTIAL_READ_BYTES,
+    VIOLATION_COUNT_LIMIT,
     Counter,
     FailReason,
     RealKvMode,
@@ -42,7 +43,7 @@ def _store(buf: torch.Tensor, slot: int, field: int, value: int) -> None:
 
 def _push_violation(ring, row: list[int]) -> None:
     i = int(ring.write_index[0])
-    ring.write_index[0] = i + 1
+    ring.write_index[0] = min(i + 1, VIOLATION_COUNT_LIMIT)  # the count saturates (format.py)
     if i < ring.capacity:
         ring.rows[i] = torch.tensor([to_signed(v) for v in row], dtype=torch.int64)
 

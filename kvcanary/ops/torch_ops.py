@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.format import ATTRIBUTION_STRIDE, MASK64, Counter, FailReason, to_signed
+from kvcanary.format import ATTRIBUTION_STRIDE, MASK64, VIOLATION_COUNT_LIMIT, Counter, FailReason, to_signed
 from kvcanary.format import mix3 as mix3_int
 from kvcanary.ops.torch_hash import HEAD, INT64_MAX, count_le, fingerprint, gather_rows, mix3
 
@@ -43,7 +43,7 @@ def _push(ring, rows: torch.Tensor, flag: torch.Tensor) -> None:
         take = (m >= 0) & (m < total)
         src = count_le(cum, lo - base, hi - lo).clamp(max=rows.shape[0] - 1)
         ring.rows[lo:hi] = torch.where(take[:, None], rows[src], ring.rows[lo:hi])
-    ring.write_index.add_(total.to(torch.int32))
+    ring.write_index.copy_((base + total).clamp_(max=VIOLATION_COUNT_LIMIT))  # saturates (format.py)
 
 
 def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out) -> None:

@@ -14,11 +14,13 @@ import triton.language as tl
 from kvcanary.format import CHAIN_HEAD as _CHAIN_HEAD
 from kvcanary.format import SPLITMIX_MUL1 as _MUL1
 from kvcanary.format import SPLITMIX_MUL2 as _MUL2
+from kvcanary.format import VIOLATION_COUNT_LIMIT as _COUNT_LIMIT
 
 SPLITMIX_MUL1 = tl.constexpr(_MUL1)
 SPLITMIX_MUL2 = tl.constexpr(_MUL2)
 CHAIN_HEAD = tl.constexpr(_CHAIN_HEAD)
 INT64_MAX = tl.constexpr(2**63 - 1)
+COUNT_LIMIT = tl.constexpr(_COUNT_LIMIT)
 
 
 @triton.jit
@@ -121,8 +123,11 @@ def push_violations(m_fail, b_rows, p_ring, p_write_index, ring_capacity):
     # one atomic per block: failing lanes take consecutive ring indices; rows stored below capacity
     b_fail = m_fail.to(tl.int32)
     n_fail = tl.sum(b_fail, axis=0)
-    i_base = tl.atomic_add(p_write_index, n_fail, mask=n_fail > 0)
-    b_idx = (i_base + tl.cumsum(b_fail, axis=0) - b_fail).to(tl.int64)
-    m_store = m_fail & (b_idx < ring_capacity)
+    i_base = tl.atomic_add(p_write_index, n_fail, mask=n_fail > 0).to(tl.int64)
+    # Saturate: every add is followed by a clamp, so the final count is min(total, COUNT_LIMIT) and a
+    # racing add starts at most a few blocks' failures above the limit (never near int32 overflow).
+    tl.atomic_min(p_write_index, COUNT_LIMIT, mask=n_fail > 0)
+    b_idx = i_base + (tl.cumsum(b_fail, axis=0) - b_fail).to(tl.int64)
+    m_store = m_fail & (b_idx >= 0) & (b_idx < ring_capacity)
     o_f = tl.arange(0, 8)
     tl.store(p_ring + b_idx[:, None] * 8 + o_f[None, :], b_rows, mask=m_store[:, None])

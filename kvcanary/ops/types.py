@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcanary.format import NUM_LAUNCH_TAGS, VIOLATION_WIDTH
+from kvcanary.format import NUM_LAUNCH_TAGS, VIOLATION_COUNT_LIMIT, VIOLATION_WIDTH
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ class Plan:
 
 @dataclass
 class ViolationRing:
-    """rows: int64 [capacity, 8]; write_index: int32 [1], monotonic (keeps counting past capacity)."""
+    """rows: int64 [capacity, 8]; write_index: int32 [1], monotonic (keeps counting past capacity,
+    saturating at ``VIOLATION_COUNT_LIMIT`` = 2**30 rather than wrapping)."""
 
     rows: torch.Tensor
     write_index: torch.Tensor
@@ -130,6 +131,9 @@ class ViolationRing:
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device | str = "cpu") -> ViolationRing:
+        if not 0 <= capacity <= VIOLATION_COUNT_LIMIT:
+            raise ValueError(f"kv-canary: ViolationRing capacity must be in [0, {VIOLATION_COUNT_LIMIT}], "
+                             f"got {capacity}")
         return cls(
             rows=torch.zeros(capacity, VIOLATION_WIDTH, dtype=torch.int64, device=device),
             write_index=torch.zeros(1, dtype=torch.int32, device=device),

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcanary.format import MAX_REAL_KV_SOURCES, SPEC_RECORD_BYTES, RealKvMode, VIOLATION_WIDTH
+from kvcanary.format import MAX_REAL_KV_SOURCES, SPEC_RECORD_BYTES, VIOLATION_COUNT_LIMIT, VIOLATION_WIDTH, RealKvMode
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -81,6 +81,8 @@ def check_ring(op: str, ring, counters: torch.Tensor, device: torch.device) -> N
     if ring.rows.shape[1] != VIOLATION_WIDTH or not ring.rows.is_contiguous():
         raise fail_value(op, "ring.rows", f"contiguous [capacity, {VIOLATION_WIDTH}]", f"shape {tuple(ring.rows.shape)}")
     check_vector(op, "ring.write_index", ring.write_index, (torch.int32,), length=1)
+    if ring.rows.shape[0] > VIOLATION_COUNT_LIMIT:
+        raise fail_value(op, "ring.rows", f"at most {VIOLATION_COUNT_LIMIT} rows", f"{ring.rows.shape[0]}")
     check_ndim(op, "counters", counters, 2)
     check_dtype(op, "counters", counters, (torch.int64,))
     if counters.shape[1] != 2 or not counters.is_contiguous():

@@ -9,6 +9,7 @@ import torch
 from kvcanary.format import (
     ATTRIBUTION_STRIDE,
     CHAIN_HEAD,
+    VIOLATION_COUNT_LIMIT,
     FailReason,
     LaunchTag,
     RecordField as R,
@@ -79,8 +80,9 @@ class Monitor:
                 continue
             total += obs.count
             if obs.count > len(obs.rows):
-                log.warning("kv_canary ring overflow at step %d: %d violations, %d rows kept "
-                            "(raise KV_CANARY_RING_CAPACITY)", obs.step, obs.count, len(obs.rows))
+                at_least = "at least " if obs.count >= VIOLATION_COUNT_LIMIT else ""  # the count saturates
+                log.warning("kv_canary ring overflow at step %d: %s%d violations, %d rows kept "
+                            "(raise KV_CANARY_RING_CAPACITY)", obs.step, at_least, obs.count, len(obs.rows))
             fresh.extend(self._decode(row, obs.step) for row in obs.rows)
         if not total:
             return
