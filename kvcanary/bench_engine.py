@@ -100,7 +100,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     sync = torch.cuda.synchronize if wl.device.type == "cuda" else (lambda: None)
     gen = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1)
     handle = attach(model, mode="log", timing=True) if canary else None
-    manager = bp = None
+    manager = bp = session = None
     steps, canary_s, outputs = [], [], {}
     prof = None
     canary_memory = None
@@ -165,7 +165,9 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     finally:
         if handle is not None:
             handle.detach()
-        del manager, bp
+        # Every reference to the engine (the session holds its batch processor and so its KV cache) goes
+        # before the allocator's cache is emptied: transformers sizes the next cache by free memory.
+        manager = bp = session = handle = None
         gc.collect()
         if wl.device.type == "cuda":
             torch.cuda.empty_cache()
