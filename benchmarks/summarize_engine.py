@@ -2,6 +2,10 @@
 ``kvcanary bench --engine``.
 
     python benchmarks/summarize_engine.py docs/results/engine_*.json [--plot overhead.png]
+    python benchmarks/summarize_engine.py --retrace docs/results/engine_*.json   # GPU split from traces
+
+``--retrace`` recomputes each result's GPU time split from the chrome trace saved beside it
+(``NAME.trace.json.gz``, written by ``bench_engine --trace``) and rewrites the result file.
 """
 
 import argparse
@@ -23,11 +27,27 @@ def load(paths: list[str]) -> list[dict]:
     return results
 
 
+def retrace(path: str) -> None:
+    trace = Path(path).with_suffix("").with_suffix(".trace.json.gz")
+    if not trace.exists():
+        print(f"{path}: no trace at {trace}, left as it is", file=sys.stderr)
+        return
+    with open(path) as f:
+        d = json.load(f)
+    d["gpu_time"] = bench_suite.gpu_time(bench_suite.trace_ranges(str(trace)))
+    with open(path, "w") as f:
+        f.write(json.dumps(d, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    ap.add_argument("--retrace", action="store_true", help="recompute gpu_time from the traces beside the results")
     args = ap.parse_args()
+    if args.retrace:
+        for p in args.paths:
+            retrace(p)
     results = load(args.paths)
     print(bench_suite.table(results))
     if args.plot:

@@ -26,14 +26,18 @@ import argparse
 import gc
 import json
 import logging
-import os
 import math
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
+
+from kvcanary import bench_suite
 
 
 SIZES = {
@@ -102,7 +106,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     handle = attach(model, mode="log", timing=True) if canary else None
     manager = bp = session = None
     steps, canary_s, outputs = [], [], {}
-    prof = None
+    prof = ranges = None
     canary_memory = None
     if wl.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(wl.device)
@@ -151,8 +155,13 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
             prof.__exit__(None, None, None)
         if prof is not None and not profiled:
             prof = None  # no measured step ran: nothing was profiled
-        if prof is not None and trace:
-            prof.export_chrome_trace(trace)
+        if prof is not None:
+            # The device times come from the exported trace (bench_suite.trace_ranges)
+            path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
+            prof.export_chrome_trace(path)
+            ranges = bench_suite.trace_ranges(path)
+            if not trace:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         for state in list(bp.scheduler.active_requests.values()):
             outputs[state.request_id] = state.generated_tokens
         while not manager.output_router.output_queue.empty():
@@ -173,23 +182,8 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
             torch.cuda.empty_cache()
     peak = torch.cuda.max_memory_allocated(wl.device) if wl.device.type == "cuda" else None
     return {"steps": steps, "canary_s": canary_s, "outputs": outputs, "violations": violations,
-            "profile": summarize_profile(prof) if prof is not None else None, "peak_bytes": peak,
+            "profile": ranges, "peak_bytes": peak,
             "canary_memory": canary_memory}
-
-
-def summarize_profile(prof) -> dict:
-    """Per range: device microseconds of the kernels launched inside it (children included) and host
-    microseconds, summed over the profiled steps."""
-    names = ("kvcanary_before", "kvcanary_after", "engine_forward")
-    out = {n: {"device_us": 0.0, "cpu_us": 0.0, "count": 0} for n in names}
-    for e in prof.events():
-        # The CPU-side range owns its kernels; skip the GPU-side annotation twin of the same name.
-        if e.name in names and "CPU" in str(getattr(e, "device_type", "CPU")):
-            dev = getattr(e, "device_time_total", None)
-            out[e.name]["device_us"] += float(dev if dev is not None else getattr(e, "cuda_time_total", 0.0))
-            out[e.name]["cpu_us"] += float(e.cpu_time_total)
-            out[e.name]["count"] += 1
-    return out
 
 
 def quantiles(xs: list[float]) -> dict:
@@ -314,16 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         result["step_ratio_with_over_without"] = q_on["median_ms"] / q_off["median_ms"]
         result["canary_share_of_step"] = q_c["median_ms"] / q_on["median_ms"] if q_c.get("n") else None
     if profile:
-        canary_dev = sum(profile.get(k, {}).get("device_us", 0.0) for k in ("kvcanary_before", "kvcanary_after"))
-        fwd = profile.get("engine_forward", {})
-        result["gpu_time"] = {
-            "ranges": profile,
-            "canary_device_us": canary_dev,
-            "forward_device_us": fwd.get("device_us", 0.0),
-            "canary_over_forward": canary_dev / fwd["device_us"] if fwd.get("device_us") else None,
-            "note": "device time of kernels launched inside each range, summed over the profiled steps "
-                    "(zero on CPU, where there is no device timeline)",
-        }
+        result["gpu_time"] = bench_suite.gpu_time(profile)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -1,5 +1,6 @@
 """The engine benchmark: its varlen attention, one CPU workload end to end, the registry's errors."""
 
+import gzip
 import json
 
 import pytest
@@ -72,3 +73,33 @@ def test_registry_covers_the_goal_shapes():
     for size in ("1b", "8b"):
         assert {(size, 1, 2048, "decode"), (size, 64, 2048, "decode"), (size, 1, 8192, "decode"),
                 (size, 64, 8192, "decode"), (size, 8, 8192, "prefill")} <= shapes
+
+
+def test_trace_ranges_attribute_kernels_to_the_range_that_launched_them(tmp_path):
+    def launch(ts, corr, cat="cuda_runtime"):
+        return {"cat": cat, "name": "launch", "ts": ts, "dur": 1, "args": {"correlation": corr}}
+
+    def kernel(ts, corr, dur, cat="kernel"):
+        return {"cat": cat, "name": "k", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def rng(name, ts, dur):
+        return {"cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        rng("kvcanary_before", 0, 10), launch(2, 1), launch(5, 2, "cuda_driver"),  # Triton: a driver launch
+        rng("engine_forward", 10, 100), launch(20, 3), launch(30, 4),
+        rng("kvcanary_after", 120, 10), launch(121, 5), launch(140, 6),  # 6: launched after the range
+        # kernels run later than their launch, and the GPU-side annotation twin must not count
+        kernel(50, 1, 3.0), kernel(60, 2, 4.0, "gpu_memcpy"), kernel(70, 3, 100.0), kernel(200, 4, 50.0),
+        kernel(210, 5, 2.5), kernel(220, 6, 1000.0),
+        {"cat": "gpu_user_annotation", "name": "kvcanary_before", "ts": 50, "dur": 500},
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    ranges = bench_suite.trace_ranges(str(path))
+    assert ranges["kvcanary_before"] == {"device_us": 7.0, "cpu_us": 10, "count": 1}
+    assert ranges["engine_forward"]["device_us"] == 150.0
+    assert ranges["kvcanary_after"]["device_us"] == 2.5
+    g = bench_suite.gpu_time(ranges)
+    assert g["canary_device_us"] == 9.5 and g["canary_over_forward"] == 9.5 / 150.0
