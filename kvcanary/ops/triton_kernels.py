@@ -191,19 +191,12 @@ def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_request
         if ATTRIBUTION:
             tl.store(p_rec + 4, tl.zeros_like(b_slot) + i_writer, mask=m_in)
             tl.store(p_rec + 5, tl.zeros_like(b_slot) + i_step, mask=m_in)
-    # the serial chain: entries in order, each stores the running hash it extends. The hash chain is
-    # latency-bound; the next entry's inputs are loaded while this one hashes (software pipelining).
+    # the serial chain: entries in order, each stores the running hash it extends
     o_f = tl.arange(0, 8)
-    m_first = i_start < i_end
-    n_slot = tl.load(p_loc + i_start, mask=m_first, other=0).to(tl.int64)
-    n_tok = tl.load(p_ids + i_start, mask=m_first, other=0).to(tl.int64)
-    n_pos = tl.load(p_pos + i_start, mask=m_first, other=0).to(tl.int64)
     for i in range(i_start, i_end):
-        i_slot, i_tok, i_pos = n_slot, n_tok, n_pos
-        m_next = i + 1 < i_end
-        n_slot = tl.load(p_loc + i + 1, mask=m_next, other=0).to(tl.int64)
-        n_tok = tl.load(p_ids + i + 1, mask=m_next, other=0).to(tl.int64)
-        n_pos = tl.load(p_pos + i + 1, mask=m_next, other=0).to(tl.int64)
+        i_slot = tl.load(p_loc + i).to(tl.int64)
+        i_tok = tl.load(p_ids + i).to(tl.int64)
+        i_pos = tl.load(p_pos + i).to(tl.int64)
         reason = i_slot * 0
         exp_tok = i_tok
         aux = i_pos
