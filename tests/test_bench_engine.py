@@ -59,6 +59,9 @@ def test_bench_engine_runs_a_cpu_workload_and_reports_correctness(tmp_path, caps
     mem = r["canary_memory_bytes"]
     assert mem["record_bytes_per_slot"] == {"full": 96} and mem["total"] >= mem["canary_buffers"] > 0
     assert r["peak_memory_mib"] is None  # device peaks only on CUDA
+    # the profiled run's ranges reach the trace (device time is zero on CPU)
+    ranges = r["gpu_time"]["ranges"]
+    assert all(ranges[n]["count"] > 0 and ranges[n]["cpu_us"] > 0 for n in bench_suite.RANGES)
     printed = capsys.readouterr().out
     assert "tiny  decode       4      64" in printed and bench_suite.row_of(r)["violations"] == 0
 

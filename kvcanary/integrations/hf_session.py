@@ -274,7 +274,8 @@ class Session:
         return torch.cuda.stream(stream)
 
     def _range(self, name: str):
-        if self.handle.options.get("timing"):
+        # Ranges only while a profiler records: a range costs microseconds, and timing is on in benchmarks.
+        if self.handle.options.get("timing") and torch.autograd._profiler_enabled():
             return torch.profiler.record_function(name)
         return nullcontext()
 
