@@ -152,12 +152,15 @@ def plot(results: list[dict], path: str) -> None:
 
     rows = [row_of(d) for d in results if not d.get("error")]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key in sorted({(r["model"], r["mode"], r["context"]) for r in rows}):
+    colors = plt.get_cmap("tab10").colors
+    for i, key in enumerate(sorted({(r["model"], r["mode"], r["context"]) for r in rows})):
         pts = sorted((r for r in rows if (r["model"], r["mode"], r["context"]) == key), key=lambda r: r["batch"])
-        label = f"{key[0]} {key[1]} ctx {key[2]}"
-        ax.plot([r["batch"] for r in pts], [r["wall_share_pct"] for r in pts], "o-", label=f"{label} (host)")
+        label, c = f"{key[0]} {key[1]} ctx {key[2]}", colors[i % len(colors)]  # one colour per series
+        ax.plot([r["batch"] for r in pts], [r["wall_share_pct"] for r in pts], "o-", color=c,
+                label=f"{label} (host, of wall step)")
         if all(r["gpu_share_pct"] is not None for r in pts):
-            ax.plot([r["batch"] for r in pts], [r["gpu_share_pct"] for r in pts], "x--", label=f"{label} (GPU)")
+            ax.plot([r["batch"] for r in pts], [r["gpu_share_pct"] for r in pts], "x--", color=c,
+                    label=f"{label} (GPU, of forward)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("canary share of step (%)")
