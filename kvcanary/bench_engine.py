@@ -23,6 +23,7 @@ one process each; this module measures one:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -87,11 +88,28 @@ class Workload:
                        # (under half) rejects an 8B model at batch 64 x 8K on a 141 GB GPU
                        max_memory_percent=0.9)
 
+        self.canary_config = canary_config(args.canary_option)
+
     def measured(self, batch: int, tokens: int) -> bool:
         """Steps that count: pure decode steps of the whole batch, or prefill chunks."""
         if self.args.mode == "decode":
             return batch == self.args.batch and tokens == batch
         return tokens > batch
+
+
+def canary_config(options: list[str] | None):
+    """The canary's configuration: ``KV_CANARY_*`` variables, then ``KEY=VALUE`` options (field names)."""
+    from kvcanary.runtime.config import ENV_PREFIX, CanaryConfig
+
+    fields = [f.name for f in dataclasses.fields(CanaryConfig)]
+    env = dict(os.environ)
+    for opt in options or []:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"kv-canary: bench_engine --canary-option must be KEY=VALUE with KEY a CanaryConfig "
+                             f"field ({', '.join(fields)}), got {opt!r}")
+        env[ENV_PREFIX + key.upper()] = value
+    return CanaryConfig.from_env(env)
 
 
 def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: str | None = None) -> dict:
@@ -103,7 +121,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
 
     sync = torch.cuda.synchronize if wl.device.type == "cuda" else (lambda: None)
     gen = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1)
-    handle = attach(model, mode="log", timing=True) if canary else None
+    handle = attach(model, config=wl.canary_config, mode="log", timing=True) if canary else None
     manager = bp = session = None
     steps, canary_s, outputs = [], [], {}
     prof = ranges = None
@@ -238,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled run (GPU time split)")
     ap.add_argument("--profile-steps", type=int, default=8, help="measured steps under the profiler")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the result here")
+    ap.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="canary configuration for the runs with the canary, a CanaryConfig field each "
+                         "(e.g. real_kv=all, check_v=true); repeatable; KV_CANARY_* variables apply first")
     args = ap.parse_args(argv)
+    try:
+        canary_config(args.canary_option)  # a bad option fails before a model is built
+    except ValueError as e:
+        ap.error(str(e))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("engine_overhead: --device cuda needs a CUDA GPU")
@@ -291,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                      "mode": args.mode, "max_batch_tokens": args.chunk, "block_size": args.block_size,
                      "rounds": args.rounds,
                      "attention": "paged|kvc_varlen" if args.attention == "varlen" else "paged|sdpa", "cuda_graphs": False,
-                     "async_batching": False},
+                     "async_batching": False, "canary_options": args.canary_option,
+                     "canary_config": dataclasses.asdict(wl.canary_config)},
         "environment": {**environment(device), "device": str(device)},
         "correctness": {"tokens_identical": ok, "violations": violations},
         "step_without_canary": q_off,

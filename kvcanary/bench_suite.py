@@ -74,8 +74,10 @@ CPU_ENGINE_WORKLOADS = {
 }
 
 
-def run_engine(device: str, names: list[str] | None, timeout_s: float, progress=None) -> dict:
-    """Run the named workloads (default: all of the device's list); one result row per workload."""
+def run_engine(device: str, names: list[str] | None, timeout_s: float, progress=None,
+               canary_options: list[str] | None = None) -> dict:
+    """Run the named workloads (default: all of the device's list); one result row per workload.
+    ``canary_options`` (``KEY=VALUE``, CanaryConfig fields) configure the canary of every run."""
     progress = progress if progress is not None else sys.stderr
     registry = CPU_ENGINE_WORKLOADS if device == "cpu" else ENGINE_WORKLOADS
     known = {**ENGINE_WORKLOADS, **CPU_ENGINE_WORKLOADS}
@@ -92,6 +94,8 @@ def run_engine(device: str, names: list[str] | None, timeout_s: float, progress=
             path = os.path.join(tmp, "result.json")
             cmd = [sys.executable, "-m", "kvcanary.bench_engine", "--device", device, "--model-size", size,
                    "--batch", str(batch), "--context", str(ctx), "--mode", mode, "--json", path]
+            for opt in canary_options or []:
+                cmd += ["--canary-option", opt]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
                 error = None if os.path.exists(path) else (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -119,6 +123,7 @@ def row_of(d: dict) -> dict:
         "wall_share_pct": 100 * d["canary_share_of_step"],
         "gpu_share_pct": None if g.get("canary_over_forward") is None else 100 * g["canary_over_forward"],
         "tokens_identical": d["correctness"]["tokens_identical"], "violations": d["correctness"]["violations"],
+        "config": ",".join(w.get("canary_options") or []) or "default",
     }
 
 
@@ -131,14 +136,14 @@ def summary_line(d: dict) -> str:
 
 def table(results: list[dict]) -> str:
     rows = sorted((row_of(d) for d in results if not d.get("error")),
-                  key=lambda r: (r["model"], r["mode"], r["context"], r["batch"]))
+                  key=lambda r: (r["model"], r["mode"], r["context"], r["batch"], r["config"]))
     out = [f"{'model':5s} {'mode':8s} {'batch':>5s} {'context':>7s} {'step ms':>8s} {'+canary ms':>10s} "
-           f"{'canary host ms':>14s} {'wall share':>10s} {'GPU share':>9s} {'tokens==':>8s} {'viol':>4s}"]
+           f"{'canary host ms':>14s} {'wall share':>10s} {'GPU share':>9s} {'tokens==':>8s} {'viol':>4s} canary config"]
     for r in rows:
         gpu = "n/a" if r["gpu_share_pct"] is None else f"{r['gpu_share_pct']:.2f}%"
         out.append(f"{r['model']:5s} {r['mode']:8s} {r['batch']:5d} {r['context']:7d} {r['step_ms']:8.2f} "
                    f"{r['step_canary_ms']:10.2f} {r['canary_host_ms']:14.3f} {r['wall_share_pct']:9.2f}% "
-                   f"{gpu:>9s} {str(r['tokens_identical']):>8s} {r['violations']:4d}")
+                   f"{gpu:>9s} {str(r['tokens_identical']):>8s} {r['violations']:4d} {r['config']}")
     out += [f"{d['name']}: {d['error']}" for d in results if d.get("error")]
     return "\n".join(out)
 

@@ -126,6 +126,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                    help="canary cost inside transformers continuous batching instead of op throughput: the "
                         "named workloads (default: every one for the device; kvcanary.bench_suite)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine workload (default 900)")
+    p.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --engine: canary configuration of the runs, a CanaryConfig field each "
+                        "(e.g. real_kv=all, check_v=true); repeatable")
 
 
 @command("bench", "op throughput, or with --engine the canary's cost inside transformers CB; JSON and PNG",
@@ -148,7 +151,10 @@ def _bench_engine(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"kv-canary: bench device must be available, got {device} without a CUDA GPU")
-    out = bench_suite.run_engine(device, args.engine, args.timeout)
+    from kvcanary.bench_engine import canary_config
+
+    canary_config(args.canary_option)  # a bad option fails here, not once per workload process
+    out = bench_suite.run_engine(device, args.engine, args.timeout, canary_options=args.canary_option)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

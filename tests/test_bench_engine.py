@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import subprocess
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 from kvcanary import bench_suite, cli  # noqa: E402
-from kvcanary.bench_engine import build_model  # noqa: E402
+from kvcanary.bench_engine import build_model, canary_config  # noqa: E402
 from kvcanary.integrations.varlen_attention import NAME, register, varlen  # noqa: E402
 
 
@@ -106,3 +107,33 @@ def test_trace_ranges_attribute_kernels_to_the_range_that_launched_them(tmp_path
     assert ranges["kvcanary_after"]["device_us"] == 2.5
     g = bench_suite.gpu_time(ranges)
     assert g["canary_device_us"] == 9.5 and g["canary_over_forward"] == 9.5 / 150.0
+
+
+def test_canary_options_configure_the_canary_over_the_environment(monkeypatch):
+    monkeypatch.setenv("KV_CANARY_REAL_KV", "all")
+    monkeypatch.setenv("KV_CANARY_SWEEP_INTERVAL", "7")
+    cfg = canary_config(["real_kv=none", "check_v=true"])
+    assert (cfg.real_kv, cfg.check_v, cfg.sweep_interval) == ("none", True, 7)
+    with pytest.raises(ValueError, match="--canary-option must be KEY=VALUE with KEY a CanaryConfig field"):
+        canary_config(["realkv=none"])
+    with pytest.raises(ValueError, match="got 'check_v'"):
+        canary_config(["check_v"])
+
+
+def test_bench_engine_passes_canary_options_to_every_workload(monkeypatch, capsys):
+    commands = []
+    def run(cmd, **kw):
+        commands.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "")
+
+    monkeypatch.setattr(bench_suite.subprocess, "run", run)
+    out = bench_suite.run_engine("cpu", None, 10, canary_options=["real_kv=all", "check_v=true"])
+    assert len(commands) == len(bench_suite.CPU_ENGINE_WORKLOADS) == len(out["results"])
+    for cmd in commands:
+        assert cmd[-4:] == ["--canary-option", "real_kv=all", "--canary-option", "check_v=true"]
+    assert all(r["error"] == "no output" for r in out["results"])  # nothing ran: each row says so
+    capsys.readouterr()
+    spawned = len(commands)
+    assert cli.main(["bench", "--engine", "--device", "cpu", "--canary-option", "real_kv=maybe"]) == 2
+    assert "config real_kv must be one of ('none', 'partial', 'all'), got 'maybe'" in capsys.readouterr().err
+    assert len(commands) == spawned  # rejected before any workload process
