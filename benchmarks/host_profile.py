@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> None:
     if plain:
         return
     out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+    stats = pstats.Stats(prof, stream=out).sort_stats(os.environ.get("HOST_PROFILE_SORT", "tottime"))
     stats.print_stats(25)
     print(out.getvalue(), file=sys.stderr)
 
