@@ -2,7 +2,7 @@
 # Everything the GPU machine must run, in one call per part, each well under 10 minutes:
 #   bash benchmarks/gpu_suite.sh tests    # the whole test suite natively (Triton compiled), self-check, demo
 #   bash benchmarks/gpu_suite.sh ops      # op throughput (benchmarks/ops_bench.py)
-#   bash benchmarks/gpu_suite.sh probe    # the decode-like op benchmark's fault, step by step
+#   bash benchmarks/gpu_suite.sh probe    # the decode-like op benchmark step by step (diagnosis of a device fault)
 #   bash benchmarks/gpu_suite.sh engine [SPEC ...]  # canary cost inside transformers continuous batching, 1B and 8B
 # Results and logs go to $OUT (default ./out). Runs from a checkout without installing (PYTHONPATH).
 set -uo pipefail
@@ -28,7 +28,8 @@ case "$part" in
     timeout ${OPS_TIMEOUT:-500} $py -m kvcanary.cli bench --device cuda --out "$OUT/ops_bench.json" --plot "$OUT/ops_bench.png" 2>&1 | tee "$OUT/ops.log"
     ;;
   probe)
-    # The decode-like op benchmark's fault (docs/benchmarks.md): each step synced, then the workload alone.
+    # Diagnosis of a device fault in the decode-like op benchmark (it found the ring-count wrap described
+    # in docs/benchmarks.md): each step synced, then the workload alone, then under the memory checker.
     CUDA_LAUNCH_BLOCKING=1 timeout ${PROBE_TIMEOUT:-120} $py benchmarks/ops_probe.py 256 4095 1 --repeat 6 2>&1 | tee "$OUT/probe.log"
     CUDA_LAUNCH_BLOCKING=1 timeout ${OPS_TIMEOUT:-200} $py -m kvcanary.cli bench --device cuda --providers triton \
       --workloads decode-bs256-ctx4k --out "$OUT/ops_decode.json" 2>&1 | tee "$OUT/ops_decode.log"

@@ -1,6 +1,6 @@
 """Run the op benchmark's set-up and ops step by step, syncing after each, to find a faulting launch.
 
-Diagnostic for the decode-like op benchmark (docs/benchmarks.md, open problem): the set-up chain
+Diagnostic for the decode-like op benchmark (docs/benchmarks.md, "The decode benchmark's fault"): the set-up chain
 write, the plan, then verify and write per backend and real-KV mode, each ``--repeat`` times as
 the benchmark's timing does. Prints "ok STEP" or "FAIL STEP ..." and exits 1 at the first failure.
 
@@ -49,6 +49,7 @@ def main() -> None:
         for mode in (RealKvMode.NONE, RealKvMode.PARTIAL):
             step(f"{backend} verify {mode.name}", lambda: s.verify(backend, mode), args.repeat)
             step(f"{backend} write {mode.name}", lambda: s.write(backend, mode), args.repeat)
+    # Each mode verifies its own records, so a clean run ends with an empty ring.
     print("ring index", int(s.ring.write_index[0]))
 
 
