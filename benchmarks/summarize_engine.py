@@ -5,7 +5,8 @@
     python benchmarks/summarize_engine.py --retrace docs/results/engine_*.json   # GPU split from traces
 
 ``--retrace`` recomputes each result's GPU time split from the chrome trace saved beside it
-(``NAME.trace.json.gz``, written by ``bench_engine --trace``) and rewrites the result file.
+(``NAME.trace.json.gz``, written by ``bench_engine --trace``) and rewrites the result file;
+``--slim`` first cuts those traces down to the events the split reads.
 """
 
 import argparse
@@ -27,11 +28,13 @@ def load(paths: list[str]) -> list[dict]:
     return results
 
 
-def retrace(path: str) -> None:
+def retrace(path: str, slim: bool = False) -> None:
     trace = Path(path).with_suffix("").with_suffix(".trace.json.gz")
     if not trace.exists():
         print(f"{path}: no trace at {trace}, left as it is", file=sys.stderr)
         return
+    if slim:
+        bench_suite.slim_trace(str(trace))
     with open(path) as f:
         d = json.load(f)
     d["gpu_time"] = bench_suite.gpu_time(bench_suite.trace_ranges(str(trace)))
@@ -44,10 +47,11 @@ def main() -> None:
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     ap.add_argument("--retrace", action="store_true", help="recompute gpu_time from the traces beside the results")
+    ap.add_argument("--slim", action="store_true", help="with --retrace: first cut the traces to the events it reads")
     args = ap.parse_args()
     if args.retrace:
         for p in args.paths:
-            retrace(p)
+            retrace(p, args.slim)
     results = load(args.paths)
     print(bench_suite.table(results))
     if args.plot:

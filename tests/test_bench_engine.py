@@ -107,6 +107,16 @@ def test_trace_ranges_attribute_kernels_to_the_range_that_launched_them(tmp_path
     assert ranges["kvcanary_after"]["device_us"] == 2.5
     g = bench_suite.gpu_time(ranges)
     assert g["canary_device_us"] == 9.5 and g["canary_over_forward"] == 9.5 / 150.0
+    # slimming drops the events the split does not read, and the split stays the same
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    trace["traceEvents"] += [{"cat": "cpu_op", "name": "aten::add", "ts": 3, "dur": 1}, {"ph": "M", "name": "meta"}]
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    bench_suite.slim_trace(str(path))
+    with gzip.open(path, "rt") as f:
+        kept = json.load(f)["traceEvents"]
+    assert len(kept) == len(events) - 1 and bench_suite.trace_ranges(str(path)) == ranges
 
 
 def test_canary_options_configure_the_canary_over_the_environment(monkeypatch):
