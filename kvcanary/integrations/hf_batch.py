@@ -72,7 +72,7 @@ class BatchBuilder:
         # Each batch row of the table = the request's slots, block by block; other rows are never read,
         # and columns past a request's length neither.
         rtt = torch.empty(self.num_rows, maxb * B, dtype=torch.int64, device=self.device)
-        rtt.view(self.num_rows, maxb, B)[rows_t] = block_table.mul(B).unsqueeze(2) + self.in_block[:B]
+        rtt.view(self.num_rows, maxb, B)[rows_t] = torch.add(self.in_block[:B], block_table.unsqueeze(2), alpha=B)
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
         if io.use_block_table:
             # Flash decode fast path: write_index is not filled; the kernel writes through the table.
