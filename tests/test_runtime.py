@@ -309,7 +309,6 @@ def test_health_fires_when_launches_stop():
     e.forward([(1, 3)])
     assert e.canary.check_health() == []
     # The engine keeps stepping the host side but the device part no longer runs (e.g. a graph without it).
-    from kvcanary.runtime.batch import ForwardBatch  # noqa: F401
     b = e.forward([(1, 0)])
     e.canary.host_before(b)
     e.canary.host_after(b)
