@@ -123,6 +123,7 @@ class Canary:
     def host_before(self, batch: ForwardBatch) -> None:
         """Validate host-known sizes and drain observations that have landed (never waits)."""
         self._check_sizes(batch)
+        self.launcher.join()
         if self.injector is not None:
             self.injector.before_forward(batch)
         self.monitor.poll()
@@ -136,19 +137,28 @@ class Canary:
         self.launcher.after(batch)
 
     def host_after(self, batch: ForwardBatch) -> None:
-        """Periodic sweep, then close the step: snapshot for the one-step-late drain, health, stats."""
+        """Periodic sweep, then close the step: snapshot for the one-step-late drain, health, stats.
+
+        The step's device work runs on the launcher's side stream; at the end the engine's stream
+        waits for it, so no later KV write (next forward, copies into reused slots) races TAIL's reads.
+        """
         self.step += 1
         self.monitor.note_forward(batch)
-        if self.injector is not None:
-            self.injector.after_forward(batch)
-        every = self.config.sweep_interval
-        if every and self.sweep_provider is not None and self.step % every == 0:
-            triples = self.sweep_provider()
-            if triples is not None:
-                self.sweep(*triples)
-        if self.injector is not None:
-            self.injector.end_step(batch)
-        self.monitor.close_step()
+        try:
+            with self.launcher.side():
+                if self.injector is not None:
+                    self.injector.after_forward(batch)
+                every = self.config.sweep_interval
+                if every and self.sweep_provider is not None and self.step % every == 0:
+                    triples = self.sweep_provider()
+                    if triples is not None:
+                        self.sweep(*triples)
+                if self.injector is not None:
+                    self.injector.end_step(batch)
+                self.launcher.streams.note("snapshot", reads=("ring", "counters", "plan"), writes=("ring",))
+                self.monitor.close_step()
+        finally:
+            self.launcher.join()
 
     def sweep(self, slots: torch.Tensor, positions: torch.Tensor, prevs: torch.Tensor, group: str = "full") -> None:
         """Verify slots held by the engine's prefix cache (SPEC 4.5) against the TAIL buffers.
@@ -159,11 +169,15 @@ class Canary:
         if not self.enabled:
             return
         g = self._group(group)
-        ops.fill_entries(g.sweep_entries, slots, positions, prevs)
-        for kv in g.kvs:
-            ops.verify(buf=g.bufs["tail", kv], entries=g.sweep_entries, ring=self.ring, counters=self.counters,
-                       launch_tag=g.tag("sweep", kv), sources=g.sources[kv], real_kv_mode=self._mode(g, kv),
-                       backend=self.config.backend)
+        self.launcher.hand_over(slots, positions, prevs)
+        with self.launcher.side():
+            self.launcher.streams.note("sweep", reads=("tail_bufs", "kv"), writes=("sweep_entries",),
+                                       atomic=("ring", "counters"))
+            ops.fill_entries(g.sweep_entries, slots, positions, prevs)
+            for kv in g.kvs:
+                ops.verify(buf=g.bufs["tail", kv], entries=g.sweep_entries, ring=self.ring, counters=self.counters,
+                           launch_tag=g.tag("sweep", kv), sources=g.sources[kv], real_kv_mode=self._mode(g, kv),
+                           backend=self.config.backend)
         self.monitor.note_sweep(group)
 
     def perturb_next_tokens(self, request_ids, tokens, positions=None):
@@ -183,8 +197,12 @@ class Canary:
         """The engine copied KV from src_slots to dst_slots (fork, defragmentation): carry the records."""
         g = self._group(group)
         src, dst = self._slot_pair(src_slots, dst_slots)
-        for buf in g.bufs.values():
-            buf.index_copy_(0, dst, buf.index_select(0, src))
+        self.launcher.hand_over(src, dst)
+        with self.launcher.side():
+            self.launcher.streams.note("copy_records", reads=("head_bufs", "tail_bufs"),
+                                       writes=("head_bufs", "tail_bufs"))
+            for buf in g.bufs.values():
+                buf.index_copy_(0, dst, buf.index_select(0, src))
         if self.injector is not None:
             self.injector.follow_copy(src, dst, group)
 
@@ -192,14 +210,23 @@ class Canary:
         """Records of slots whose KV is offloaded (a copy per buffer, on the canary's device)."""
         g = self._group(group)
         idx = slots.to(device=self.device, dtype=torch.int64)
-        return {key: buf.index_select(0, idx) for key, buf in g.bufs.items()}
+        self.launcher.hand_over(idx)
+        with self.launcher.side():
+            self.launcher.streams.note("save_records", reads=("head_bufs", "tail_bufs"))
+            saved = {key: buf.index_select(0, idx) for key, buf in g.bufs.items()}
+        # the copies are read back on the engine's stream as well (restore, offload to host memory)
+        self.launcher.join()
+        return saved
 
     def restore_records(self, saved: dict, slots: torch.Tensor, group: str = "full") -> None:
         """The offloaded KV came back into ``slots`` (same order as saved): restore its records."""
         g = self._group(group)
         idx = slots.to(device=self.device, dtype=torch.int64)
-        for key, buf in g.bufs.items():
-            buf.index_copy_(0, idx, saved[key])
+        self.launcher.hand_over(idx, *saved.values())
+        with self.launcher.side():
+            self.launcher.streams.note("restore_records", writes=("head_bufs", "tail_bufs"))
+            for key, buf in g.bufs.items():
+                buf.index_copy_(0, idx, saved[key])
         if self.injector is not None:
             self.injector.follow_restore(saved, idx, group)
 

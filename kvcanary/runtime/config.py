@@ -47,6 +47,7 @@ class CanaryConfig:
         inject_seed: seed of the fault-injection random generator.
         inject_warmup: forward steps before the first injection.
         inject_group: address space the KV-byte flips target: "full" | "swa".
+        overlap: on CUDA, run verify and write launches on a side stream beside the forward (same results).
     """
 
     mode: str = "log"
@@ -73,6 +74,7 @@ class CanaryConfig:
     inject_seed: int = 0
     inject_warmup: int = 0
     inject_group: str = "full"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -4,9 +4,17 @@ The public ops validate every argument on every call; here the canary's own buff
 and real-KV sources are validated once, the engine's ``ForwardBatch`` once per
 forward, and the chosen implementation module is called directly. Only static
 buffers are touched and nothing syncs, so the sequence can be captured in a CUDA graph.
+
+On CUDA the verify and write launches run on a side stream (``streams.py``): the plan is
+built on the engine's stream, then HEAD runs beside the forward and TAIL after it, off the
+host's critical path. What they read from the engine's batch is first staged into the
+canary's own buffer, since the engine refills its input buffers for the next forward
+while TAIL may still be reading.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -14,6 +22,7 @@ from kvcanary.format import ATTRIBUTION_STRIDE, RealKvMode
 from kvcanary.ops import api
 from kvcanary.ops import validate as v
 from kvcanary.runtime.batch import TokenAppend
+from kvcanary.runtime.streams import streams_for
 
 OP = "forward batch"
 
@@ -59,45 +68,145 @@ def check_batch(batch, device: torch.device) -> None:
                    **tensors)
 
 
+class _Inputs:
+    """What the verify and write launches read from the batch: the engine's tensors, or staged copies."""
+
+    __slots__ = ("input_ids", "positions", "loc", "writer_ids", "exp_ids", "exp_pos")
+
+
 class ForwardLauncher:
-    """HEAD and TAIL sequences of a ``Canary``: plan, verify and write per group and K/V buffer."""
+    """HEAD and TAIL sequences of a ``Canary``: plan, verify and write per group and K/V buffer.
+
+    ``streams`` is the stream layer (``streams.py``); tests swap in ``RecordingStreams``.
+    """
 
     def __init__(self, canary):
         self.c = canary
         self.impl = api.impl_module(canary.config.backend, canary.device.type)
         self.attribution = canary.config.record_stride >= ATTRIBUTION_STRIDE
+        self.streams = streams_for(canary.device, getattr(canary.config, "overlap", True))
+        self.pending = None  # side-stream work the engine stream has not waited for yet
+        n, groups = canary.max_tokens, len(canary.groups)
+        # staged inputs: ids, positions, expected ids, expected positions, one slot list per group; writer ids
+        self.staged = torch.zeros((4 + groups) * n + canary.max_batch, dtype=torch.int64, device=canary.device)
         if any(g.table is not None for g in canary.groups):
-            self.swa_loc = torch.zeros(canary.max_tokens, dtype=torch.int64, device=canary.device)
+            self.swa_loc = torch.zeros(n, dtype=torch.int64, device=canary.device)
 
+    # -- stream ordering -------------------------------------------------------------------------
+    @contextmanager
+    def side(self):
+        """Run the body on the side stream, after everything issued so far on the current stream."""
+        s = self.streams
+        side = s.side()
+        if side is None or not s.overlap or s.current() is side:
+            yield
+            return
+        s.wait(side, s.record(s.current()))
+        try:
+            with s.use(side):
+                yield
+        finally:
+            self.pending = s.record(side)
+
+    def join(self) -> None:
+        """The current (engine) stream waits for the side stream's work so far; a no-op when none is pending."""
+        if self.pending is not None:
+            s = self.streams
+            s.wait(s.current(), self.pending)
+            self.pending = None
+
+    def hand_over(self, *tensors) -> None:
+        """Tensors made on the engine stream and read on the side stream stay allocated until it read them."""
+        side = self.streams.side()
+        if side is None or not self.streams.overlap:
+            return
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(side)
+
+    # -- the forward -----------------------------------------------------------------------------
     def before(self, batch) -> None:
         """Expected-token refill, plan per group, HEAD verify of the prefix, HEAD write of the new tokens."""
-        c, impl = self.c, self.impl
+        c, impl, note = self.c, self.impl, self.streams.note
         check_batch(batch, c.device)
+        self.join()
+        overlap = self.streams.overlap and self.streams.side() is not None
+        self.inputs = self._stage(batch) if overlap else self._direct(batch)
         table, valid = self._refill_tokens(batch)
         for g in c.groups:
+            note("plan", reads=("engine_inputs", "token_table"), writes=("plan",))
             impl.plan(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
                       extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out=g.plan, window=g.window,
                       full_to_swa=g.table, token_table=table, token_valid_lens=valid,
                       token_offset=batch.token_offset)
-            for kv in g.kvs:
-                impl.verify(buf=g.bufs["head", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
-                            launch_tag=g.tag("head", kv), sources=(), real_kv_mode=0)
-        self._write_all(batch, "head")
+        with self.side():
+            for g in c.groups:
+                for kv in g.kvs:
+                    note("head_verify", reads=("plan", "head_bufs"), atomic=("ring", "counters"))
+                    impl.verify(buf=g.bufs["head", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
+                                launch_tag=g.tag("head", kv), sources=(), real_kv_mode=0)
+            self._write_all(batch.batch_size, "head")
 
     def after(self, batch) -> None:
-        """TAIL verify with real-KV hash, TAIL write, device step + 1."""
-        c, impl = self.c, self.impl
-        for g in c.groups:
-            for kv in g.kvs:
-                impl.verify(buf=g.bufs["tail", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
-                            launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=c._mode(g, kv))
-        self._write_all(batch, "tail")
-        c.step_tensor.add_(1)
+        """TAIL verify with real-KV hash, TAIL write, device step + 1 (on the side stream, after the forward)."""
+        c, impl, note = self.c, self.impl, self.streams.note
+        with self.side():
+            for g in c.groups:
+                for kv in g.kvs:
+                    note("tail_verify", reads=("plan", "tail_bufs", "kv"), atomic=("ring", "counters"))
+                    impl.verify(buf=g.bufs["tail", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
+                                launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=c._mode(g, kv))
+            self._write_all(batch.batch_size, "tail")
+            note("step", writes=("step",))
+            c.step_tensor.add_(1)
+
+    def _direct(self, batch) -> _Inputs:
+        x = _Inputs()
+        x.input_ids, x.positions = batch.input_ids, batch.positions
+        x.loc = [batch.out_cache_loc if g.table is None else self._translate(batch.out_cache_loc, g.table)
+                 for g in self.c.groups]
+        x.writer_ids = batch.request_ids
+        x.exp_ids, x.exp_pos = batch.expected_input_ids, batch.expected_positions
+        return x
+
+    def _stage(self, batch) -> _Inputs:
+        """Every batch tensor the side stream reads, copied into the canary's static buffer in one launch."""
+        self.streams.note("stage", reads=("engine_inputs",), writes=("staged",))
+        n, bs, check = batch.num_tokens, batch.batch_size, self.c.config.input_check
+        fields = {"input_ids": batch.input_ids, "positions": batch.positions, "loc": batch.out_cache_loc,
+                  "exp_ids": batch.expected_input_ids if check else None,
+                  "exp_pos": batch.expected_positions if check else None,
+                  "writer_ids": batch.request_ids[:bs] if self.attribution and batch.request_ids is not None
+                  else None}
+        parts, views, at = [], {}, 0
+        for name, t in fields.items():
+            if t is None:
+                views[name] = None
+                continue
+            views[name] = self.staged[at:at + t.shape[0]]
+            parts.append(t)
+            at += t.shape[0]
+        torch.cat(parts, out=self.staged[:at])
+        x = _Inputs()
+        x.input_ids, x.positions, x.exp_ids, x.exp_pos, x.writer_ids = (
+            views["input_ids"], views["positions"], views["exp_ids"], views["exp_pos"], views["writer_ids"])
+        x.loc = []
+        for g in self.c.groups:
+            if g.table is None:
+                x.loc.append(views["loc"])
+            else:
+                # SWA slots land in their own part of the buffer (the translation reads the live table)
+                out = self.staged[at:at + n]
+                out.copy_(self._translate(views["loc"], g.table))
+                at += n
+                x.loc.append(out)
+        return x
 
     def _refill_tokens(self, batch):
         c, hist = self.c, batch.token_history
         if not c.config.token_check or hist is None:
             return None, None
+        self.streams.note("tokens", reads=("engine_inputs",), writes=("token_table",))
         if isinstance(hist, TokenAppend):
             if hist.cell_rows.shape[0]:
                 c.token_table.index_put_((hist.cell_rows, hist.cell_cols), hist.cell_tokens.to(torch.int32))
@@ -109,24 +218,25 @@ class ForwardLauncher:
         torch.sub(offsets[1:], offsets[:-1], out=valid)
         return c.token_table, valid
 
-    def _write_all(self, batch, phase: str) -> None:
-        c, cfg, bs = self.c, self.c.config, batch.batch_size
-        for g in c.groups:
-            loc = batch.out_cache_loc if g.table is None else self._translate(batch.out_cache_loc, g.table)
+    def _write_all(self, bs: int, phase: str) -> None:
+        c, cfg, x, note = self.c, self.c.config, self.inputs, self.streams.note
+        tail = phase == "tail"
+        for g, loc in zip(c.groups, x.loc):
             for kv in g.kvs:
                 # The input and chain-position asserts run once per forward: on the HEAD K write of FULL.
                 first = phase == "head" and kv == "k" and g.name == "full"
-                tail = phase == "tail"
+                note(f"{phase}_write", reads=("staged", "plan", "step") + (("kv",) if tail else ()),
+                     writes=(f"{phase}_bufs",), atomic=("ring", "counters"))
                 self.impl.write(
                     buf=g.bufs[phase, kv], write_offsets=g.plan.write_offsets, seed_slot=g.plan.seed_slot,
-                    num_requests=bs, out_cache_loc=loc, input_ids=batch.input_ids, positions=batch.positions,
+                    num_requests=bs, out_cache_loc=loc, input_ids=x.input_ids, positions=x.positions,
                     ring=c.ring, counters=c.counters, launch_tag=g.tag(phase, kv),
                     sources=g.sources[kv] if tail else (),
                     real_kv_mode=c._mode(g, kv) if tail else int(RealKvMode.NONE),
-                    expected_input_ids=batch.expected_input_ids if first and cfg.input_check else None,
-                    expected_positions=batch.expected_positions if first and cfg.input_check else None,
+                    expected_input_ids=x.exp_ids if first and cfg.input_check else None,
+                    expected_positions=x.exp_pos if first and cfg.input_check else None,
                     chain_check=c.chain_check if first else None,
-                    writer_ids=batch.request_ids if self.attribution else None, step=c.step_tensor)
+                    writer_ids=x.writer_ids if self.attribution else None, step=c.step_tensor)
 
     def _translate(self, loc: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Full-pool slots -> SWA slots through the live table (out of range passes through), in a static buffer."""

@@ -1,0 +1,198 @@
+"""Where the canary's device work runs, and what orders it against the engine's.
+
+The engine's forward never reads canary records, so the canary's verify and write launches can run
+on a side stream: the HEAD pair beside the forward, the TAIL pair (and the step's snapshot) after it,
+while the host prepares the next forward. Events order the two streams:
+
+- the side stream waits for the engine stream once the plan is built (HEAD reads the plan and the
+  staged inputs), and again once the forward is launched (TAIL hashes the KV it wrote);
+- the engine stream waits for the side stream when a step closes, so the next plan, staging and
+  every later KV write (next forward, fork copies, reloads into freed slots) happen after TAIL read them.
+
+Three layers share that interface. ``InlineStreams`` runs everything on the caller's stream (CPU,
+and while the engine captures a CUDA graph). ``CudaStreams`` uses a real side stream and events.
+``RecordingStreams`` is a CPU fake that runs work at once but records, per launch, the stream, the
+resources read and written, and the event edges; ``races()`` then lists every pair of conflicting
+accesses on different streams that no chain of events and host syncs orders (a vector-clock check).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+
+class InlineStreams:
+    """Everything on the caller's current stream: no side stream, no events."""
+
+    overlap = False
+
+    def side(self):
+        return None
+
+    def current(self):
+        return None
+
+    def event(self):
+        return None
+
+    def record(self, stream):
+        return None
+
+    def wait(self, stream, event) -> None:
+        pass
+
+    def use(self, stream):
+        return nullcontext()
+
+    def note(self, op: str, reads=(), writes=(), atomic=()) -> None:
+        pass
+
+    def synchronize(self, stream=None) -> None:
+        pass
+
+
+class CudaStreams(InlineStreams):
+    """A real side stream and events on a CUDA device; inline while the current stream captures a graph."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._side = torch.cuda.Stream(device=device)
+
+    @property
+    def overlap(self) -> bool:
+        # Waiting on an event recorded outside a capture is not capturable: the captured sequence stays serial.
+        return not torch.cuda.is_current_stream_capturing()
+
+    def side(self):
+        return self._side
+
+    def current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def record(self, stream):
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def wait(self, stream, event) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    def use(self, stream):
+        return torch.cuda.stream(stream)
+
+    def synchronize(self, stream=None) -> None:
+        (stream or self.current()).synchronize()
+
+
+@dataclass
+class Access:
+    index: int  # issue order on the host
+    stream: str
+    op: str
+    clock: dict  # the stream's vector clock at issue (own component included)
+    reads: frozenset = field(default_factory=frozenset)
+    writes: frozenset = field(default_factory=frozenset)
+    atomic: frozenset = field(default_factory=frozenset)  # commutative updates (ring appends, counters)
+
+
+class _FakeStream:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name}>"
+
+
+class RecordingStreams(InlineStreams):
+    """CPU fake of ``CudaStreams``: work runs at once; launches, events and syncs are recorded.
+
+    Streams are named; ``engine`` is current at start. A launch on stream s gets s's vector clock
+    (s's own count + 1); ``record`` snapshots a clock into an event, ``wait`` merges it into the
+    waiting stream, ``synchronize`` merges a stream into the host's clock, which every later launch
+    inherits (work issued after the host saw a stream finish runs after it).
+    """
+
+    overlap = True
+
+    def __init__(self):
+        self.streams = {n: _FakeStream(n) for n in ("engine", "canary")}
+        self.clocks: dict[str, dict[str, int]] = {n: {} for n in self.streams}
+        self.host: dict[str, int] = {}
+        self._current = self.streams["engine"]
+        self.log: list[Access] = []
+        self.edges: list[tuple[str, str, str]] = []  # (kind, stream, detail) for readable dumps
+
+    def side(self):
+        return self.streams["canary"]
+
+    def current(self):
+        return self._current
+
+    def record(self, stream):
+        self.edges.append(("record", stream.name, ""))
+        return dict(self._clock(stream.name))
+
+    def wait(self, stream, event) -> None:
+        if event is None:
+            return
+        self.edges.append(("wait", stream.name, ""))
+        _merge(self.clocks[stream.name], event)
+
+    @contextmanager
+    def use(self, stream):
+        prev, self._current = self._current, stream
+        try:
+            yield
+        finally:
+            self._current = prev
+
+    def synchronize(self, stream=None) -> None:
+        _merge(self.host, self._clock((stream or self._current).name))
+
+    def note(self, op: str, reads=(), writes=(), atomic=()) -> None:
+        name = self._current.name
+        clock = self._clock(name)
+        clock[name] = clock.get(name, 0) + 1
+        self.log.append(Access(len(self.log), name, op, dict(clock), frozenset(reads), frozenset(writes),
+                               frozenset(atomic)))
+
+    def _clock(self, name: str) -> dict:
+        clock = self.clocks[name]
+        _merge(clock, self.host)
+        return clock
+
+    def races(self) -> list[tuple[Access, Access, str]]:
+        """(earlier, later, resource) for conflicting accesses on different streams with no ordering."""
+        out = []
+        for j, b in enumerate(self.log):
+            for a in self.log[:j]:
+                if a.stream == b.stream or b.clock.get(a.stream, 0) >= a.clock[a.stream]:
+                    continue
+                for res in _conflicts(a, b):
+                    out.append((a, b, res))
+        return out
+
+
+def _merge(into: dict, other: dict) -> None:
+    for k, v in other.items():
+        if v > into.get(k, 0):
+            into[k] = v
+
+
+def _conflicts(a: Access, b: Access) -> set:
+    plain_a, plain_b = a.reads | a.writes, b.reads | b.writes
+    out = (a.writes & (plain_b | b.atomic)) | (b.writes & (plain_a | a.atomic))
+    # atomic updates commute with each other, not with plain reads (a snapshot) or writes
+    out |= (a.atomic & b.reads) | (b.atomic & a.reads)
+    return out
+
+
+def streams_for(device: torch.device, overlap: bool):
+    """The stream layer a Canary on ``device`` uses: a side stream on CUDA when overlap is on."""
+    if overlap and device.type == "cuda":
+        return CudaStreams(device)
+    return InlineStreams()
