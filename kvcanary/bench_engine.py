@@ -113,7 +113,15 @@ def canary_config(options: list[str] | None):
 
 
 def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: str | None = None) -> dict:
-    """One full generation of the workload on this thread; per-step wall times of the measured steps."""
+    """One full generation of the workload on this thread.
+
+    A step's wall time runs from the start of its ``prepare_next_batch`` to the start of the next
+    step's: nothing beyond the engine's own syncs is added, so device work the canary leaves running
+    after the engine's sync (TAIL on its side stream) is charged to whichever step it delays. The
+    device is synchronized only before the first step and after the last. The whole generation is
+    split into phases (set-up, generation loop, collection, teardown) so runs can be compared beyond
+    the timed steps.
+    """
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -121,9 +129,11 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
 
     sync = torch.cuda.synchronize if wl.device.type == "cuda" else (lambda: None)
     gen = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1)
+    sync()
+    t_start = time.perf_counter()
     handle = attach(model, config=wl.canary_config, mode="log", timing=True) if canary else None
     manager = bp = session = None
-    steps, canary_s, outputs = [], [], {}
+    steps, parts, outputs, phases = [], [], {}, {}
     prof = ranges = None
     canary_memory = None
     if wl.device.type == "cuda":
@@ -137,31 +147,43 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
         session = handle.sessions[-1] if canary else None
         if session is not None:
             canary_memory = session.canary.memory()
+            session.canary.host_times = {"runtime_s": 0.0, "launch_s": 0.0}
         if profile:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if wl.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             prof = torch.profiler.profile(activities=acts)
-        n, profiling, profiled = 0, False, 0
+        sync()
+        t_loop = time.perf_counter()
+        phases["setup_s"] = t_loop - t_start
+        n, profiling, profiled, num_steps = 0, False, 0, 0
+        prev = None  # (start, measured, canary host seconds by part) of the previous step
         while True:
-            sync()
             t0 = time.perf_counter()
+            if prev is not None and prev[1]:
+                steps.append(t0 - prev[0])
+                if prev[2] is not None:
+                    parts.append(prev[2])
+            prev = None
             if not bp.prepare_next_batch():
                 break
+            num_steps += 1
             batch, tokens = len(bp.inputs_and_outputs.requests_in_batch), bp.inputs_and_outputs.total_seqlen_q
             take = wl.measured(batch, tokens) and n >= wl.args.skip
             if take and prof is not None and not profiling and profiled < wl.args.profile_steps:
                 prof.__enter__()
                 profiling = True
+            before = dict(session.canary.host_times) if session is not None else None
             manager._generation_step()
             bp.update_batch()
-            sync()
-            dt = time.perf_counter() - t0
-            if take:
-                steps.append(dt)
-                if session is not None:
-                    t = session.timings[-1]
-                    canary_s.append(t["before_s"] + t["after_s"] + t["update_s"])
+            part = None
+            if session is not None:
+                t, h = session.timings[-1], session.canary.host_times
+                runtime, launch = h["runtime_s"] - before["runtime_s"], h["launch_s"] - before["launch_s"]
+                total = t["before_s"] + t["after_s"] + t["update_s"]
+                part = {"integration_s": total - runtime - launch, "runtime_s": runtime, "launch_s": launch,
+                        "total_s": total}
+            prev = (t0, take and prof is None, part)  # profiled runs are not timed
             if wl.measured(batch, tokens):
                 n += 1
             if profiling and take:
@@ -169,6 +191,10 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
                 if profiled >= wl.args.profile_steps:
                     prof.__exit__(None, None, None)
                     profiling = False
+        sync()
+        t_end = time.perf_counter()
+        phases["loop_s"] = t_end - t_loop
+        phases["steps"] = num_steps
         if profiling:
             prof.__exit__(None, None, None)
         if prof is not None and not profiled:
@@ -189,7 +215,9 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
         if handle is not None:
             handle.flush()
             violations = len(handle.violations)
+        phases["collect_s"] = time.perf_counter() - t_end
     finally:
+        t_down = time.perf_counter()
         if handle is not None:
             handle.detach()
         # Every reference to the engine (the session holds its batch processor and so its KV cache) goes
@@ -198,10 +226,14 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
         gc.collect()
         if wl.device.type == "cuda":
             torch.cuda.empty_cache()
+        phases["teardown_s"] = time.perf_counter() - t_down
     peak = torch.cuda.max_memory_allocated(wl.device) if wl.device.type == "cuda" else None
-    return {"steps": steps, "canary_s": canary_s, "outputs": outputs, "violations": violations,
-            "profile": ranges, "peak_bytes": peak,
-            "canary_memory": canary_memory}
+    generated = sum(len(v) for v in outputs.values())
+    phases["generated_tokens"] = generated
+    phases["tokens_per_s"] = generated / phases["loop_s"] if phases.get("loop_s") else None
+    return {"steps": steps, "parts": parts, "canary_s": [p["total_s"] for p in parts], "outputs": outputs,
+            "violations": violations, "profile": ranges, "peak_bytes": peak, "canary_memory": canary_memory,
+            "phases": phases}
 
 
 def quantiles(xs: list[float]) -> dict:
@@ -244,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (decode mode)")
     ap.add_argument("--skip", type=int, default=2, help="measured-kind steps skipped at the start of each run")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating (without, with) rounds after warm-up")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating (without, with) rounds after warm-up, at least")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="keep adding rounds while half this many seconds of rounds have not passed (0 = --rounds)")
+    ap.add_argument("--max-rounds", type=int, default=40, help="most rounds under --budget-s")
     ap.add_argument("--attention", choices=("varlen", "sdpa"), default=None,
                     help="paged attention: varlen (kvcanary.integrations.varlen_attention; default on cuda) or the engine's "
                          "dense paged|sdpa (default on cpu)")
@@ -289,32 +324,48 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         run_once(model, warm, canary=c)
         print(f"warm-up canary={c}: {time.perf_counter() - t1:.1f} s", file=sys.stderr)
-    off, on, canary_s, ok, violations = [], [], [], True, 0
+    off, on, parts, ok, violations = [], [], [], True, 0
     peaks, canary_memory = {False: 0, True: 0}, None
-    for r in range(args.rounds):
+    pair_overheads, runs = [], []
+    t_rounds = time.perf_counter()
+    r = 0
+    # Alternating whole generations (A B, then B A, ...): at least --rounds, more while --budget-s lasts.
+    while r < args.rounds or (args.budget_s and time.perf_counter() - t_rounds < args.budget_s * 0.5
+                              and r < args.max_rounds):
         order = (False, True) if r % 2 == 0 else (True, False)
         res = {}
         for c in order:
             t1 = time.perf_counter()
             res[c] = run_once(model, wl, canary=c)
-            print(f"round {r} canary={c}: {time.perf_counter() - t1:.1f} s, {len(res[c]['steps'])} steps",
-                  file=sys.stderr)
+            ph = res[c]["phases"]
+            runs.append({"round": r, "canary": c, "wall_s": round(time.perf_counter() - t1, 3),
+                         **{k: round(v, 4) if isinstance(v, float) else v for k, v in ph.items()}})
+            print(f"round {r} canary={c}: {time.perf_counter() - t1:.2f} s (set-up {ph['setup_s']:.2f}, loop "
+                  f"{ph['loop_s']:.2f}, collect {ph['collect_s']:.2f}, teardown {ph['teardown_s']:.2f}), "
+                  f"{len(res[c]['steps'])} timed steps, {ph['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
         for c in order:
             peaks[c] = max(peaks[c], res[c]["peak_bytes"] or 0)
         canary_memory = res[True]["canary_memory"]
         off += res[False]["steps"]
         on += res[True]["steps"]
-        canary_s += res[True]["canary_s"]
+        parts += res[True]["parts"]
+        if res[False]["steps"] and res[True]["steps"]:
+            pair_overheads.append(statistics.median(res[True]["steps"]) / statistics.median(res[False]["steps"]) - 1)
         ok &= res[False]["outputs"] == res[True]["outputs"]
         violations += res[True]["violations"]
+        r += 1
     profile = None if args.no_profile else run_once(model, wl, canary=True, profile=True, trace=args.trace)["profile"]
 
-    q_off, q_on, q_c = quantiles(off), quantiles(on), quantiles(canary_s)
+    q_off, q_on = quantiles(off), quantiles(on)
+    q_c = quantiles([p["total_s"] for p in parts])
+    host_parts = {k: 1e6 * statistics.median(p[k] for p in parts) for k in ("integration_s", "runtime_s",
+                                                                              "launch_s", "total_s")} if parts else {}
+    tps = {c: [x["tokens_per_s"] for x in runs if x["canary"] == c] for c in (False, True)}
     result = {
         "workload": {"model_size": args.model_size, **SIZES[args.model_size], "vocab_size": VOCAB,
                      "dtype": str(dtype).replace("torch.", ""), "batch": args.batch, "context": args.context,
                      "mode": args.mode, "max_batch_tokens": args.chunk, "block_size": args.block_size,
-                     "rounds": args.rounds,
+                     "rounds": r,
                      "attention": "paged|kvc_varlen" if args.attention == "varlen" else "paged|sdpa", "cuda_graphs": False,
                      "async_batching": False, "canary_options": args.canary_option,
                      "canary_config": dataclasses.asdict(wl.canary_config)},
@@ -323,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         "step_without_canary": q_off,
         "step_with_canary": q_on,
         "canary_host_time_in_step": q_c,
+        # median host microseconds per measured step: the integration's Python (batch building, update
+        # bookkeeping), the runtime's (checks, drain, snapshot) and issuing the device work
+        "canary_host_us_by_part": {k[:-2]: round(v, 1) for k, v in host_parts.items()},
+        "generation": {"tokens_per_s_without": statistics.median(tps[False]) if tps[False] else None,
+                       "tokens_per_s_with": statistics.median(tps[True]) if tps[True] else None,
+                       "runs": runs},
         "model_build_s": round(build_s, 1),
         # Peak device memory of a whole generation (model, KV cache, activations, canary), and the
         # canary's own buffers by part (Canary.memory()).
@@ -332,7 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     if q_off.get("n") and q_on.get("n"):
         result["step_ratio_with_over_without"] = q_on["median_ms"] / q_off["median_ms"]
+        # end to end: pooled medians, and the median over rounds of each round's with/without ratio
+        result["overhead_pct"] = 100 * (q_on["median_ms"] / q_off["median_ms"] - 1)
+        result["overhead_pct_paired"] = 100 * statistics.median(pair_overheads) if pair_overheads else None
         result["canary_share_of_step"] = q_c["median_ms"] / q_on["median_ms"] if q_c.get("n") else None
+        g = result["generation"]
+        if g["tokens_per_s_without"] and g["tokens_per_s_with"]:
+            g["overhead_pct"] = 100 * (g["tokens_per_s_without"] / g["tokens_per_s_with"] - 1)
     if profile:
         result["gpu_time"] = bench_suite.gpu_time(profile)
     text = json.dumps(result, indent=2)

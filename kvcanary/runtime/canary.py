@@ -11,6 +11,7 @@ around each replay.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -100,6 +101,8 @@ class Canary:
         self.launcher = ForwardLauncher(self)
         # Fault injection (a self-test, docs/fault_injection.md): None unless an inject_*_prob is above 0.
         self.injector = Injector(self) if cfg.injecting else None
+        # Benchmarks set a dict: host seconds of the runtime part (checks, drain, snapshot) and of the launches.
+        self.host_times: dict[str, float] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def mark_ready(self) -> None:
@@ -110,15 +113,33 @@ class Canary:
         """Host part, then device part, before the engine's forward writes KV."""
         if not self.enabled:
             return
+        if self.host_times is None:
+            self.host_before(batch)
+            self.device_before(batch)
+            return
+        t0 = time.perf_counter()
         self.host_before(batch)
+        t1 = time.perf_counter()
         self.device_before(batch)
+        self._add_times(t1 - t0, time.perf_counter() - t1)
 
     def after_forward(self, batch: ForwardBatch) -> None:
         """Device part, then host part, after the engine's forward wrote KV."""
         if not self.enabled:
             return
+        if self.host_times is None:
+            self.device_after(batch)
+            self.host_after(batch)
+            return
+        t0 = time.perf_counter()
         self.device_after(batch)
+        t1 = time.perf_counter()
         self.host_after(batch)
+        self._add_times(time.perf_counter() - t1, t1 - t0)
+
+    def _add_times(self, runtime_s: float, launch_s: float) -> None:
+        self.host_times["runtime_s"] += runtime_s
+        self.host_times["launch_s"] += launch_s
 
     def host_before(self, batch: ForwardBatch) -> None:
         """Validate host-known sizes and drain observations that have landed (never waits)."""
