@@ -173,6 +173,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
             if take and prof is not None and not profiling and profiled < wl.args.profile_steps:
                 prof.__enter__()
                 profiling = True
+            timed = take and not profiling  # steps under the profiler are not timed
             before = dict(session.canary.host_times) if session is not None else None
             manager._generation_step()
             bp.update_batch()
@@ -183,14 +184,16 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
                 total = t["before_s"] + t["after_s"] + t["update_s"]
                 part = {"integration_s": total - runtime - launch, "runtime_s": runtime, "launch_s": launch,
                         "total_s": total}
-            prev = (t0, take and prof is None, part)  # profiled runs are not timed
+            prev = (t0, timed, part)
             if wl.measured(batch, tokens):
                 n += 1
             if profiling and take:
                 profiled += 1
                 if profiled >= wl.args.profile_steps:
+                    sync()  # the side stream's kernels finish before the profiler stops collecting
                     prof.__exit__(None, None, None)
                     profiling = False
+                    break  # a profiled run is for the GPU split only: the rest of the generation is not needed
         sync()
         t_end = time.perf_counter()
         phases["loop_s"] = t_end - t_loop
@@ -220,13 +223,17 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
         t_down = time.perf_counter()
         if handle is not None:
             handle.detach()
+        t_gc = time.perf_counter()
         # Every reference to the engine (the session holds its batch processor and so its KV cache) goes
         # before the allocator's cache is emptied: transformers sizes the next cache by free memory.
         manager = bp = session = handle = None
         gc.collect()
+        t_empty = time.perf_counter()
         if wl.device.type == "cuda":
             torch.cuda.empty_cache()
-        phases["teardown_s"] = time.perf_counter() - t_down
+        t_done = time.perf_counter()
+        phases.update(teardown_s=t_done - t_down, detach_s=t_gc - t_down, gc_s=t_empty - t_gc,
+                      empty_cache_s=t_done - t_empty)
     peak = torch.cuda.max_memory_allocated(wl.device) if wl.device.type == "cuda" else None
     generated = sum(len(v) for v in outputs.values())
     phases["generated_tokens"] = generated
@@ -278,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=2, help="measured-kind steps skipped at the start of each run")
     ap.add_argument("--rounds", type=int, default=2, help="alternating (without, with) rounds after warm-up, at least")
     ap.add_argument("--budget-s", type=float, default=0.0,
-                    help="keep adding rounds while half this many seconds of rounds have not passed (0 = --rounds)")
+                    help="after --rounds, keep adding rounds while one more (of the average length) fits in this "
+                         "many seconds of rounds (0 = exactly --rounds)")
     ap.add_argument("--max-rounds", type=int, default=40, help="most rounds under --budget-s")
     ap.add_argument("--attention", choices=("varlen", "sdpa"), default=None,
                     help="paged attention: varlen (kvcanary.integrations.varlen_attention; default on cuda) or the engine's "
@@ -326,12 +334,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm-up canary={c}: {time.perf_counter() - t1:.1f} s", file=sys.stderr)
     off, on, parts, ok, violations = [], [], [], True, 0
     peaks, canary_memory = {False: 0, True: 0}, None
-    pair_overheads, runs = [], []
+    pair_overheads, runs, profile = [], [], None
     t_rounds = time.perf_counter()
     r = 0
+
+    def more_rounds() -> bool:
+        if r < args.rounds:
+            return True
+        if not args.budget_s or r >= args.max_rounds:
+            return False
+        spent = time.perf_counter() - t_rounds
+        return spent + spent / r <= args.budget_s  # another round of the average length still fits
+
     # Alternating whole generations (A B, then B A, ...): at least --rounds, more while --budget-s lasts.
-    while r < args.rounds or (args.budget_s and time.perf_counter() - t_rounds < args.budget_s * 0.5
-                              and r < args.max_rounds):
+    while more_rounds():
         order = (False, True) if r % 2 == 0 else (True, False)
         res = {}
         for c in order:
@@ -354,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         ok &= res[False]["outputs"] == res[True]["outputs"]
         violations += res[True]["violations"]
         r += 1
-    profile = None if args.no_profile else run_once(model, wl, canary=True, profile=True, trace=args.trace)["profile"]
+    if not args.no_profile:
+        # last, in a run of its own: the profiler's hooks may slow every later launch in the process
+        profile = run_once(model, wl, canary=True, profile=True, trace=args.trace)["profile"]
 
     q_off, q_on = quantiles(off), quantiles(on)
     q_c = quantiles([p["total_s"] for p in parts])

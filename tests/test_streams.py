@@ -136,3 +136,20 @@ def test_staged_side_stream_path_matches_inline_bit_for_bit(bug, swa):
     assert r0 == r1 and torch.equal(c0, c1)
     assert all(torch.equal(b0[k], b1[k]) for k in b0)
     assert bool(r0) == bug
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bug", [False, True], ids=["clean", "kv-flip"])
+def test_cuda_side_stream_matches_inline_bit_for_bit(backend, bug):
+    results = []
+    for overlap in (False, True):
+        engine = ToyEngine(device="cuda", backend=backend, check_v=True, real_kv="all", token_history="append",
+                           oracle=True, swa_window=3, swa_slots=40, overlap=overlap)
+        assert (engine.canary.launcher.streams.side() is not None) == overlap
+        run_workload(engine, bug=bug)
+        results.append(state(engine))
+    (b0, r0, c0), (b1, r1, c1) = results
+    assert r0 == r1 and torch.equal(c0, c1)
+    assert all(torch.equal(b0[k], b1[k]) for k in b0)
+    assert bool(r0) == bug

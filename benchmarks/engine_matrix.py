@@ -1,0 +1,128 @@
+"""Every engine figure of the README in one GPU call: the workload matrix under a time budget.
+
+Runs ``kvcanary.bench_engine`` once per workload (its own process: one model's memory is gone
+before the next loads), 1B and 8B, decode batch 1 and 64 at 2K and 8K context, prefill batch 8 x 8K,
+and writes each result plus a combined ``matrix.json`` and ``summary.md`` (the README's table).
+The total budget is shared among the workloads still to run by weight (the 8B prefill-heavy
+decodes cost most); each spends its share on alternating A/B rounds after a fixed minimum.
+
+    python benchmarks/engine_matrix.py --budget-s 480 --out-dir docs/results/matrix
+    python benchmarks/engine_matrix.py --only 1b-decode-b1-c2k 1b-prefill-b8-c8k --budget-s 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name: (size, batch, context, mode, extra bench_engine arguments, budget weight)
+MATRIX = {
+    "1b-decode-b1-c2k": ("1b", 1, 2048, "decode", ["--steps", "64", "--skip", "4"], 1.0),
+    "1b-decode-b1-c8k": ("1b", 1, 8192, "decode", ["--steps", "64", "--skip", "4"], 1.0),
+    "1b-decode-b64-c2k": ("1b", 64, 2048, "decode", ["--steps", "24"], 1.0),
+    "1b-decode-b64-c8k": ("1b", 64, 8192, "decode", ["--steps", "16"], 1.5),
+    "1b-prefill-b8-c8k": ("1b", 8, 8192, "prefill", [], 0.8),
+    "8b-decode-b1-c2k": ("8b", 1, 2048, "decode", ["--steps", "48", "--skip", "4"], 1.2),
+    "8b-decode-b1-c8k": ("8b", 1, 8192, "decode", ["--steps", "48", "--skip", "4"], 1.2),
+    "8b-decode-b64-c2k": ("8b", 64, 2048, "decode", ["--steps", "16"], 1.5),
+    "8b-decode-b64-c8k": ("8b", 64, 8192, "decode", ["--steps", "12"], 3.0),
+    "8b-prefill-b8-c8k": ("8b", 8, 8192, "prefill", [], 1.2),
+}
+FIXED_S = 25  # per workload, outside the rounds: process start, model build, warm-up, profiled run
+
+
+def run(names: list[str], budget_s: float, out_dir: Path, rounds: int, canary_options: list[str]) -> list[dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start, results = time.perf_counter(), []
+    for i, name in enumerate(names):
+        size, batch, ctx, mode, extra, _ = MATRIX[name]
+        left = budget_s - (time.perf_counter() - t_start)
+        weights = [MATRIX[n][5] for n in names[i:]]
+        share = left * MATRIX[name][5] / sum(weights)
+        rounds_budget = max(0.0, share - FIXED_S)
+        path = out_dir / f"engine_{size}_b{batch}_c{ctx}_{mode}.json"
+        cmd = [sys.executable, "-m", "kvcanary.bench_engine", "--device", "cuda", "--model-size", size,
+               "--batch", str(batch), "--context", str(ctx), "--mode", mode, "--json", str(path),
+               "--rounds", str(rounds), "--budget-s", f"{rounds_budget:.0f}", *extra]
+        for opt in canary_options:
+            cmd += ["--canary-option", opt]
+        t0 = time.perf_counter()
+        print(f"[{i + 1}/{len(names)}] {name}: share {share:.0f} s ...", file=sys.stderr, flush=True)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=max(60.0, 3 * share))
+            error = None if path.exists() else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            if proc.returncode and not error:
+                error = "tokens differ or violations reported"
+        except subprocess.TimeoutExpired:
+            error = "timed out"
+        row = {"name": name, "error": error, "elapsed_s": round(time.perf_counter() - t0, 1)}
+        if path.exists():
+            row.update(json.loads(path.read_text()))
+        results.append(row)
+        print(f"[{i + 1}/{len(names)}] {name}: {error or line(row)} ({row['elapsed_s']} s)", file=sys.stderr,
+              flush=True)
+    return results
+
+
+def line(d: dict) -> str:
+    p = d.get("canary_host_us_by_part", {})
+    return (f"{d['step_without_canary']['median_ms']:.2f} -> {d['step_with_canary']['median_ms']:.2f} ms "
+            f"({d.get('overhead_pct', float('nan')):+.2f}%, paired {d.get('overhead_pct_paired') or 0:+.2f}%), "
+            f"host {p.get('total', 0):.0f} us, rounds {d['workload']['rounds']}")
+
+
+def table(results: list[dict]) -> str:
+    head = ("| model | workload | step without | step with | end-to-end overhead (pooled / paired) | "
+            "tokens/s without / with | canary host per step (integration + runtime + launches) | GPU share | "
+            "steps | tokens identical, violations |")
+    out = [head, "|" + "---|" * 10]
+    for d in results:
+        if d.get("error") and "workload" not in d:
+            out.append(f"| {d['name']} | failed: {d['error']} |" + " |" * 8)
+            continue
+        w, g, p = d["workload"], d.get("generation", {}), d.get("canary_host_us_by_part", {})
+        gpu = (d.get("gpu_time") or {}).get("canary_over_forward")
+        wl = f"{w['mode']}, batch {w['batch']}, {w['context'] // 1024}K"
+        out.append(
+            f"| {w['model_size'].upper()} | {wl} | {d['step_without_canary']['median_ms']:.2f} ms | "
+            f"{d['step_with_canary']['median_ms']:.2f} ms | {d['overhead_pct']:+.2f}% / "
+            f"{d.get('overhead_pct_paired') or 0:+.2f}% | {g.get('tokens_per_s_without') or 0:.0f} / "
+            f"{g.get('tokens_per_s_with') or 0:.0f} | {p.get('total', 0):.0f} us ({p.get('integration', 0):.0f} + "
+            f"{p.get('runtime', 0):.0f} + {p.get('launch', 0):.0f}) | "
+            f"{'n/a' if gpu is None else f'{100 * gpu:.2f}%'} | {d['step_without_canary']['n']} + "
+            f"{d['step_with_canary']['n']} | {d['correctness']['tokens_identical']}, "
+            f"{d['correctness']['violations']} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget-s", type=float, default=480, help="seconds for the whole matrix (default 480)")
+    ap.add_argument("--out-dir", default=os.environ.get("OUT") or "engine_matrix", help="result folder")
+    ap.add_argument("--only", nargs="+", default=None, choices=sorted(MATRIX), metavar="NAME",
+                    help=f"workloads to run (default all: {', '.join(MATRIX)})")
+    ap.add_argument("--rounds", type=int, default=2, help="A/B rounds each workload runs at least")
+    ap.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args()
+    names = args.only or list(MATRIX)
+    out_dir = Path(args.out_dir)
+    results = run(names, args.budget_s, out_dir, args.rounds, args.canary_option)
+    (out_dir / "matrix.json").write_text(json.dumps(results, indent=1) + "\n")
+    text = table(results)
+    (out_dir / "summary.md").write_text(text + "\n")
+    print(text)
+    bad = [d["name"] for d in results if d.get("error")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
