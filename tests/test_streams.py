@@ -100,7 +100,7 @@ def test_side_stream_schedule_has_no_race(swa, host_sync):
     assert rec.races() == []
     streams = {(a.op, a.stream) for a in rec.log}
     # the schedule really is split: verify/write on the side stream, plan and staging on the engine's
-    assert {("head_verify", "canary"), ("tail_write", "canary"), ("plan", "engine"), ("stage", "engine"),
+    assert {("head", "canary"), ("tail", "canary"), ("plan", "engine"), ("stage", "engine"),
             ("snapshot", "canary"), ("sweep", "canary")} <= streams
 
 
@@ -116,7 +116,7 @@ def test_planted_missing_wait_is_detected(drop, resource):
     assert resource in {res for _, _, res in races}
     if drop == "canary":
         # TAIL hashes KV the forward is still writing
-        assert any(a.op == "engine_forward" and b.op == "tail_verify" for a, b, _ in races)
+        assert any(a.op == "engine_forward" and b.op == "tail" for a, b, _ in races)
     else:
         # the next forward (or a fork copy) writes KV that the previous TAIL still reads
         assert any(a.op.startswith("tail") and b.op.startswith("engine_") for a, b, _ in races)

@@ -22,6 +22,7 @@ from kvcanary.format import ATTRIBUTION_STRIDE, RealKvMode
 from kvcanary.ops import api
 from kvcanary.ops import validate as v
 from kvcanary.runtime.batch import TokenAppend
+from kvcanary.runtime.graphs import eager, graphs_for
 from kvcanary.runtime.streams import streams_for
 
 OP = "forward batch"
@@ -85,6 +86,8 @@ class ForwardLauncher:
         self.impl = api.impl_module(canary.config.backend, canary.device.type)
         self.attribution = canary.config.record_stride >= ATTRIBUTION_STRIDE
         self.streams = streams_for(canary.device, getattr(canary.config, "overlap", True))
+        # captured HEAD / TAIL sequences per shape (graphs.py); tests swap in FakeGraphs
+        self.graphs = graphs_for(canary.device, getattr(canary.config, "launch_graphs", True))
         self.pending = None  # side-stream work the engine stream has not waited for yet
         n, groups = canary.max_tokens, len(canary.groups)
         # staged inputs: ids, positions, expected ids, expected positions, one slot list per group; writer ids
@@ -130,8 +133,11 @@ class ForwardLauncher:
         c, impl, note = self.c, self.impl, self.streams.note
         check_batch(batch, c.device)
         self.join()
-        overlap = self.streams.overlap and self.streams.side() is not None
-        self.inputs = self._stage(batch) if overlap else self._direct(batch)
+        self.staged_now = self.streams.overlap and self.streams.side() is not None
+        self.inputs = self._stage(batch) if self.staged_now else self._direct(batch)
+        x = self.inputs
+        self.key = (batch.batch_size, batch.num_tokens, x.exp_ids is not None, x.exp_pos is not None,
+                    x.writer_ids is not None)
         table, valid = self._refill_tokens(batch)
         for g in c.groups:
             note("plan", reads=("engine_inputs", "token_table"), writes=("plan",))
@@ -140,25 +146,40 @@ class ForwardLauncher:
                       full_to_swa=g.table, token_table=table, token_valid_lens=valid,
                       token_offset=batch.token_offset)
         with self.side():
-            for g in c.groups:
-                for kv in g.kvs:
-                    note("head_verify", reads=("plan", "head_bufs"), atomic=("ring", "counters"))
-                    impl.verify(buf=g.bufs["head", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
-                                launch_tag=g.tag("head", kv), sources=(), real_kv_mode=0)
-            self._write_all(batch.batch_size, "head")
+            self._phase("head")
 
     def after(self, batch) -> None:
         """TAIL verify with real-KV hash, TAIL write, device step + 1 (on the side stream, after the forward)."""
-        c, impl, note = self.c, self.impl, self.streams.note
         with self.side():
-            for g in c.groups:
-                for kv in g.kvs:
-                    note("tail_verify", reads=("plan", "tail_bufs", "kv"), atomic=("ring", "counters"))
-                    impl.verify(buf=g.bufs["tail", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
-                                launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=c._mode(g, kv))
-            self._write_all(batch.batch_size, "tail")
-            note("step", writes=("step",))
-            c.step_tensor.add_(1)
+            self._phase("tail")
+
+    def _phase(self, phase: str) -> None:
+        head = phase == "head"
+        body = self._head if head else self._tail
+        self.streams.note(phase, reads=("plan", "staged", "step", f"{phase}_bufs") + (() if head else ("kv",)),
+                          writes=(f"{phase}_bufs",) + (() if head else ("step",)), atomic=("ring", "counters"))
+        if self.staged_now:
+            # only static buffers are read: the sequence can be captured and replayed
+            self.graphs.run((phase,) + self.key, body)
+        else:
+            body(eager)
+
+    def _head(self, call) -> None:
+        c, impl = self.c, self.impl
+        for g in c.groups:
+            for kv in g.kvs:
+                call(impl.verify, buf=g.bufs["head", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
+                     launch_tag=g.tag("head", kv), sources=(), real_kv_mode=0)
+        self._write_all("head", call)
+
+    def _tail(self, call) -> None:
+        c, impl = self.c, self.impl
+        for g in c.groups:
+            for kv in g.kvs:
+                call(impl.verify, buf=g.bufs["tail", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
+                     launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=c._mode(g, kv))
+        self._write_all("tail", call)
+        call(c.step_tensor.add_, 1)
 
     def _direct(self, batch) -> _Inputs:
         x = _Inputs()
@@ -218,17 +239,16 @@ class ForwardLauncher:
         torch.sub(offsets[1:], offsets[:-1], out=valid)
         return c.token_table, valid
 
-    def _write_all(self, bs: int, phase: str) -> None:
-        c, cfg, x, note = self.c, self.c.config, self.inputs, self.streams.note
+    def _write_all(self, phase: str, call) -> None:
+        c, cfg, x = self.c, self.c.config, self.inputs
+        bs = self.key[0]
         tail = phase == "tail"
         for g, loc in zip(c.groups, x.loc):
             for kv in g.kvs:
                 # The input and chain-position asserts run once per forward: on the HEAD K write of FULL.
                 first = phase == "head" and kv == "k" and g.name == "full"
-                note(f"{phase}_write", reads=("staged", "plan", "step") + (("kv",) if tail else ()),
-                     writes=(f"{phase}_bufs",), atomic=("ring", "counters"))
-                self.impl.write(
-                    buf=g.bufs[phase, kv], write_offsets=g.plan.write_offsets, seed_slot=g.plan.seed_slot,
+                call(
+                    self.impl.write, buf=g.bufs[phase, kv], write_offsets=g.plan.write_offsets, seed_slot=g.plan.seed_slot,
                     num_requests=bs, out_cache_loc=loc, input_ids=x.input_ids, positions=x.positions,
                     ring=c.ring, counters=c.counters, launch_tag=g.tag(phase, kv),
                     sources=g.sources[kv] if tail else (),

@@ -1,0 +1,112 @@
+"""The HEAD and TAIL launch sequences captured once per shape and replayed.
+
+Once the batch is staged (``launch.py``), the verify and write launches of a phase read only the
+canary's static buffers: the staged inputs, the plan, the canary buffers, the ring. Their
+arguments then depend on the batch only through a few host-known sizes (requests, tokens, which
+optional inputs are present): that tuple is the key. A key seen a second time is captured (on
+CUDA into a ``torch.cuda.CUDAGraph`` on the side stream) and every later forward with that key
+replays it: one host call instead of one launch per kernel. Decode steps of a steady batch hit
+one key; prefill chunks of varying length mostly run eagerly, their first sighting never captured.
+
+``FakeGraphs`` is the CPU stand-in used by tests: "capture" records the calls without running
+them, "replay" runs the recorded calls. A launch argument that is not a static buffer (a tensor
+of the engine's batch) then reads stale data on replay, and results differ from the eager run.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+MAX_GRAPHS = 8  # captured sequences kept (least recently used dropped)
+
+
+def eager(fn, *args, **kw) -> None:
+    fn(*args, **kw)
+
+
+class _Recorded:
+    def __init__(self):
+        self.calls: list = []
+
+    def call(self, fn, *args, **kw) -> None:
+        self.calls.append((fn, args, kw))
+
+    def replay(self) -> None:
+        for fn, args, kw in self.calls:
+            fn(*args, **kw)
+
+
+class EagerGraphs:
+    """No capture: every phase launches its kernels one by one."""
+
+    def __init__(self):
+        self.captures = self.replays = 0
+
+    def run(self, key, body) -> None:
+        body(eager)
+
+
+class FakeGraphs(EagerGraphs):
+    """CPU stand-in: capture on a key's second sighting records the calls; replays run them."""
+
+    def __init__(self, max_graphs: int = MAX_GRAPHS):
+        super().__init__()
+        self.cache: OrderedDict = OrderedDict()
+        self.seen: set = set()
+        self.max_graphs = max_graphs
+
+    def run(self, key, body) -> None:
+        g = self.cache.get(key)
+        if g is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                body(eager)
+                return
+            g = self._capture(body)
+            self.captures += 1
+            self.cache[key] = g
+            while len(self.cache) > self.max_graphs:
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(key)
+        g.replay()
+        self.replays += 1
+
+    def _capture(self, body):
+        rec = _Recorded()
+        body(rec.call)
+        return rec
+
+
+class CudaGraphs(FakeGraphs):
+    """CUDA graphs on the current (side) stream; eager while the engine itself captures or on the
+    legacy default stream (which cannot capture)."""
+
+    def __init__(self, device: torch.device, max_graphs: int = MAX_GRAPHS):
+        super().__init__(max_graphs)
+        self.device = device
+
+    def run(self, key, body) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        if torch.cuda.is_current_stream_capturing() or stream == torch.cuda.default_stream(self.device):
+            body(eager)
+            return
+        super().run(key, body)
+
+    def _capture(self, body):
+        g = torch.cuda.CUDAGraph()
+        # thread-local: the engine's other threads may keep issuing CUDA calls during the capture
+        g.capture_begin(capture_error_mode="thread_local")
+        try:
+            body(eager)
+        finally:
+            g.capture_end()
+        return g
+
+
+def graphs_for(device: torch.device, enabled: bool):
+    if enabled and device.type == "cuda":
+        return CudaGraphs(device)
+    return EagerGraphs()

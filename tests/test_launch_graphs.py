@@ -1,0 +1,72 @@
+"""Captured HEAD / TAIL launch sequences, checked on CPU with the recording stand-in for CUDA graphs.
+
+``FakeGraphs`` captures by recording the launches of a key's second sighting and replays them
+as recorded: bit-exact results show every captured argument is a static buffer (a per-forward
+tensor would be read stale on replay, as the planted case shows).
+"""
+
+import pytest
+import torch
+
+from kvcanary.runtime.graphs import EagerGraphs, FakeGraphs
+from kvcanary.runtime.streams import InlineStreams, RecordingStreams
+from tests.toy_engine import ToyEngine
+
+
+def decode_run(streams, graphs, bug_step=None, **kw):
+    engine = ToyEngine(check_v=True, real_kv="all", token_history="append", oracle=True, record_stride=48, **kw)
+    engine.canary.launcher.streams, engine.canary.launcher.graphs = streams, graphs
+    engine.add(1, [5, 6, 7, 8])
+    engine.add(2, [9, 10, 11])
+    engine.forward([(1, 4), (2, 3)])
+    for step in range(7):
+        flip = (lambda e: e.k.__setitem__((e.slot(2, 1), 0, 3), -7.0)) if step == bug_step else None
+        engine.forward([(1, 1), (2, 1)], corrupt=flip)
+    c = engine.canary
+    viol = sorted((v.step, v.launch_tag, v.slot, v.fail_reason, v.position) for v in c.flush())
+    bufs = [b.clone() for g in c.groups for b in g.bufs.values()]
+    return bufs, viol, c.counters.clone(), c.step_tensor.clone()
+
+
+@pytest.mark.parametrize("bug_step", [None, 5], ids=["clean", "kv-flip-on-replay"])
+@pytest.mark.parametrize("swa", [False, True], ids=["full", "swa"])
+def test_replayed_launches_match_eager_bit_for_bit(bug_step, swa):
+    kw = dict(swa_window=3, swa_slots=40) if swa else {}
+    eager = decode_run(InlineStreams(), EagerGraphs(), bug_step, **kw)
+    graphs = FakeGraphs()
+    replayed = decode_run(RecordingStreams(), graphs, bug_step, **kw)
+    # one decode shape: first sighting eager, second captured, the rest replayed (HEAD and TAIL each)
+    assert graphs.captures == 2 and graphs.replays == 2 * 6
+    assert all(torch.equal(a, b) for a, b in zip(eager[0], replayed[0]))
+    assert eager[1] == replayed[1] and torch.equal(eager[2], replayed[2]) and torch.equal(eager[3], replayed[3])
+    assert bool(eager[1]) == (bug_step is not None)
+
+
+def test_a_captured_per_forward_tensor_is_caught():
+    """Planted: launches read the engine's batch tensors instead of the staged copies. Replays then
+    reuse the captured step's inputs, and the records differ from the eager run."""
+    eager = decode_run(InlineStreams(), EagerGraphs())
+    engine_streams = RecordingStreams()
+    graphs = FakeGraphs()
+    engine = ToyEngine(check_v=True, real_kv="all", token_history="append", oracle=True, record_stride=48)
+    launcher = engine.canary.launcher
+    launcher.streams, launcher.graphs = engine_streams, graphs
+    launcher._stage = launcher._direct  # the bug: no staging, per-forward tensors captured
+    engine.add(1, [5, 6, 7, 8])
+    engine.add(2, [9, 10, 11])
+    engine.forward([(1, 4), (2, 3)])
+    for _ in range(7):
+        engine.forward([(1, 1), (2, 1)])
+    bufs = [b for g in engine.canary.groups for b in g.bufs.values()]
+    assert graphs.replays > 0
+    assert not all(torch.equal(a, b) for a, b in zip(eager[0], bufs))
+
+
+def test_shapes_beyond_the_cache_are_dropped_oldest_first():
+    graphs = FakeGraphs(max_graphs=2)
+    ran = []
+    for key in ["a", "a", "b", "b", "c", "c", "a"]:
+        graphs.run(key, lambda call, k=key: call(ran.append, k))
+    # "a" was seen before: its next sighting is captured again, and "b" (least recent) goes
+    assert list(graphs.cache) == ["c", "a"] and graphs.captures == 4
+    assert ran == ["a", "a", "b", "b", "c", "c", "a"]
