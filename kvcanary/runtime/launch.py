@@ -101,7 +101,7 @@ class ForwardLauncher:
         """Run the body on the side stream, after everything issued so far on the current stream."""
         s = self.streams
         side = s.side()
-        if side is None or not s.overlap or s.current() is side:
+        if side is None or not s.overlap or s.current() == side:
             yield
             return
         s.wait(side, s.record(s.current()))

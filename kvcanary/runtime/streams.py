@@ -60,6 +60,9 @@ class CudaStreams(InlineStreams):
     def __init__(self, device: torch.device):
         self.device = device
         self._side = torch.cuda.Stream(device=device)
+        # One event per stream, re-recorded: a wait is enqueued with the event's state at the call, and a
+        # later record on the same stream only marks a later point of it (a stronger wait, never a weaker one).
+        self._events: dict[int, torch.cuda.Event] = {}
 
     @property
     def overlap(self) -> bool:
@@ -73,7 +76,9 @@ class CudaStreams(InlineStreams):
         return torch.cuda.current_stream(self.device)
 
     def record(self, stream):
-        ev = torch.cuda.Event()
+        ev = self._events.get(stream.cuda_stream)
+        if ev is None:
+            ev = self._events[stream.cuda_stream] = torch.cuda.Event()
         ev.record(stream)
         return ev
 
