@@ -13,9 +13,11 @@ from kvcanary.runtime.streams import InlineStreams, RecordingStreams
 from tests.toy_engine import ToyEngine
 
 
-def decode_run(streams, graphs, bug_step=None, **kw):
+def decode_run(streams, graphs, bug_step=None, snapshot_graphs=None, **kw):
     engine = ToyEngine(check_v=True, real_kv="all", token_history="append", oracle=True, record_stride=48, **kw)
     engine.canary.launcher.streams, engine.canary.launcher.graphs = streams, graphs
+    if snapshot_graphs is not None:
+        engine.canary.monitor.observer.graphs = snapshot_graphs
     engine.add(1, [5, 6, 7, 8])
     engine.add(2, [9, 10, 11])
     engine.forward([(1, 4), (2, 3)])
@@ -33,10 +35,12 @@ def decode_run(streams, graphs, bug_step=None, **kw):
 def test_replayed_launches_match_eager_bit_for_bit(bug_step, swa):
     kw = dict(swa_window=3, swa_slots=40) if swa else {}
     eager = decode_run(InlineStreams(), EagerGraphs(), bug_step, **kw)
-    graphs = FakeGraphs()
-    replayed = decode_run(RecordingStreams(), graphs, bug_step, **kw)
+    graphs, snap = FakeGraphs(), FakeGraphs()
+    replayed = decode_run(RecordingStreams(), graphs, bug_step, snap, **kw)
     # one decode shape: first sighting eager, second captured, the rest replayed (HEAD and TAIL each)
     assert graphs.captures == 2 and graphs.replays == 2 * 6
+    # the step snapshot, one key per observer slot (3): 8 steps capture each slot's second use
+    assert snap.captures == 3 and snap.replays == 5
     assert all(torch.equal(a, b) for a, b in zip(eager[0], replayed[0]))
     assert eager[1] == replayed[1] and torch.equal(eager[2], replayed[2]) and torch.equal(eager[3], replayed[3])
     assert bool(eager[1]) == (bug_step is not None)

@@ -99,6 +99,7 @@ class Canary:
         self.step = 0
         self.monitor = Monitor(self, on_violation)
         self.launcher = ForwardLauncher(self)
+        self.monitor.observer.graphs = self.launcher.graphs
         # Fault injection (a self-test, docs/fault_injection.md): None unless an inject_*_prob is above 0.
         self.injector = Injector(self) if cfg.injecting else None
         # Benchmarks set a dict: host seconds of the runtime part (checks, drain, snapshot) and of the launches.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.ops.types import ViolationRing
+from kvcanary.runtime.graphs import EagerGraphs
 
 NUM_SLOTS = 3  # snapshots in flight before the oldest must be waited for
 
@@ -53,15 +54,15 @@ class HostObserver:
         self.side = torch.cuda.Stream(device=ring.rows.device) if self.cuda else None
         self.next = 0
         self.order: list[_Slot] = []
+        self.graphs = EagerGraphs()  # the Canary hands over its launcher's
 
     def snapshot(self, step: int, host_meta: dict) -> list[Observation]:
         """Close a step; returns observations that had to be waited for (or all of them on CPU)."""
         slot = self.slots[self.next]
         self.next = (self.next + 1) % len(self.slots)
         done = self._finish(slot) if slot.pending is not None else []
-        slot.rows.copy_(self.ring.rows)
-        torch.cat(self.parts, out=slot.small)
-        self.ring.write_index.zero_()
+        # static buffers only: replayed as one captured sequence where graphs are on (runtime/graphs.py)
+        self.graphs.run(("snapshot", self.slots.index(slot)), lambda call: self._copy(slot, call))
         slot.pending = (step, dict(host_meta))
         self.order.append(slot)
         if not self.cuda:
@@ -72,6 +73,11 @@ class HostObserver:
             slot.host_small.copy_(slot.small, non_blocking=True)
             slot.event.record(self.side)
         return done
+
+    def _copy(self, slot: _Slot, call) -> None:
+        call(slot.rows.copy_, self.ring.rows)
+        call(torch.cat, self.parts, out=slot.small)
+        call(self.ring.write_index.zero_)
 
     def collect(self, block: bool = False) -> list[Observation]:
         """Observations whose copies have landed, oldest first; ``block`` waits for all."""
