@@ -128,14 +128,19 @@ class Canary:
         """Device part, then host part, after the engine's forward wrote KV."""
         if not self.enabled:
             return
+        # one hand-over to the side stream for TAIL and the step's close; the engine joins after both
         if self.host_times is None:
-            self.device_after(batch)
-            self.host_after(batch)
+            with self.launcher.side():
+                self.device_after(batch)
+                self.host_after(batch)
+            self.launcher.join()
             return
         t0 = time.perf_counter()
-        self.device_after(batch)
-        t1 = time.perf_counter()
-        self.host_after(batch)
+        with self.launcher.side():
+            self.device_after(batch)
+            t1 = time.perf_counter()
+            self.host_after(batch)
+        self.launcher.join()
         self._add_times(time.perf_counter() - t1, t1 - t0)
 
     def _add_times(self, runtime_s: float, launch_s: float) -> None:

@@ -113,8 +113,9 @@ class ForwardLauncher:
 
     def join(self) -> None:
         """The current (engine) stream waits for the side stream's work so far; a no-op when none is pending."""
-        if self.pending is not None:
-            s = self.streams
+        s = self.streams
+        # inside a side section the section's owner joins once it has left it
+        if self.pending is not None and s.current() != s.side():
             s.wait(s.current(), self.pending)
             self.pending = None
 
