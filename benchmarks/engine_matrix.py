@@ -1,6 +1,6 @@
 """Every engine figure of the README in one GPU call: the workload matrix under a time budget.
 
-Runs ``kvcanary.bench_engine`` once per workload (its own process: one model's memory is gone
+Runs ``kvcanary.bench.engine`` once per workload (its own process: one model's memory is gone
 before the next loads), 1B and 8B, decode batch 1 and 64 at 2K and 8K context, prefill batch 8 x 8K,
 and writes each result plus a combined ``matrix.json`` and ``summary.md`` (the README's table).
 The total budget is shared among the workloads still to run by weight (the 8B prefill-heavy
@@ -49,7 +49,7 @@ def run(names: list[str], budget_s: float, out_dir: Path, rounds: int, canary_op
         share = left * MATRIX[name][5] / sum(weights)
         rounds_budget = max(0.0, share - FIXED_S)
         path = out_dir / f"engine_{size}_b{batch}_c{ctx}_{mode}.json"
-        cmd = [sys.executable, "-m", "kvcanary.bench_engine", "--device", "cuda", "--model-size", size,
+        cmd = [sys.executable, "-m", "kvcanary.bench.engine", "--device", "cuda", "--model-size", size,
                "--batch", str(batch), "--context", str(ctx), "--mode", mode, "--json", str(path),
                "--rounds", str(rounds), "--budget-s", f"{rounds_budget:.0f}", *extra]
         for opt in canary_options:

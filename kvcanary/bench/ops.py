@@ -7,7 +7,7 @@ Bytes-moved model (per entry, what a kernel must touch at minimum):
   write:  inputs (out_cache_loc, input_ids, positions: 24 B) + record stored (stride B)
           + real-KV bytes read (16 B in PARTIAL)
 Results are compared across providers before any number is printed. Bandwidth is reported against
-the strongest of several references measured in the same run (``kvcanary.bench_bandwidth``).
+the strongest of several references measured in the same run (``kvcanary.bench.bandwidth``).
 
     kvcanary bench --device cuda --providers triton torch --out results.json
     python benchmarks/ops_bench.py ...   (the same, from a checkout)
@@ -68,8 +68,8 @@ def copy_bandwidth_gbs(device: torch.device) -> float:
 
 
 def bandwidth_references(device: torch.device) -> dict[str, float]:
-    """GB/s of every bandwidth reference (``kvcanary.bench_bandwidth``): copy_, Triton copy, read-only reduction."""
-    from kvcanary.bench_bandwidth import references
+    """GB/s of every bandwidth reference (``kvcanary.bench.bandwidth``): copy_, Triton copy, read-only reduction."""
+    from kvcanary.bench.bandwidth import references
 
     return references(device, bench)
 

@@ -136,13 +136,16 @@ def row_of(d: dict) -> dict:
         "gpu_share_pct": None if g.get("canary_over_forward") is None else 100 * g["canary_over_forward"],
         "tokens_identical": d["correctness"]["tokens_identical"], "violations": d["correctness"]["violations"],
         "config": ",".join(w.get("canary_options") or []) or "default",
+        # end-to-end A/B (results from before the A/B fields carry None)
+        "overhead_pct": d.get("overhead_pct"), "overhead_pct_paired": d.get("overhead_pct_paired"),
     }
 
 
 def summary_line(d: dict) -> str:
     r = row_of(d)
     gpu = "" if r["gpu_share_pct"] is None else f", canary GPU {r['gpu_share_pct']:.2f}% of the forward's"
-    return (f"step {r['step_ms']:.2f} -> {r['step_canary_ms']:.2f} ms, canary host {r['canary_host_ms']:.2f} ms"
+    ab = "" if r["overhead_pct"] is None else f" ({r['overhead_pct']:+.2f}%)"
+    return (f"step {r['step_ms']:.2f} -> {r['step_canary_ms']:.2f} ms{ab}, canary host {r['canary_host_ms']:.2f} ms"
             f"{gpu}, tokens identical {r['tokens_identical']}, violations {r['violations']}")
 
 
