@@ -145,7 +145,7 @@ def test_cuda_side_stream_matches_inline_bit_for_bit(backend, bug):
     results = []
     for overlap in (False, True):
         engine = ToyEngine(device="cuda", backend=backend, check_v=True, real_kv="all", token_history="append",
-                           oracle=True, swa_window=3, swa_slots=40, overlap=overlap)
+                           oracle=True, swa_window=3, swa_slots=40, overlap=overlap, launch_graphs=True)
         launcher = engine.canary.launcher
         assert (launcher.streams.side() is not None) == overlap
         run_workload(engine, bug=bug)

@@ -48,7 +48,7 @@ class CanaryConfig:
         inject_warmup: forward steps before the first injection.
         inject_group: address space the KV-byte flips target: "full" | "swa".
         overlap: on CUDA, run verify and write launches on a side stream beside the forward (same results).
-        launch_graphs: on CUDA with overlap, replay each batch shape's verify and write launches from a CUDA graph.
+        launch_graphs: with overlap, replay each batch shape's verify and write launches from a CUDA graph (slower on H200).
     """
 
     mode: str = "log"
@@ -76,7 +76,7 @@ class CanaryConfig:
     inject_warmup: int = 0
     inject_group: str = "full"
     overlap: bool = True
-    launch_graphs: bool = True
+    launch_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -87,7 +87,7 @@ class ForwardLauncher:
         self.attribution = canary.config.record_stride >= ATTRIBUTION_STRIDE
         self.streams = streams_for(canary.device, getattr(canary.config, "overlap", True))
         # captured HEAD / TAIL sequences per shape (graphs.py); tests swap in FakeGraphs
-        self.graphs = graphs_for(canary.device, getattr(canary.config, "launch_graphs", True))
+        self.graphs = graphs_for(canary.device, getattr(canary.config, "launch_graphs", False))
         self.pending = None  # side-stream work the engine stream has not waited for yet
         n, groups = canary.max_tokens, len(canary.groups)
         # staged inputs: ids, positions, expected ids, expected positions, one slot list per group; writer ids
