@@ -3,6 +3,8 @@
 import gzip
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +68,20 @@ def test_bench_engine_runs_a_cpu_workload_and_reports_correctness(tmp_path, caps
     assert all(ranges[n]["count"] > 0 and ranges[n]["cpu_us"] > 0 for n in bench_suite.RANGES)
     printed = capsys.readouterr().out
     assert "tiny  decode       4      64" in printed and bench_suite.row_of(r)["violations"] == 0
+    # the A/B fields: overhead from the same medians, host time split into parts that add up, tokens/s both ways
+    ratio = r["step_with_canary"]["median_ms"] / r["step_without_canary"]["median_ms"]
+    assert abs(r["overhead_pct"] - 100 * (ratio - 1)) < 1e-9 and r["overhead_pct_paired"] is not None
+    parts = r["canary_host_us_by_part"]
+    assert parts["runtime"] > 0 and parts["launch"] > 0 and parts["integration"] > 0
+    gen = r["generation"]
+    assert gen["tokens_per_s_without"] > 0 and gen["tokens_per_s_with"] > 0
+    assert {x["canary"] for x in gen["runs"]} == {False, True}
+    assert all(x["generated_tokens"] == gen["runs"][0]["generated_tokens"] > 0 for x in gen["runs"])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import engine_matrix
+
+    row = engine_matrix.table([{"name": "tiny", **r}]).splitlines()[2]
+    assert row.startswith("| TINY | decode, batch 4,") and row.endswith("| True, 0 |")
 
 
 def test_bench_engine_rejects_an_unknown_workload(capsys):

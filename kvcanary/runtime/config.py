@@ -48,7 +48,7 @@ class CanaryConfig:
         inject_warmup: forward steps before the first injection.
         inject_group: address space the KV-byte flips target: "full" | "swa".
         overlap: on CUDA, run verify and write launches on a side stream beside the forward (same results).
-        launch_graphs: with overlap, replay each batch shape's verify and write launches from a CUDA graph (slower on H200).
+        launch_graphs: with overlap, replay each batch shape's verify and write launches from a CUDA graph (not faster on H200).
     """
 
     mode: str = "log"
