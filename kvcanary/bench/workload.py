@@ -1,0 +1,115 @@
+"""The engine benchmark's workloads: model shapes, the generation to run, the canary's configuration,
+and the summary helpers (quantiles, environment) of ``kvcanary.bench.engine``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+
+SIZES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336),
+}
+VOCAB = 32000
+
+
+def build_model(size: str, device: torch.device, dtype: torch.dtype, max_len: int, attention: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SIZES[size], vocab_size=VOCAB, max_position_embeddings=max(2048, max_len))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    model.eval()
+    if attention == "varlen":
+        from kvcanary.integrations.varlen_attention import register
+
+        model.set_attn_implementation(register())
+    else:
+        model.set_attn_implementation("paged|sdpa")
+    return model
+
+
+class Workload:
+    def __init__(self, args, device, context: int | None = None):
+        self.args, self.device = args, device
+        context = context or args.context
+        g = torch.Generator().manual_seed(1)
+        self.prompts = [torch.randint(5, VOCAB, (context,), generator=g).tolist() for _ in range(args.batch)]
+        # Decode: requests that finish prefill early decode alongside later prefill chunks; generate enough
+        # tokens that, once every prompt is prefilled, `steps` more steps decode the whole batch together.
+        prefill_steps = math.ceil(args.batch * context / max(1, args.chunk - args.batch)) + 1
+        self.new_tokens = prefill_steps + args.skip + args.steps + 2 if args.mode == "decode" else 1
+        bs = args.block_size
+        blocks = args.batch * (math.ceil((context + self.new_tokens + 1) / bs) + 1) + 8
+        self.cb = dict(block_size=bs, num_blocks=blocks, max_batch_tokens=args.chunk,
+                       max_requests_per_batch=args.batch, use_async_batching=False, use_cuda_graph=False,
+                       allow_block_sharing=False, scheduler_type="fifo", safety_margin=0.0,
+                       # the cache is sized above (num_blocks); transformers' default share of free memory
+                       # (under half) rejects an 8B model at batch 64 x 8K on a 141 GB GPU
+                       max_memory_percent=0.9)
+
+        self.canary_config = canary_config(args.canary_option)
+
+    def measured(self, batch: int, tokens: int) -> bool:
+        """Steps that count: pure decode steps of the whole batch, or prefill chunks."""
+        if self.args.mode == "decode":
+            return batch == self.args.batch and tokens == batch
+        return tokens > batch
+
+
+def canary_config(options: list[str] | None):
+    """The canary's configuration: ``KV_CANARY_*`` variables, then ``KEY=VALUE`` options (field names)."""
+    from kvcanary.runtime.config import ENV_PREFIX, CanaryConfig
+
+    fields = [f.name for f in dataclasses.fields(CanaryConfig)]
+    env = dict(os.environ)
+    for opt in options or []:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"kv-canary: bench_engine --canary-option must be KEY=VALUE with KEY a CanaryConfig "
+                             f"field ({', '.join(fields)}), got {opt!r}")
+        env[ENV_PREFIX + key.upper()] = value
+    return CanaryConfig.from_env(env)
+
+
+def quantiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]  # noqa: E731
+    return {"n": len(s), "median_ms": 1e3 * statistics.median(s), "p10_ms": 1e3 * pick(0.1),
+            "p90_ms": 1e3 * pick(0.9)}
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        # KVCANARY_COMMIT names the commit where the checkout carries no (or a stale) .git
+        info["commit"] = os.environ.get("KVCANARY_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        info["commit"] = None
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["driver"] = getattr(torch.version, "cuda", None)
+    return info
