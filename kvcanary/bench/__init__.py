@@ -1,5 +1,8 @@
 """Benchmarks of the canary: ``ops`` (op throughput, ``kvcanary bench``), ``engine`` (one transformers
 continuous-batching workload without and with the canary, ``python -m kvcanary.bench.engine``) and
 ``suite`` (the registered engine workloads, one process each, with trace attribution, table and plot:
-``kvcanary bench --engine``). Scripts under ``benchmarks/`` in a checkout call these modules.
+``kvcanary bench --engine``); ``workload`` (model shapes and the generation ``engine`` runs) and
+``bandwidth`` (the memory-bandwidth references ``ops`` compares against). Scripts under
+``benchmarks/`` in a checkout call these modules; ``benchmarks/engine_matrix.py`` runs the whole
+engine matrix under a time budget.
 """
