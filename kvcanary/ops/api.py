@@ -178,18 +178,22 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
     """Write the canary records of the tokens a forward writes (SPEC 4.3).
 
     Request r owns write entries ``[plan.write_offsets[r], plan.write_offsets[r+1])``; its
-    chain starts from ``link(buf[plan.seed_slot[r]])`` (or the chain head without a seed).
+    chain starts from ``link(buf[plan.seed_slot[r]])`` for a seed inside the buffer (slot 0
+    included), else from the chain head. Edge rules follow SGLang 0.5.23 (SPEC 4.3).
 
     Args:
         buf: uint8 [num_slots, stride] canary buffer of this group and K/V.
-        plan: the forward's ``Plan`` (write_offsets, seed_slot).
+        plan: the forward's ``Plan`` (write_offsets, seed_slot); offsets must be non-negative and
+            non-decreasing (checked when they are on the CPU).
         num_requests: bs of the forward (host int, <= plan.max_batch).
-        out_cache_loc: int32/int64 [num_tokens] slot each token's KV goes to (< 0 = skip).
+        out_cache_loc: int32/int64 [num_tokens] slot each token's KV goes to; < 0 skips the entry
+            (no checks, no record, no chain step, not counted).
         input_ids, positions: int32/int64 [num_tokens] actual token and position of each entry.
         ring, counters: violation ring and counter table; launch_tag: a ``LaunchTag``.
         sources, real_kv_mode: real-KV fingerprint stored with each record (NONE stores 0).
         expected_input_ids, expected_positions: optional [num_tokens] write-input assert.
-        chain_check: optional int32 [1] device flag arming the chain-position assert.
+        chain_check: optional int32 [1] device flag arming the chain-position assert (requests
+            with a seed only; a failing entry gets its own row after the write-input row).
         writer_ids: optional int64 [bs] request ids stored in WRITER_ID (stride >= 48).
         step: optional int64 [1] forward step stored in WRITER_STEP (stride >= 48).
     """
