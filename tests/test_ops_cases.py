@@ -206,7 +206,7 @@ WRITE_CASES = {
     "no-requests": dict(seeds=[], offs=[0], locs=[1], ids=[1], pos=[0]),
     "chain-head": dict(seeds=[-1], offs=[0, 3], locs=[14, 15, 16], ids=[1, 2, 3], pos=[0, 1, 2]),
     "seeded-two-requests": dict(seeds=[7, 12], offs=[0, 2, 3], locs=[14, 15, 16], ids=[16, 17, 24], pos=[5, 6, 3]),
-    "seed-0-evicted": dict(seeds=[0], offs=[0, 2], locs=[14, 15], ids=[1, 2], pos=[9, 10]),
+    "seed-slot-0": dict(seeds=[0], offs=[0, 2], locs=[14, 15], ids=[1, 2], pos=[9, 10]),
     "seed-past-buffer": dict(seeds=[999], offs=[0, 2], locs=[14, 15], ids=[1, 2], pos=[9, 11]),
     "empty-request-between": dict(seeds=[7, 5, 12], offs=[0, 1, 1, 2], locs=[14, 15], ids=[16, 24], pos=[5, 3]),
     "skip-negative-and-out-of-range-slots": dict(seeds=[-1], offs=[0, 4], locs=[-1, 14, 99, 15],
