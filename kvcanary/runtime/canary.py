@@ -79,7 +79,7 @@ class Canary:
         for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens), ("max_context", max_context),
                             ("num_rows", num_rows)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise (ValueError if isinstance(value, int) else TypeError)(
+                raise (ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError)(
                     f"kv-canary: Canary {name} must be an int >= 1, got {value!r}")
         if on_violation is not None and not callable(on_violation):
             raise TypeError(f"kv-canary: Canary on_violation must be a callable or None, got {on_violation!r}")
