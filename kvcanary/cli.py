@@ -99,7 +99,7 @@ def _recall_args(p: argparse.ArgumentParser) -> None:
 def _recall(args: argparse.Namespace) -> int:
     import logging
 
-    from kvcanary.runtime.recall import KINDS, RecallReport, measure, recall_table, sim_runner
+    from kvcanary.sim.recall import KINDS, RecallReport, measure, recall_table, sim_runner
     from kvcanary.sim import MATRIX
 
     names = [n for n in args.configs.split(",") if n] or list(MATRIX)
@@ -181,12 +181,12 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, torch on cpu")
     p.add_argument("--small", action="store_true", help="the CPU-sized workloads")
     p.add_argument("--workloads", nargs="+", default=None, metavar="NAME",
-                   help="op workloads to run (default: all of the size chosen; kvcanary.bench)")
+                   help="op workloads to run (default: all of the size chosen; kvcanary.bench.ops)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--engine", nargs="*", default=None, metavar="WORKLOAD",
                    help="canary cost inside transformers continuous batching instead of op throughput: the "
-                        "named workloads (default: every one for the device; kvcanary.bench_suite)")
+                        "named workloads (default: every one for the device; kvcanary.bench.suite)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine workload (default 900)")
     p.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE",
                    help="with --engine: canary configuration of the runs, a CanaryConfig field each "
@@ -208,7 +208,7 @@ def _bench(args: argparse.Namespace) -> int:
                          "without --engine")
     import torch
 
-    from kvcanary.bench import bench_main
+    from kvcanary.bench.ops import bench_main
     from kvcanary.ops import api
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -228,7 +228,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_engine(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcanary import bench_suite
+    from kvcanary.bench import suite as bench_suite
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.timeout <= 0:
@@ -236,7 +236,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
     if args.providers:
         raise ValueError(f"kv-canary: --providers applies to op runs only, got {args.providers} with --engine")
     need_extra("bench --engine", "transformers", "transformers")
-    from kvcanary.bench_engine import canary_config
+    from kvcanary.bench.engine import canary_config
 
     try:
         canary_config(args.canary_option)  # a bad option fails here, not once per workload process

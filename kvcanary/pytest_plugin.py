@@ -35,14 +35,14 @@ class KvCanaryGuard:
 
     def __call__(self, pool, config=None, **canary_args):
         """A ``Canary(pool, config, **canary_args)`` in mode "raise", watched (config default: the environment's)."""
-        from kvcanary import Canary, CanaryConfig
+        from kvcanary.runtime import Canary, CanaryConfig
 
         config = (CanaryConfig.from_env() if config is None else config).replace(mode="raise")
         return self.watch(Canary(pool, config, **canary_args))
 
     def watch(self, canary):
         """Watch a canary the engine built itself (any mode); returns it."""
-        from kvcanary import Canary
+        from kvcanary.runtime import Canary
 
         if not isinstance(canary, Canary):
             raise TypeError(f"kv-canary: kv_canary.watch canary must be a Canary, got {type(canary).__name__}")

@@ -55,8 +55,8 @@ def test_bad_arguments_fail_before_any_work(argv, message, capsys, monkeypatch):
     if torch.cuda.device_count() > 7 and "cuda:7" in argv:
         pytest.skip("this machine has a cuda:7")
     started = []
-    import kvcanary.bench as bench
-    import kvcanary.bench_suite as bench_suite
+    import kvcanary.bench.ops as bench
+    import kvcanary.bench.suite as bench_suite
     from kvcanary.sim import zoo
 
     monkeypatch.setattr(bench, "run", lambda *a, **k: started.append(a))
@@ -88,7 +88,7 @@ def test_demo_without_transformers_names_the_extra(capsys, monkeypatch):
 
 
 def test_bench_exits_non_zero_when_a_workload_failed(capsys, monkeypatch):
-    import kvcanary.bench as bench
+    import kvcanary.bench.ops as bench
 
     monkeypatch.setattr(bench, "run", lambda device, providers, workloads: {
         "meta": {}, "results": [{"workload": name, "error": "RuntimeError: boom"} for name in workloads]})
