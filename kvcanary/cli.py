@@ -285,9 +285,9 @@ def _version() -> str:
 
         return version("kv-canary")
     except Exception:  # running from a checkout that was never installed
-        from kvcanary import __version__
+        import kvcanary
 
-        return __version__
+        return kvcanary.__version__
 
 
 def build_parser() -> argparse.ArgumentParser:
