@@ -302,3 +302,13 @@ def test_sweep_arguments_validated():
     rejected(e, lambda: e.canary.sweep(s, p[:3], pr), ValueError, "kv-canary: sweep positions must be of length 4")
     rejected(e, lambda: e.canary.sweep(slots(1, 99), p[:2], pr[:2]), ValueError,
              r"kv-canary: sweep slots must be slots in \[0, 64\)")
+
+
+def test_metadata_rejected_without_value_checks_leaves_no_forward_open():
+    e = engine(value_check="off")
+    b = batch_of(e, [1], [4], [1], [40])
+    b.req_pool_indices = b.req_pool_indices.to(torch.int16)
+    rejected(e, lambda: e.canary.before_forward(b), TypeError,
+             "kv-canary: forward batch req_pool_indices must be int32 or int64, got torch.int16")
+    with pytest.raises(RuntimeError, match="after_forward must follow"):
+        e.canary.after_forward(b)

@@ -128,7 +128,12 @@ class Canary:
         if not self.enabled:
             return
         self.host_before(batch)
-        self.device_before(batch)
+        try:
+            self.device_before(batch)
+        except BaseException:
+            # Its metadata checks run before its first write: a batch they reject leaves no forward open.
+            self._open = None
+            raise
 
     def after_forward(self, batch: ForwardBatch) -> None:
         """Device part, then host part, after the engine's forward wrote KV."""
@@ -147,8 +152,8 @@ class Canary:
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"kv-canary: forward batch must be a ForwardBatch, got {type(batch).__name__}")
         self._check_sizes(batch)
-        check_batch(batch, self.device)
         if self._check_values:
+            check_batch(batch, self.device)  # the values are read below: their metadata first
             check_batch_values(batch, num_rows=self.num_rows, num_slots=self.pool.num_slots,
                                max_context=self.max_context)
         if self.injector is not None:

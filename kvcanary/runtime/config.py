@@ -45,7 +45,7 @@ class CanaryConfig:
         real_kv: real-KV fingerprint at TAIL and sweep: "none" | "partial" (16 bytes) | "all".
         token_check: verify stored tokens against request token histories when the engine gives them.
         input_check: write-input assert when the engine gives expected input ids/positions.
-        value_check: check batch values (rows, lengths, slots) before each forward: "auto" (when the canary is on the CPU, no device sync) | "always" (one sync per forward on CUDA) | "off".
+        value_check: check batch values (rows, lengths, slots) before each forward: "auto" (when the canary is on the CPU, no device sync) | "always" (also on CUDA, where reading them syncs every forward) | "off".
         chain_position_check: chain-position assert at write (armed by ``Canary.mark_ready``).
         sweep_interval: run the prefix-cache sweep every N steps (0 = only on ``Canary.sweep`` calls).
         ring_capacity: violation rows kept per step (the count keeps growing past it).
