@@ -103,7 +103,7 @@ class TokenAppend:
     request) instead of every request's whole history each forward.
 
     cell_rows, cell_cols, cell_tokens: int32/int64 [n] token table cells to set (rows < the canary's
-        num_rows, columns < its max_context: the caller guarantees the range).
+        num_rows, columns < its max_context; ``before_forward`` rejects others before writing any).
     valid_lens: int32/int64 [bs] per request of the batch, the positions [0, valid) its row holds.
     """
 
