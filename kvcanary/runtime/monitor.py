@@ -30,7 +30,7 @@ class Monitor:
         self.on_violation = on_violation
         watched = {"counters": canary.counters}
         for g in canary.groups:
-            watched[f"plan_count_{g.name}"] = g.plan.entries.count
+            watched[f"plan_count_{g.name}"] = g.plan.entries.requested
         self.observer = HostObserver(canary.ring, watched)
         self.violations: list[Violation] = []
         self.total_violations = 0
