@@ -125,6 +125,10 @@ def check_real_kv_source(src) -> None:
     if src.tensor.shape[0] and row_bytes < need:
         raise fail_value(op, "tensor", f"rows of at least page_size * num_bytes_per_token = {need} bytes",
                          f"{row_bytes} bytes")
+    # Rows closer than one page apart overlap (a heads-first permute, an expand): slots would share bytes.
+    if src.tensor.shape[0] > 1 and row_stride < need:
+        raise fail_value(op, "tensor", f"a row stride of at least page_size * num_bytes_per_token = {need} bytes "
+                         "(rows must not overlap)", f"{row_stride} bytes")
 
 
 def check_sources(op: str, sources, mode: int, device: torch.device) -> tuple:
