@@ -3,20 +3,24 @@
 Per request i of ``io.requests_in_batch`` (a ``FutureRequestState``): ``extend = query_length``,
 ``prefix = state.position_offset - query_length`` (prepare_batch_tensors advanced the offset),
 input ids and positions are ``io.input_ids`` / ``io.position_ids`` slices, the written slots are
-``io.write_index_storage[full_group]`` (or, on the flash decode fast path, the table's). Each request
-keeps one canary row while it lives; that row of req_to_token is rebuilt from the request's block
-table every step, and its token table row receives only the tokens it has not seen.
+``io.write_index_storage[full_group]`` (or, on the flash decode fast path, the io block table's).
+Each request keeps one canary row while it lives; that row of req_to_token is rebuilt every step
+from the indices attention reads through (``io.read_index_storage``, or the io block table on the
+flash decode fast path), not from the Python block tables, so the canary checks the addresses the
+forward really reads. Its token table row receives only the tokens it has not seen.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 
 import torch
 
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.runtime.monitor import KEEP_BATCHES
 
+log = logging.getLogger("kvcanary")
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
 
 
@@ -35,47 +39,31 @@ class BatchBuilder:
         self.oracle = bool(session.handle.options.get("token_oracle"))
         self.stage = Staging(self.device)
         self.in_block = torch.arange(session.layout.block_size, dtype=torch.int64, device=self.device)
+        self.warned_read_size = False
+        self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
 
     def build(self) -> ForwardBatch:
         s, lay = self.s, self.s.layout
-        bp = s.bp
-        io = bp.inputs_and_outputs
+        io = s.bp.inputs_and_outputs
         reqs = io.requests_in_batch
-        bs, B = len(reqs), lay.block_size
-        cms = bp.cache.group_cache_managers
-        full_tables = cms[lay.full_group].block_table
+        bs = len(reqs)
         names = [fs.state.request_id for fs in reqs]
+        extend = [fs.query_length for fs in reqs]
+        prefix = [fs.state.position_offset - q for fs, q in zip(reqs, extend)]
         rows = self._rows(names)
-        prefix, extend, rids, tables = [], [], [], []
-        for fs in reqs:
-            st, q = fs.state, fs.query_length
-            prefix.append(st.position_offset - q)
-            extend.append(q)
-            rids.append(s.request_id(st.request_id))
-            tables.append(full_tables.get(st.request_id, []))
-        cu = [0]
-        for q in extend:
-            cu.append(cu[-1] + q)
-        T = cu[-1]
-        maxb = max(1, max(len(t) for t in tables))
+        rids = [s.request_id(n) for n in names]
+        T = sum(extend)
         small = rows + prefix + extend + rids
-        pad = [0] * maxb
-        for t in tables:
-            small += t
-            small += pad[:maxb - len(t)]
+        n = len(small)
         if self.want_history:
             small += self._token_cells(reqs, rows, prefix, extend)
         packed = self.stage.send(small)
         rows_t, prefix_t, extend_t, rids_t = (packed[i * bs:(i + 1) * bs] for i in range(4))
-        n = 4 * bs + bs * maxb
-        block_table = packed[4 * bs:n].view(bs, maxb)
-        # Each batch row of the table = the request's slots, block by block; other rows are never read,
-        # and columns past a request's length neither.
-        rtt = torch.empty(self.num_rows, maxb * B, dtype=torch.int64, device=self.device)
-        rtt.view(self.num_rows, maxb, B)[rows_t] = torch.add(self.in_block[:B], block_table.unsqueeze(2), alpha=B)
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
+        rtt = self._read_table(io, rows_t, prefix_t, extend_t, max(p + q for p, q in zip(prefix, extend)),
+                               sum(prefix) + T)
         if io.use_block_table:
-            # Flash decode fast path: write_index is not filled; the kernel writes through the table.
+            # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
             per_token = rows_t.repeat_interleave(extend_t, output_size=T)  # host-known size: no sync
             out_cache_loc = rtt[per_token, positions.to(torch.int64)]
         else:
@@ -83,7 +71,7 @@ class BatchBuilder:
         batch = ForwardBatch(req_pool_indices=rows_t, prefix_lens=prefix_t, extend_lens=extend_t,
                              input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              req_to_token=rtt, request_ids=rids_t,
-                             mode=ForwardMode.DECODE if all(q == 1 for q in extend) else ForwardMode.EXTEND)
+                             mode=ForwardMode.DECODE if T == bs else ForwardMode.EXTEND)
         if self.want_history:
             k = (len(small) - n - bs) // 3
             c0 = n + bs
@@ -92,8 +80,45 @@ class BatchBuilder:
         if self.oracle:
             self._oracle(batch, reqs, prefix, extend, rids)
         if lay.swa_group is not None:
-            self._fill_swa_table(io, cms, reqs, prefix, extend, tables, cu, out_cache_loc)
+            self._fill_swa_table(io, prefix_t, extend_t, sum(min(p, lay.window) for p in prefix), T, out_cache_loc)
         return batch
+
+    def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int) -> torch.Tensor:
+        """req_to_token from the indices the forward's attention consumes, not from the block tables.
+
+        Full-attention layers read ``read_index[g]`` (sdpa / eager: per request, the slots of
+        positions [0, prefix + extend), after the forward's writes), or on the flash decode fast
+        path the io's block table (slot = block * B + offset). Row r of the batch's rows gets its
+        request's slots; other rows and columns past a request's length are never read.
+        """
+        g, B = self.s.layout.full_group, self.s.layout.block_size
+        if io.use_block_table:
+            nb = min(-(-width // B), io.block_table.shape[2])
+            blocks = io.block_table[g, :rows_t.shape[0], :nb].to(torch.int64)
+            rtt = torch.empty(self.num_rows, nb * B, dtype=torch.int64, device=self.device)
+            rtt.view(self.num_rows, nb, B)[rows_t] = torch.add(self.in_block[:B], blocks.unsqueeze(2), alpha=B)
+            return rtt
+        # Cells the read index does not provide stay out of range: an out-of-range slot verifies as a
+        # never-written record, so a short read index is reported against the request that misses slots.
+        rtt = torch.full((self.num_rows, max(1, width)), self.s.layout.num_slots, dtype=torch.int64,
+                         device=self.device)
+        if io.max_kv_read == 0:
+            return rtt  # nothing is read from the cache (fresh prefills only): no prefix to verify
+        have = min(total, io.true_read_sizes[g])
+        if have != total and not self.warned_read_size:
+            self.warned_read_size = True
+            log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
+                        io.true_read_sizes[g], total)
+        seen = prefix_t + extend_t
+        per = rows_t.repeat_interleave(seen, output_size=total)[:have]
+        col = (self._arange(total) - (torch.cumsum(seen, 0) - seen).repeat_interleave(seen, output_size=total))[:have]
+        rtt[per, col] = io.read_index_storage[g, :have]
+        return rtt
+
+    def _arange(self, n: int) -> torch.Tensor:
+        if self.iota.shape[0] < n:
+            self.iota = torch.arange(max(n, 2 * self.iota.shape[0]), dtype=torch.int64, device=self.device)
+        return self.iota[:n]
 
     def _rows(self, names: list[str]) -> list[int]:
         """The stable row of each request of the batch, assigning rows to new ones."""
@@ -147,33 +172,33 @@ class BatchBuilder:
         batch.expected_input_ids, batch.expected_positions = packed[:len(exp_ids)], packed[len(exp_ids):]
         self.next_tokens = torch.tensor(forced, dtype=torch.int64)
 
-    def _fill_swa_table(self, io, cms, reqs, prefix, extend, tables, cu, out_cache_loc) -> None:
-        """Synthetic full->SWA table of this step: full slot -> the sliding group's physical slot.
+    def _fill_swa_table(self, io, prefix_t, extend_t, n_win: int, T: int, out_cache_loc) -> None:
+        """Synthetic full->SWA table of this step, from the read and write indices of both groups.
 
-        In window (the last W-1 past positions, plus the new ones) a position maps to its rolling-buffer
-        slot ``table[(p % W) // B] * B + (p % W) % B``; a position this forward overwrites (or writes
-        to the trash) maps to 0 = evicted. Everything else is 0.
+        The sliding group's read index lists, per request, the rolling-buffer slots of its last
+        ``c = min(prefix, W - 1)`` positions (then a sentinel per new token); the full group's read
+        index the full slots of the same positions. Each such full slot maps to the sliding slot the
+        forward reads, except positions this forward overwrites (``p < prefix + extend - W``), which
+        map to 0 = evicted (their HEAD verify ran before the write; TAIL would see the new token).
+        New tokens map their full write slot to their sliding write slot (0 for the write trash).
         """
         lay = self.s.layout
-        B, W, trash = lay.block_size, lay.window + 1, lay.write_trash
-        swa_tables = cms[lay.swa_group].block_table
-        full_w = out_cache_loc.tolist()
-        swa_w = io.write_index_storage[lay.swa_group, :cu[-1]].tolist()
-        mapping: dict[int, int] = {}
-        for i, (fs, P, q, table) in enumerate(zip(reqs, prefix, extend, tables)):
-            stbl = swa_tables.get(fs.state.request_id, [])
-            keep_from = P + q - W
-            for p in range(max(0, P - lay.window), P):
-                r = p % W
-                v = stbl[r // B] * B + r % B if p >= keep_from and r // B < len(stbl) else 0
-                _put(mapping, table[p // B] * B + p % B, v)
-            for k in range(cu[i], cu[i + 1]):
-                _put(mapping, full_w[k], 0 if swa_w[k] == trash else swa_w[k])
-        table = self.s.swa_table
+        W, table = lay.window + 1, self.s.swa_table
         table.zero_()
-        if mapping:
-            idx = torch.tensor(list(mapping.keys()), dtype=torch.int64).to(self.device)
-            table[idx] = torch.tensor(list(mapping.values()), dtype=torch.int64).to(self.device)
+        if n_win:
+            g, sg = lay.full_group, lay.swa_group
+            c = prefix_t.clamp(max=lay.window)
+            full_start = torch.cumsum(prefix_t + extend_t, 0) - extend_t - c  # first window position, full read
+            swa_start = torch.cumsum(c + extend_t, 0) - extend_t - c
+            req = self._arange(c.shape[0]).repeat_interleave(c, output_size=n_win)
+            k = self._arange(n_win) - (torch.cumsum(c, 0) - c)[req]
+            full = io.read_index_storage[g].index_select(0, full_start[req] + k)
+            swa = io.read_index_storage[sg].index_select(0, swa_start[req] + k)
+            keep = prefix_t[req] - c[req] + k >= (prefix_t + extend_t)[req] - W
+            table[full] = torch.where(keep, swa, torch.zeros_like(swa))
+        if T:
+            swa_w = io.write_index_storage[lay.swa_group, :T]
+            table[out_cache_loc] = torch.where(swa_w == lay.write_trash, torch.zeros_like(swa_w), swa_w)
 
     def forget_finished(self) -> list[str]:
         """Release the rows of requests that finished this step; returns their names."""
@@ -222,9 +247,3 @@ class Staging:
         if self.event is not None:
             self.event.record()
         return out
-
-
-def _put(mapping: dict[int, int], full_slot: int, swa_slot: int) -> None:
-    # Two requests never share a full slot with block sharing off; if they did, skip the slot rather than guess.
-    old = mapping.get(full_slot)
-    mapping[full_slot] = swa_slot if old is None or old == swa_slot else 0
