@@ -79,7 +79,7 @@ def test_swapped_table_cell_is_a_chain_violation_with_attribution():
     head = [v for v in vs if v.launch_tag == "HEAD_K_FULL" and v.slot == victim][0]
     assert head.reasons == ("verify_chain_hash",) and head.position == 2 and head.stored_token == 7
     assert head.reader_request == 2 and head.reader_position == 2
-    assert head.writer_request == 1 and head.writer_step == 0
+    assert head.writer_request == 1 and head.writer_step == 1  # forwards count from 1, as violation steps
     assert "two requests own this slot" in head.block()
 
 

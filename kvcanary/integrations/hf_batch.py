@@ -19,6 +19,7 @@ import torch
 
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.runtime.monitor import KEEP_BATCHES
+from kvcanary.runtime.report import MISSING_TOKEN
 
 log = logging.getLogger("kvcanary")
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
@@ -139,7 +140,13 @@ class BatchBuilder:
         return rows
 
     def _token_cells(self, reqs, rows, prefix, extend) -> list[int]:
-        """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens."""
+        """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens.
+
+        Each request's cells are packed with its own row and columns, as many as its positions need:
+        a history shorter than the positions (an engine bug) fills the missing cells with
+        ``MISSING_TOKEN``, so the gap is reported against that request alone and never shifts
+        another request's cells.
+        """
         valid, cell_rows, cell_cols, cell_tokens = [], [], [], []
         for fs, row, p, q in zip(reqs, rows, prefix, extend):
             st, need = fs.state, p + q
@@ -148,7 +155,9 @@ class BatchBuilder:
             if have < need:
                 init, gen = st.initial_tokens, st.generated_tokens
                 n0 = len(init)
-                toks = init[have:min(need, n0)] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
+                toks = init[have:need] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
+                if len(toks) < need - have:
+                    toks += [MISSING_TOKEN] * (need - have - len(toks))
                 cell_rows += [row] * (need - have)
                 cell_cols += range(have, need)
                 cell_tokens += toks
