@@ -287,7 +287,18 @@ EXPECTED = {
     "history-short": lambda names, vs: check_history_short(vs),
     "never-written": lambda names, vs: check_never_written(vs),
     "write-into-predecessor": lambda names, vs: check_write_into_predecessor(vs),
+    "new-token-read-index": lambda names, vs: check_new_token_read(vs),
 }
+
+
+def check_new_token_read(vs):
+    # Only this step's read of the new token is wrong (prefix reads are right): the check of the new
+    # tokens' read cells, after the HEAD write and before the forward, reports it.
+    assert len({(v.step, v.launch_tag) for v in vs}) == 1, [str(v) for v in vs]
+    first = vs[0]
+    assert first.launch_tag == "HEAD_K_FULL" and first.fail_reason & FailReason.VERIFY_POSITION
+    assert first.reader_request == first.writer_request and first.reader_position == first.position + 1
+    assert f"reads its own position {first.position}'s slot as position {first.position + 1}" in first.block()
 
 
 def check_read_index(vs):
@@ -326,7 +337,10 @@ def check_never_written(vs):
 def check_write_into_predecessor(vs):
     # The misplaced write changes the predecessor's KV in the same forward: the TAIL real-KV row names
     # the writer and what it wrote there, and the next HEAD sees the predecessor's slot holding it.
-    tail = vs[0]
+    tail = next(v for v in vs if v.launch_tag == "TAIL_K_FULL")
+    assert tail.step == vs[0].step
+    # its own slot was never written: the check of the new token's read cell says so before the forward
+    assert vs[0].launch_tag == "HEAD_K_FULL" and vs[0].never_written and vs[0].reader_request == tail.reader_request
     assert tail.launch_tag == "TAIL_K_FULL" and tail.reasons == ("verify_real_kv_hash",), str(tail)
     assert tail.writer_request == tail.reader_request and tail.writer_position == tail.position + 1
     assert tail.writer_step == tail.step

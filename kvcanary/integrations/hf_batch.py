@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.runtime.monitor import KEEP_BATCHES
 from kvcanary.runtime.report import MISSING_TOKEN
@@ -41,6 +42,7 @@ class BatchBuilder:
         self.stage = Staging(self.device)
         self.in_block = torch.arange(session.layout.block_size, dtype=torch.int64, device=self.device)
         self.warned_read_size = False
+        self.new_reads = ops.Entries.allocate(session.canary.max_tokens, self.device)
         self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
 
     def build(self) -> ForwardBatch:
@@ -115,6 +117,28 @@ class BatchBuilder:
         col = (self._arange(total) - (torch.cumsum(seen, 0) - seen).repeat_interleave(seen, output_size=total))[:have]
         rtt[per, col] = io.read_index_storage[g, :have]
         return rtt
+
+    def verify_new_reads(self, batch: ForwardBatch) -> None:
+        """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
+
+        Full attention writes the new tokens, then reads positions [0, prefix + extend) through the
+        read index: the plan verifies the prefix, and this checks that the read index's new cells
+        hold the records just written at the write index (a read index that disagrees with the
+        write index for a new token is reported before the forward reads it).
+        """
+        io, T = self.s.bp.inputs_and_outputs, batch.num_tokens
+        if io.use_block_table or io.max_kv_read == 0 or not T:
+            return  # the fast path reads through the table the writes used; no read of the cache at all
+        c = self.s.canary
+        g = c.groups[0]
+        per = batch.req_pool_indices.repeat_interleave(batch.extend_lens, output_size=T)
+        pos = batch.positions.to(torch.int64)
+        rtt = batch.req_to_token
+        prev = torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1)
+        ops.fill_entries(self.new_reads, rtt[per, pos], pos, prev, batch.input_ids)
+        for kv in g.kvs:
+            ops.verify(buf=g.bufs["head", kv], entries=self.new_reads, ring=c.ring, counters=c.counters,
+                       launch_tag=g.tag("head", kv), backend=c.config.backend)
 
     def _arange(self, n: int) -> torch.Tensor:
         if self.iota.shape[0] < n:

@@ -35,6 +35,8 @@ BUGS: dict[str, tuple[str, str]] = {
     "never-written": ("H", "a decode token's KV write goes to the write trash (as for padding), so its slot in a "
                            "fresh block is never written"),
     "write-into-predecessor": ("E", "a decode token's write index is its predecessor's slot (off by one)"),
+    "new-token-read-index": ("C", "a decode token's read index cell for its own position lists its predecessor's "
+                                  "slot instead of the slot it was just written to"),
 }
 
 
@@ -286,6 +288,19 @@ def write_into_predecessor(bp, state) -> None:
         return out
 
     cm.get_write_indices = get_write_indices
+
+
+def new_token_read_index(bp, state) -> None:
+    cm = _full_manager(bp.cache)
+    orig = cm.get_read_indices
+
+    def get_read_indices(request_id, past_length, query_length):
+        out = orig(request_id, past_length, query_length)
+        if query_length == 1 and past_length >= 4 and _once(state):
+            out[past_length] = out[past_length - 1]
+        return out
+
+    cm.get_read_indices = get_read_indices
 
 
 _PLANTERS = {name.replace("-", "_"): globals()[name.replace("-", "_")] for name in BUGS}

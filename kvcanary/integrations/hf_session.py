@@ -159,6 +159,8 @@ class Session:
         with self.lock, self._range("kvcanary_before"), self._engine_stream():
             self._batch = self.builder.build()
             self.canary.before_forward(self._batch)
+            if self.canary.enabled:
+                self.builder.verify_new_reads(self._batch)
         self._before_s = time.perf_counter() - t0
 
     def _after(self) -> None:

@@ -151,6 +151,8 @@ class Monitor:
         buf = g.bufs[phase, kv]
         rows = batch.req_pool_indices.tolist()
         cells = verified_cells(batch, g.window, g.table)
+        if g.table is None:
+            cells += _new_cells(batch)  # after the prefix: an adapter may also verify the new tokens' reads
         candidates = [c for c in cells if c[2] == slot]
         if not candidates:
             return {}
@@ -246,6 +248,18 @@ class Monitor:
         s = self.stats()
         return (f"kv_canary stats: step={s['step']} tokens_protected={s['tokens_protected']} "
                 f"entries_checked={s['entries_checked']} sweeps={s['sweeps']} violations={s['violations']}")
+
+
+def _new_cells(batch) -> list[tuple[int, int, int, int]]:
+    """(request id, position, slot, prev slot) of the new tokens' cells of req_to_token (host-side, reports only)."""
+    rows, prefix, ids = batch_lists(batch)
+    out = []
+    for r, (row, q) in enumerate(zip(rows, batch.extend_lens.tolist())):
+        p0 = prefix[r]
+        width = min(p0 + q, batch.req_to_token.shape[1])
+        cells = batch.req_to_token[row, :width].tolist()
+        out.extend((ids[r], p, cells[p], cells[p - 1] if p > 0 else -1) for p in range(p0, width))
+    return out
 
 
 def _expected_prev_hash(buf: torch.Tensor, prev: int) -> int | None:

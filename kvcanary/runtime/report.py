@@ -146,9 +146,13 @@ class Violation:
                         f"{self.position}: a write index or table entry pointing at a live slot"]
             return ["  -> the KV bytes changed under an intact record: a skipped or partial copy (some layers, K "
                     "without V), a stray write, or a transfer into the wrong place"]
-        if (self.reader_request is not None and self.writer_request is not None
-                and self.reader_request != self.writer_request):
+        if self.reader_request is None or self.writer_request is None:
+            return []
+        if self.reader_request != self.writer_request:
             return ["  -> two requests own this slot: double allocation, early free or a stale table entry"]
+        if self.fail_reason & FailReason.VERIFY_POSITION and self.reader_position != self.position:
+            return [f"  -> the request reads its own position {self.position}'s slot as position "
+                    f"{self.reader_position}: a wrong table or read-index entry, or a misplaced write"]
         return []
 
     def to_dict(self) -> dict:
