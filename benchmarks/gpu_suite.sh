@@ -56,7 +56,7 @@ case "$part" in
       name="engine_$1_b$2_c$3_$4"
       start=$(date +%s)
       # ENGINE_ARGS passes more options, e.g. "--rounds 1 --steps 12" for the batch-64 8K specs.
-      timeout ${ENGINE_TIMEOUT:-240} $py -m kvcanary.bench_engine --device cuda --model-size "$1" --batch "$2" \
+      timeout ${ENGINE_TIMEOUT:-240} $py -m kvcanary.bench.engine --device cuda --model-size "$1" --batch "$2" \
         --context "$3" --mode "$4" --json "$OUT/$name.json" --trace "$OUT/$name.trace.json" ${ENGINE_ARGS:-} \
         > "$OUT/$name.log" 2>&1
       rc=$?

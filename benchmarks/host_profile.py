@@ -1,6 +1,6 @@
 """Where the canary's host time goes inside transformers continuous batching: cProfile over its hooks.
 
-Runs ``kvcanary.bench_engine`` with the given arguments (one round, no torch profiler) and profiles
+Runs ``kvcanary.bench.engine`` with the given arguments (one round, no torch profiler) and profiles
 only the canary's parts of each step (before/after the forward and its update bookkeeping), then
 prints the functions with the most own time. On a GPU the kernel launches show up as the builtins
 that enqueue them.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcanary import bench_engine  # noqa: E402
+from kvcanary.bench import engine as bench_engine  # noqa: E402
 
 from kvcanary.integrations import hf_session  # noqa: E402
 from kvcanary.runtime import launch  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcanary import bench  # noqa: E402
+from kvcanary.bench import ops as bench  # noqa: E402
 from kvcanary.format import RealKvMode  # noqa: E402
 
 

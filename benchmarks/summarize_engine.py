@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcanary import bench_suite  # noqa: E402
+from kvcanary.bench import suite as bench_suite  # noqa: E402
 
 
 def load(paths: list[str]) -> list[dict]:

@@ -56,7 +56,7 @@ def _recall_args(p: argparse.ArgumentParser) -> None:
 def _recall(args: argparse.Namespace) -> int:
     import logging
 
-    from kvcanary.runtime.recall import measure_sim, recall_table
+    from kvcanary.sim.recall import measure_sim, recall_table
     from kvcanary.sim import MATRIX
 
     names = [n for n in args.configs.split(",") if n] or list(MATRIX)
@@ -119,12 +119,12 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, torch on cpu")
     p.add_argument("--small", action="store_true", help="the CPU-sized workloads")
     p.add_argument("--workloads", nargs="+", default=None, metavar="NAME",
-                   help="op workloads to run (default: all of the size chosen; kvcanary.bench)")
+                   help="op workloads to run (default: all of the size chosen; kvcanary.bench.ops)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--engine", nargs="*", default=None, metavar="WORKLOAD",
                    help="canary cost inside transformers continuous batching instead of op throughput: the "
-                        "named workloads (default: every one for the device; kvcanary.bench_suite)")
+                        "named workloads (default: every one for the device; kvcanary.bench.suite)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine workload (default 900)")
     p.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE",
                    help="with --engine: canary configuration of the runs, a CanaryConfig field each "
@@ -136,7 +136,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 def _bench(args: argparse.Namespace) -> int:
     if args.engine is not None:
         return _bench_engine(args)
-    from kvcanary.bench import bench_main
+    from kvcanary.bench.ops import bench_main
 
     out = bench_main(args)
     emit(args, out, json.dumps(out["meta"]))
@@ -146,12 +146,12 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_engine(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcanary import bench_suite
+    from kvcanary.bench import suite as bench_suite
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"kv-canary: bench device must be available, got {device} without a CUDA GPU")
-    from kvcanary.bench_engine import canary_config
+    from kvcanary.bench.engine import canary_config
 
     canary_config(args.canary_option)  # a bad option fails here, not once per workload process
     out = bench_suite.run_engine(device, args.engine, args.timeout, canary_options=args.canary_option)

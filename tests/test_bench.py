@@ -4,7 +4,7 @@ import io
 
 import torch
 
-from kvcanary import bench
+from kvcanary.bench import ops as bench
 
 from conftest import DEVICE, FAST_BACKENDS
 

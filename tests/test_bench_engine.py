@@ -9,8 +9,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvcanary import bench_suite, cli  # noqa: E402
-from kvcanary.bench_engine import build_model, canary_config  # noqa: E402
+from kvcanary import cli  # noqa: E402
+from kvcanary.bench import suite as bench_suite  # noqa: E402
+from kvcanary.bench.engine import build_model, canary_config  # noqa: E402
 from kvcanary.integrations.varlen_attention import NAME, register, varlen  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import torch
 from kvcanary import CanaryConfig
 from kvcanary.format import FailReason, oracle_token
 from kvcanary.runtime.inject import KINDS
-from kvcanary.runtime.recall import match, phase_of, recall_table, sim_runner
+from kvcanary.sim.recall import match, phase_of, recall_table, sim_runner
 
 from toy_engine import ToyEngine
 

@@ -16,7 +16,7 @@ cell is put back at the end of its step; a flipped byte is flipped back at the e
 the step whose check first read it, is dropped when the engine rewrites the slot, and
 travels with the KV when the engine copies it (``copy_records``, ``restore_records``).
 Each injection is an ``Injection`` in ``Injector.records`` and one log line;
-``kvcanary.runtime.recall.match`` pairs them with violations.
+``kvcanary.sim.recall.match`` pairs them with violations.
 """
 
 from __future__ import annotations
@@ -29,11 +29,46 @@ import torch
 
 from kvcanary.format import RealKvMode, RecordField as R
 from kvcanary.runtime.batch import batch_lists, translate_slot, verified_cells
-from kvcanary.runtime.recall import KINDS, Injection
 
 __all__ = ["KINDS", "Injection", "Injector"]
 log = logging.getLogger("kvcanary")
 FLIP_MASK = 0xFF  # a flip inverts every bit of one byte
+KINDS = ("table", "kv", "cached", "after", "swap")
+
+
+@dataclass
+class Injection:
+    """Ground truth of one perturbation (what ``Injector`` records; ``kvcanary.sim.recall`` scores them).
+
+    Attributes:
+        kind: one of ``KINDS``.
+        step: the ``Violation.step`` a violation found in the perturbed forward carries.
+        slot: slot perturbed (table: the cell's new value; swap: the slot the token went to, -1 until known).
+        position: sequence position of the cell / slot (-1 when unknown).
+        request: request id reading or writing it (the row without request ids; -1 for a cached slot).
+        byte: byte offset flipped inside the slot's KV (-1 for table and swap).
+        group: address space of ``slot`` ("full" or "swa").
+        watch: (group, slot) pairs its violations land on (a flipped byte the engine copied adds its copies).
+        read_step: step of the first check that read the perturbed state (None: never read).
+        end_step: last step the perturbation was visible (None: still in place).
+        detail: what changed, e.g. "cell 7->12", "token 5->9", "k source 0 xor 0xff".
+    """
+
+    kind: str
+    step: int
+    slot: int
+    position: int
+    request: int
+    byte: int = -1
+    group: str = "full"
+    watch: tuple[tuple[str, int], ...] = ()
+    read_step: int | None = None
+    end_step: int | None = None
+    detail: str = ""
+
+    def log_line(self) -> str:
+        return (f"kv_canary injection: kind={self.kind} step={self.step} slot={self.slot} position={self.position} "
+                f"request={self.request} byte={self.byte} group={self.group} detail={self.detail}")
 
 
 @dataclass

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvcanary.sim.config import SimConfig
+if TYPE_CHECKING:  # config imports this module to check SimConfig.bug; the hint alone needs no import
+    from kvcanary.sim.config import SimConfig
 
 
 @dataclass(frozen=True)

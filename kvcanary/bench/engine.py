@@ -13,11 +13,11 @@ update_batch), so every step is timed without the background thread's polling. R
 
 Engine settings: sync batching, CUDA graphs off, no compile; attention ``paged|kvc_varlen``
 (``kvcanary.integrations.varlen_attention``) on CUDA and transformers' ``paged|sdpa`` on CPU.
-``kvcanary bench --engine`` runs the registered workloads (``kvcanary.bench.ENGINE_WORKLOADS``),
+``kvcanary bench --engine`` runs the registered workloads (``kvcanary.bench.suite.ENGINE_WORKLOADS``),
 one process each; this module measures one:
 
-    python -m kvcanary.bench_engine --device cuda --model-size 8b --batch 64 --context 8192 --mode decode
-    python -m kvcanary.bench_engine --device cpu --model-size tiny --batch 4 --context 64   # smoke test
+    python -m kvcanary.bench.engine --device cuda --model-size 8b --batch 64 --context 8192 --mode decode
+    python -m kvcanary.bench.engine --device cpu --model-size tiny --batch 4 --context 64   # smoke test
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from kvcanary import bench_suite
+from kvcanary.bench import suite as bench_suite
 
 
 SIZES = {

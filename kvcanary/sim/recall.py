@@ -14,45 +14,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvcanary.format import FailReason as FR
+from kvcanary.runtime.inject import KINDS, Injection
 from kvcanary.runtime.report import Violation
 
-KINDS = ("table", "kv", "cached", "after", "swap")
 _REAL_KV = int(FR.VERIFY_REAL_KV_HASH)
-
-
-@dataclass
-class Injection:
-    """Ground truth of one perturbation (``kvcanary.runtime.inject``).
-
-    Attributes:
-        kind: one of ``KINDS``.
-        step: the ``Violation.step`` a violation found in the perturbed forward carries.
-        slot: slot perturbed (table: the cell's new value; swap: the slot the token went to, -1 until known).
-        position: sequence position of the cell / slot (-1 when unknown).
-        request: request id reading or writing it (the row without request ids; -1 for a cached slot).
-        byte: byte offset flipped inside the slot's KV (-1 for table and swap).
-        group: address space of ``slot`` ("full" or "swa").
-        watch: (group, slot) pairs its violations land on (a flipped byte the engine copied adds its copies).
-        read_step: step of the first check that read the perturbed state (None: never read).
-        end_step: last step the perturbation was visible (None: still in place).
-        detail: what changed, e.g. "cell 7->12", "token 5->9", "k source 0 xor 0xff".
-    """
-
-    kind: str
-    step: int
-    slot: int
-    position: int
-    request: int
-    byte: int = -1
-    group: str = "full"
-    watch: tuple[tuple[str, int], ...] = ()
-    read_step: int | None = None
-    end_step: int | None = None
-    detail: str = ""
-
-    def log_line(self) -> str:
-        return (f"kv_canary injection: kind={self.kind} step={self.step} slot={self.slot} position={self.position} "
-                f"request={self.request} byte={self.byte} group={self.group} detail={self.detail}")
 
 
 @dataclass(frozen=True)

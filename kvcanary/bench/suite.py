@@ -1,6 +1,6 @@
 """The engine workloads of ``kvcanary bench --engine``: registry, runner, table and plot.
 
-Each workload runs ``kvcanary.bench_engine`` (transformers continuous batching without and with
+Each workload runs ``kvcanary.bench.engine`` (transformers continuous batching without and with
 the canary) in its own process, so one model's memory is gone before the next loads and a
 workload that fails or runs out of time does not stop the others.
 
@@ -104,7 +104,7 @@ def run_engine(device: str, names: list[str] | None, timeout_s: float, progress=
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "result.json")
-            cmd = [sys.executable, "-m", "kvcanary.bench_engine", "--device", device, "--model-size", size,
+            cmd = [sys.executable, "-m", "kvcanary.bench.engine", "--device", device, "--model-size", size,
                    "--batch", str(batch), "--context", str(ctx), "--mode", mode, "--json", path]
             for opt in canary_options or []:
                 cmd += ["--canary-option", opt]
