@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 
+import numpy as np
 import torch
 
 from kvcanary import ops
@@ -60,15 +61,16 @@ class BatchBuilder:
         n = len(small)
         if self.want_history:
             small += self._token_cells(reqs, rows, prefix, extend)
-        packed = self.stage.send(small)
+        # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
+        packed = self.stage.send(small, np.repeat(np.arange(bs, dtype=np.int64), extend))
         rows_t, prefix_t, extend_t, rids_t = (packed[i * bs:(i + 1) * bs] for i in range(4))
+        self.token_req = packed[len(small):]
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
         rtt = self._read_table(io, rows_t, prefix_t, extend_t, max(p + q for p, q in zip(prefix, extend)),
                                sum(prefix) + T)
         if io.use_block_table:
             # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
-            per_token = rows_t.repeat_interleave(extend_t, output_size=T)  # host-known size: no sync
-            out_cache_loc = rtt[per_token, positions.to(torch.int64)]
+            out_cache_loc = rtt[rows_t[self.token_req], positions.to(torch.int64)]
         else:
             out_cache_loc = io.write_index_storage[lay.full_group, :T]
         batch = ForwardBatch(req_pool_indices=rows_t, prefix_lens=prefix_t, extend_lens=extend_t,
@@ -83,7 +85,7 @@ class BatchBuilder:
         if self.oracle:
             self._oracle(batch, reqs, prefix, extend, rids)
         if lay.swa_group is not None:
-            self._fill_swa_table(io, prefix_t, extend_t, sum(min(p, lay.window) for p in prefix), T, out_cache_loc)
+            self._fill_swa_table(io, prefix_t, extend_t, max(min(p, lay.window) for p in prefix), T, out_cache_loc)
         return batch
 
     def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int) -> torch.Tensor:
@@ -101,21 +103,25 @@ class BatchBuilder:
             rtt = torch.empty(self.num_rows, nb * B, dtype=torch.int64, device=self.device)
             rtt.view(self.num_rows, nb, B)[rows_t] = torch.add(self.in_block[:B], blocks.unsqueeze(2), alpha=B)
             return rtt
-        # Cells the read index does not provide stay out of range: an out-of-range slot verifies as a
-        # never-written record, so a short read index is reported against the request that misses slots.
-        rtt = torch.full((self.num_rows, max(1, width)), self.s.layout.num_slots, dtype=torch.int64,
-                         device=self.device)
+        rtt = torch.empty(self.num_rows, max(1, width), dtype=torch.int64, device=self.device)
         if io.max_kv_read == 0:
             return rtt  # nothing is read from the cache (fresh prefills only): no prefix to verify
+        seen = prefix_t + extend_t
+        # [bs, width] positions into the flat read index; cells past a request's length are never read.
+        idx = (torch.cumsum(seen, 0) - seen).unsqueeze(1) + self._arange(width)
         have = min(total, io.true_read_sizes[g])
-        if have != total and not self.warned_read_size:
+        read = io.read_index_storage[g]
+        if have == total:
+            rtt[rows_t] = read.index_select(0, idx.view(-1).clamp_(max=read.shape[0] - 1)).view(idx.shape)
+            return rtt
+        if not self.warned_read_size:
             self.warned_read_size = True
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
-        seen = prefix_t + extend_t
-        per = rows_t.repeat_interleave(seen, output_size=total)[:have]
-        col = (self._arange(total) - (torch.cumsum(seen, 0) - seen).repeat_interleave(seen, output_size=total))[:have]
-        rtt[per, col] = io.read_index_storage[g, :have]
+        # Cells the read index lacks get an out-of-range slot, which verifies as a never-written record:
+        # a short read index is reported against the request that misses slots.
+        got = read.index_select(0, idx.view(-1).clamp(max=max(0, have - 1))).view(idx.shape)
+        rtt[rows_t] = torch.where(idx < have, got, self.s.layout.num_slots)
         return rtt
 
     def verify_new_reads(self, batch: ForwardBatch) -> None:
@@ -131,11 +137,16 @@ class BatchBuilder:
             return  # the fast path reads through the table the writes used; no read of the cache at all
         c = self.s.canary
         g = c.groups[0]
-        per = batch.req_pool_indices.repeat_interleave(batch.extend_lens, output_size=T)
+        per = batch.req_pool_indices[self.token_req]
         pos = batch.positions.to(torch.int64)
         rtt = batch.req_to_token
+        slots = rtt[per, pos]
+        # Where every read cell is the write cell the check holds by construction (the HEAD write just
+        # stored those records); on the CPU that comparison costs no sync and saves the verify.
+        if self.device.type == "cpu" and torch.equal(slots, batch.out_cache_loc):
+            return
         prev = torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1)
-        ops.fill_entries(self.new_reads, rtt[per, pos], pos, prev, batch.input_ids)
+        ops.fill_entries(self.new_reads, slots, pos, prev, batch.input_ids)
         for kv in g.kvs:
             ops.verify(buf=g.bufs["head", kv], entries=self.new_reads, ring=c.ring, counters=c.counters,
                        launch_tag=g.tag("head", kv), backend=c.config.backend)
@@ -205,7 +216,7 @@ class BatchBuilder:
         batch.expected_input_ids, batch.expected_positions = packed[:len(exp_ids)], packed[len(exp_ids):]
         self.next_tokens = torch.tensor(forced, dtype=torch.int64)
 
-    def _fill_swa_table(self, io, prefix_t, extend_t, n_win: int, T: int, out_cache_loc) -> None:
+    def _fill_swa_table(self, io, prefix_t, extend_t, width: int, T: int, out_cache_loc) -> None:
         """Synthetic full->SWA table of this step, from the read and write indices of both groups.
 
         The sliding group's read index lists, per request, the rolling-buffer slots of its last
@@ -218,17 +229,21 @@ class BatchBuilder:
         lay = self.s.layout
         W, table = lay.window + 1, self.s.swa_table
         table.zero_()
-        if n_win:
+        if width:
             g, sg = lay.full_group, lay.swa_group
             c = prefix_t.clamp(max=lay.window)
+            k = self._arange(width)  # [bs, width] grid of window cells; k >= c are not read
             full_start = torch.cumsum(prefix_t + extend_t, 0) - extend_t - c  # first window position, full read
             swa_start = torch.cumsum(c + extend_t, 0) - extend_t - c
-            req = self._arange(c.shape[0]).repeat_interleave(c, output_size=n_win)
-            k = self._arange(n_win) - (torch.cumsum(c, 0) - c)[req]
-            full = io.read_index_storage[g].index_select(0, full_start[req] + k)
-            swa = io.read_index_storage[sg].index_select(0, swa_start[req] + k)
-            keep = prefix_t[req] - c[req] + k >= (prefix_t + extend_t)[req] - W
-            table[full] = torch.where(keep, swa, torch.zeros_like(swa))
+            fr, sr = io.read_index_storage[g], io.read_index_storage[sg]
+            full = fr.index_select(0, (full_start.unsqueeze(1) + k).view(-1).clamp_(max=fr.shape[0] - 1))
+            swa = sr.index_select(0, (swa_start.unsqueeze(1) + k).view(-1).clamp_(max=sr.shape[0] - 1))
+            p = (prefix_t - c).unsqueeze(1) + k
+            keep = (p >= (prefix_t + extend_t - W).unsqueeze(1)).view(-1)
+            inside = (k < c.unsqueeze(1)).view(-1)
+            # Cells outside the window go to slot 0 (padding, never a real slot), cleared again below.
+            table[torch.where(inside, full, 0)] = torch.where(keep, swa, 0)
+            table[0] = 0
         if T:
             swa_w = io.write_index_storage[lay.swa_group, :T]
             table[out_cache_loc] = torch.where(swa_w == lay.write_trash, torch.zeros_like(swa_w), swa_w)
@@ -263,8 +278,10 @@ class Staging:
         self.turn = 0
         self.event = torch.cuda.Event() if self.cuda else None
 
-    def send(self, small: list[int]) -> torch.Tensor:
-        n = len(small)
+    def send(self, small: list[int], tail: np.ndarray | None = None) -> torch.Tensor:
+        """``small`` then ``tail`` (if any) in one device buffer."""
+        m = len(small)
+        n = m + (0 if tail is None else len(tail))
         if self.event is not None:
             self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
         if self.host is None or self.host.shape[0] < n:
@@ -273,7 +290,9 @@ class Staging:
             self.host_np = self.host.numpy()
             # (remembered batches keep their old buffers alive)
             self.ring = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
-        self.host_np[:n] = small  # numpy converts a list of ints several times faster than torch
+        self.host_np[:m] = small  # numpy converts a list of ints several times faster than torch
+        if tail is not None:
+            self.host_np[m:n] = tail
         out = self.ring[self.turn][:n]
         self.turn = (self.turn + 1) % self.depth
         out.copy_(self.host[:n], non_blocking=self.cuda)
