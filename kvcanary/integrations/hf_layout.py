@@ -140,21 +140,21 @@ class EngineLayout:
                    values=tuple(cache.value_cache))
 
     def real_kv_sources(self, check_v: bool) -> tuple[tuple[RealKvSource, ...], tuple[RealKvSource, ...]]:
-        """(K buffer sources, V buffer sources) of the real-KV hash: several layers, K and V.
+        """(K buffer sources, V buffer sources) of the real-KV hash: more than one layer, K and V.
 
         A slot's bytes live in ``keys[j]`` / ``values[j]`` for every layer j of its group (the same
-        tensors serve every group). Without V buffers the K record hashes K and V of the first and
-        the last layer (4 sources, the most one launch takes), so a copy that skips V, or that copies
-        only the first layers, changes the hash. With V buffers, K records hash the K of up to 4
-        layers (first, last and evenly spaced between) and V records the V of the same layers.
+        tensors serve every group). Without V buffers the K record hashes the first layer's K and
+        the last layer's V (2 sources: each source is a few more tensor ops per launch on the CPU),
+        so a copy that skips V, skips K, or moves only the first or only the last layer changes the
+        hash. With V buffers, K records hash the K of up to 4 layers (first, last and evenly spaced
+        between) and V records the V of the same layers.
         """
         n = len(self.keys)
         if check_v:
             layers = sorted({round(i * (n - 1) / 3) for i in range(4)}) if n > 1 else [0]
             return (tuple(s for j in layers for s in kv_sources(self.keys[j])),
                     tuple(s for j in layers for s in kv_sources(self.values[j])))
-        layers = [0, n - 1] if n > 1 else [0]
-        return tuple(s for j in layers for t in (self.keys[j], self.values[j]) for s in kv_sources(t)), ()
+        return kv_sources(self.keys[0]) + kv_sources(self.values[n - 1]), ()
 
     def blocks_to_slots(self, blocks: list[int], device) -> torch.Tensor:
         """int64 slots of whole blocks, block-major."""
