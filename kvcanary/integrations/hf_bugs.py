@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 BUGS: dict[str, tuple[str, str]] = {
     "double-free": ("A", "a finished request's last block is pushed onto the free list twice, so two later "
                          "allocations get the same block"),
@@ -135,6 +133,8 @@ def skip_fork_copy(bp, state) -> None:
 
 
 def _flip(cache, slot: int) -> None:
+    import torch  # not at import time: the CLI reads BUGS for its --help without torch
+
     _, j = cache.layer_index_to_group_indices[0]
     cache.key_cache[j][slot].view(torch.uint8).view(-1)[1] ^= 0x10
 
@@ -216,6 +216,8 @@ def contiguous_read_index(bp, state) -> None:
 
 
 def _partial_fork_copy(bp, state, copy_k: bool, copy_v: bool, layers: int | None) -> None:
+    import torch
+
     orig, cache = bp.cache.copy_cache, bp.cache
     for t in (*cache.key_cache, *cache.value_cache):  # finite wrong KV, as in skip_fork_copy
         t.zero_()
