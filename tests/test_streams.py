@@ -157,3 +157,30 @@ def test_cuda_side_stream_matches_inline_bit_for_bit(backend, bug):
     assert r0 == r1 and torch.equal(c0, c1)
     assert all(torch.equal(b0[k], b1[k]) for k in b0)
     assert bool(r0) == bug
+
+
+@pytest.mark.parametrize("head_overlap, ready, race", [(False, False, False), (True, True, False),
+                                                        (True, False, True)],
+                         ids=["default-joins-after-head", "overlap-with-records-ready", "overlap-without"])
+def test_engine_reading_records_after_before_forward(head_overlap, ready, race):
+    """An adapter that verifies what HEAD wrote on its own stream (right after before_forward) is
+    ordered after the HEAD write: by default, or through records_ready() when HEAD overlaps."""
+    engine = ToyEngine(real_kv="all")
+    c = engine.canary
+    c.head_overlap = head_overlap
+    rec = RecordingStreams()
+    instrument(engine, rec)
+    inner = c.before_forward
+
+    def before(batch):
+        inner(batch)
+        if ready:
+            c.records_ready()
+        rec.note("engine_reads_records", reads=("head_bufs",), atomic=("ring", "counters"))
+
+    c.before_forward = before
+    run_workload(engine)
+    hits = [(a.op, b.op) for a, b, res in rec.races() if res == "head_bufs"]
+    assert bool(hits) == race
+    if race:
+        assert ("head", "engine_reads_records") in hits

@@ -114,6 +114,9 @@ class Canary:
         self.monitor.observer.graphs = self.launcher.graphs
         # Fault injection (a self-test, docs/fault_injection.md): None unless an inject_*_prob is above 0.
         self.injector = Injector(self) if cfg.injecting else None
+        # True when the engine calls records_ready() before reading canary records after before_forward:
+        # HEAD then runs beside the forward; False: the forward waits for HEAD (TAIL still overlaps).
+        self.head_overlap = False
         # Benchmarks set a dict: host seconds of the runtime part (checks, drain, snapshot) and of the launches.
         self.host_times: dict[str, float] | None = None
 
@@ -180,6 +183,15 @@ class Canary:
             self.injector.before_forward(batch)
         self.monitor.poll()
         self._open = batch
+
+    def records_ready(self) -> None:
+        """Order the current stream after the canary's launches so far (the HEAD write included).
+
+        Call it before reading canary records on the engine's stream between ``before_forward`` and
+        ``after_forward``; an engine that does may set ``head_overlap = True`` so HEAD runs beside
+        its forward. A no-op on CPU and when nothing is pending.
+        """
+        self.launcher.join()
 
     def device_before(self, batch: ForwardBatch) -> None:
         """Plan, HEAD verify, HEAD write: static buffers only, no sync (CUDA-graph capturable)."""

@@ -148,6 +148,10 @@ class ForwardLauncher:
                       token_offset=batch.token_offset)
         with self.side():
             self._phase("head")
+        if not c.head_overlap:
+            # the engine may read canary records on its stream right after before_forward (an adapter's own
+            # verify of what HEAD wrote): unless it says it calls Canary.records_ready() first, wait here
+            self.join()
 
     def after(self, batch) -> None:
         """TAIL verify with real-KV hash, TAIL write, device step + 1 (on the side stream, after the forward)."""
