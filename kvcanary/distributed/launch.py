@@ -24,6 +24,8 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 BACKENDS = ("gloo", "nccl")
+# The collectives' own timeout sits past the run's deadline, so a hang ends as one TimeoutError.
+PG_TIMEOUT_MARGIN_S = 30
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def _entry(rank: int, fn: Callable, world_size: int, backend: str, port: int, ti
         device = torch.device("cuda", rank)
     torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=datetime.timedelta(seconds=timeout_s + PG_TIMEOUT_MARGIN_S))
     try:
         result = fn(RankContext(rank, world_size, backend, device), *args)
         if rank == 0:
@@ -99,7 +101,7 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout_s
         fn: a module-level function (spawned processes import it by name) taking a ``RankContext`` first.
         world_size: processes (>= 2); with NCCL one GPU each.
         backend: "gloo" (CPU) or "nccl".
-        timeout_s: deadline for the whole run; also the process group's collective timeout.
+        timeout_s: deadline for the whole run (collectives time out a little later).
 
     Raises:
         TimeoutError: the run did not finish in time (every process is killed).
