@@ -84,7 +84,8 @@ def test_arrival_check_names_the_broken_transfer(prefilled, case, kwargs, slots,
     assert sorted({f.violation.slot for f in found}) == slots
     assert all(reason in f.violation.reasons for f in found)
     lines = sorted(f.log_line() for f in found)
-    assert all(x.startswith("kv_canary transfer violation: instance=decode rank=1 src_rank=0 request=7 ") for x in lines)
+    head = "kv_canary transfer violation: instance=decode rank=1 src_rank=0 request=7 "
+    assert all(x.startswith(head) for x in lines)
     assert f"slot_idx={slots[0]} " in "".join(lines)
     assert found[0].to_dict()["rank"] == 1 and check.cost()["checks"] == 1
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kvcanary.format import MASK64, LaunchTag, RecordField as R, mix3, to_signed
-from kvcanary.ops.torch_hash import mix3 as t_mix3, splitmix64 as t_splitmix64
+from kvcanary.ops.torch_hash import splitmix64 as t_splitmix64
 
 log = logging.getLogger("kvcanary")
 
@@ -30,6 +30,9 @@ log = logging.getLogger("kvcanary")
 SETTLE_STEPS = 4
 # Default steps between exchanges: one small all_gather and a pass over the TAIL K buffers every 16 forwards.
 DEFAULT_INTERVAL = 16
+# Odd 64-bit multipliers (as int64) of the record digest: token, position, prev_hash; and the slot's.
+_FIELD_MULTS = (to_signed(0x9E3779B97F4A7C15), to_signed(0xC2B2AE3D27D4EB4F), to_signed(0x165667B19E3779F9))
+_SLOT_MULT = to_signed(0xD6E8FEB86659FD93)
 
 
 class KvCanaryDivergenceError(RuntimeError):
@@ -67,8 +70,11 @@ def record_digest(buf: torch.Tensor) -> torch.Tensor:
     """
     w = buf.view(torch.int64)
     slot = torch.arange(w.shape[0], dtype=torch.int64, device=w.device)
-    h = t_splitmix64(t_mix3(slot, w[:, R.TOKEN], w[:, R.POSITION]) ^ w[:, R.PREV_HASH])
-    return h.sum(dtype=torch.int64).reshape(1)
+    # One odd multiplier per field, then one splitmix64 per slot: about a dozen passes over [num_slots] (a full
+    # mix3 per field costs three times that); a moved or changed record changes its slot's term.
+    mult = torch.tensor(_FIELD_MULTS, dtype=torch.int64, device=w.device)
+    lin = (w[:, R.TOKEN:R.PREV_HASH + 1] * mult).sum(dim=1) + slot * _SLOT_MULT
+    return t_splitmix64(lin).sum(dtype=torch.int64).reshape(1)
 
 
 def violation_digest(violations) -> int:
@@ -142,6 +148,7 @@ class ConsistencyCheck:
         self.local_seconds: list[float] = []  # its local part: the vector and its digests, before the all_gather
         self.divergences: list[Divergence] = []
         self._seen: set[tuple[int, str]] = set()
+        self._folded = (0, 0)  # (violations folded into the digest so far, their digest): each is hashed once
 
     def field_names(self) -> list[str]:
         names = ["step", "forwards", "tokens", "violations", "violation_digest"]
@@ -151,8 +158,14 @@ class ConsistencyCheck:
     def local_vector(self, settled: int | None) -> torch.Tensor:
         """This rank's int64 vector (violations counted up to step ``settled``; None = all drained)."""
         c, m = self.canary, self.canary.monitor
-        vs = [v for v in m.violations if settled is None or v.step <= settled]
-        host = torch.tensor([c.step, m.forwards, m.tokens, len(vs), violation_digest(vs)], dtype=torch.int64)
+        n, acc = self._folded
+        # Drains append violations in step order, so the settled ones are a growing prefix of the list.
+        end = n
+        while end < len(m.violations) and (settled is None or m.violations[end].step <= settled):
+            end += 1
+        acc = to_signed((acc + violation_digest(m.violations[n:end])) & MASK64)
+        self._folded = (end, acc)
+        host = torch.tensor([c.step, m.forwards, m.tokens, end, acc], dtype=torch.int64)
         parts = [host.to(self.device), c.counters.reshape(-1).to(self.device)]
         parts += [record_digest(g.bufs["tail", "k"]).to(self.device) for g in c.groups]
         return torch.cat(parts)

@@ -80,7 +80,7 @@ def rank_main(ctx, scenarios, interval: int, bench_slots: int, bench_tokens: int
             t0 = time.perf_counter()
             cfg = CONFIGS[name].replace(**overrides)
             if kind == "tp":
-                r = run_tp(ctx.rank, ctx.world_size, cfg, bug, interval)
+                r = run_tp(ctx.rank, ctx.world_size, cfg, bug, interval, ctx.device)
             else:
                 r = run_pd(ctx.rank, ctx.world_size, cfg, bug, ctx.device)
             if r is not None:
@@ -184,7 +184,8 @@ def format_report(report: DistReport) -> str:
     out = [line(head), line(["-" * w for w in widths])] + [line(x) for x in rows] + [""]
     c = report.costs()
     out.append(f"consistency step ({report.backend}, {report.world_size} ranks, {report.device}): "
-               f"{c['consistency_exchange_s'] * 1e6:.0f} us per exchange ({c['consistency_local_s'] * 1e6:.0f} us of it "
+               f"{c['consistency_exchange_s'] * 1e6:.0f} us per exchange "
+               f"({c['consistency_local_s'] * 1e6:.0f} us of it "
                f"local, the rest all_gather and waiting for the slowest rank), every {report.interval} forwards = "
                f"{c['consistency_per_step_s'] * 1e6:.1f} us per step (sim canary, 1024 slots)")
     out.append(f"transfer per request (sim, ~40 tokens): land {c['transfer_land_s'] * 1e6:.0f} us, arrival check "

@@ -45,7 +45,8 @@ def prefill_side(engine: SimEngine, dst: int, device, timing: dict, group=None) 
     """Run the workload, handing each request to rank ``dst`` as soon as its prefill completed."""
     cfg = engine.cfg
     while True:
-        done = engine.step_no >= cfg.max_steps or (not engine.sched.busy and engine.step_no > engine.workload.last_arrival)
+        idle = not engine.sched.busy and engine.step_no > engine.workload.last_arrival
+        done = engine.step_no >= cfg.max_steps or idle
         if not done:
             engine.step()
         ready = list(engine.sched.running)

@@ -48,8 +48,12 @@ def _plant_divergent_allocator(engine: SimEngine, planted: dict) -> None:
     pages.alloc = divergent_alloc
 
 
-def run_tp(rank: int, world: int, cfg: SimConfig, bug: str | None, interval: int, group=None) -> dict | None:
-    """One TP scenario on this rank (collective over ``group``); rank 0 returns the scenario's result."""
+def run_tp(rank: int, world: int, cfg: SimConfig, bug: str | None, interval: int, device=None,
+           group=None) -> dict | None:
+    """One TP scenario on this rank (collective over ``group``); rank 0 returns the scenario's result.
+
+    ``device``: where the exchanged vectors travel (the rank's GPU with NCCL; the sim's canary stays on CPU).
+    """
     victim = victim_rank(world)
     here = bug if rank == victim else None
     engine = SimEngine(cfg.replace(bug="spec_not_moved") if here == "tp_skipped_copy" else cfg)
@@ -57,7 +61,7 @@ def run_tp(rank: int, world: int, cfg: SimConfig, bug: str | None, interval: int
     planted = {"step": None}
     if here == "tp_divergent_allocator":
         _plant_divergent_allocator(engine, planted)
-    check = ConsistencyCheck(engine.canary, interval=interval, group=group)
+    check = ConsistencyCheck(engine.canary, interval=interval, group=group, device=device)
     while engine.step_no < cfg.max_steps:
         before = engine.canary.step
         engine.step()
