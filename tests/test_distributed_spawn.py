@@ -79,6 +79,16 @@ def test_cli_distributed_zoo_json(capsys):
     assert code == 0 and out["ok"] and out["backend"] == "gloo" and out["world_size"] == 2
     assert [r["verdict"] for r in out["results"]] == ["clean", "clean", "clean", "detected"]
     assert out["costs"]["transfer_check_s"] > 0
+    bug_run = out["results"][-1]
+    assert bug_run["arrival_violation_rows"][0]["rank"] == 1 and bug_run["arrival_violation_rows"][0]["src_rank"] == 0
+    assert {row["rank"] for row in bug_run["violation_rows"]} == {1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_the_distributed_zoo_on_nccl():
+    report = run_distributed(2, backend="nccl", interval=8, timeout_s=300, bench_slots=1 << 16, **SMALL)
+    assert report.ok and report.bench["check_s"] > 0 and report.device != "cpu"
 
 
 def _roundtrip(ctx):

@@ -181,7 +181,8 @@ def run_pd(rank: int, world: int, cfg: SimConfig, bug: str | None, device, group
                     count, done = head.tolist()
                     arrivals = [recv_transfer(pair, device, group) for _ in range(count)]
                 side.step(arrivals)
-            info.update(role="decode", arrival=[v.log_line() for v in side.check.violations], landed=side.landed,
+            info.update(role="decode", arrival=[v.log_line() for v in side.check.violations],
+                        arrival_dicts=[v.to_dict() for v in side.check.violations[:10]], landed=side.landed,
                         arrival_total=side.check.total, planted_step=side.planted_step, check=side.check.cost(),
                         arrival_first=min((v.violation.step for v in side.check.violations), default=None))
         engine.canary.flush()
@@ -212,9 +213,11 @@ def pd_result(cfg: SimConfig, bug: str | None, world: int, infos: list[dict], ro
         "named": sorted({i["rank"] for i in decode if i.get("arrival_total")}),
         "arrival_violations": sum(i.get("arrival_total", 0) for i in decode),
         "arrival_rows": [x for i in decode for x in i["arrival"][:10]],
+        "arrival_violation_rows": [x for i in decode for x in i["arrival_dicts"]],
         "violations": sum(i["violations"] for i in infos),
         "violations_by_rank": {i["rank"]: i["violations"] for i in infos},
         "rows": [r.log_line() for r in rows[:20]],
+        "violation_rows": [r.to_dict() for r in rows[:20]],
         "transfers": sum(i["landed"] for i in decode),
         "cost": {"send_s_per_request": sum(send) / len(send) if send else 0.0,
                  "land_s_per_request": sum(land) / len(land) if land else 0.0,

@@ -89,6 +89,7 @@ def run_tp(rank: int, world: int, cfg: SimConfig, bug: str | None, interval: int
         "divergences": [d.to_dict() for d in divs],
         "violations": sum(i["violations"] for i in infos),
         "rows": [r.log_line() for r in rows[:20]],
+        "violation_rows": [r.to_dict() for r in rows[:20]],
         "violations_by_rank": {i["rank"]: i["violations"] for i in infos},
         "steps": infos[0]["steps"], "tokens": infos[0]["tokens"],
         "consistency": [i["cost"] for i in infos],
