@@ -141,8 +141,9 @@ def test_violation_digest_ignores_order_and_sees_every_field():
     ([[1, 2], [1, 2], [1, 2]], [], "majority of 3"),
     ([[1, 2], [1, 9], [1, 2]], [(1, ("b",))], "majority of 3"),
     ([[7, 2], [1, 2], [1, 2], [1, 2]], [(0, ("a",))], "majority of 4"),
-    ([[1, 2], [5, 3]], [(1, ("a", "b"))], "rank 0"),
-    ([[1, 2], [1, 2], [5, 2], [5, 2]], [(2, ("a",)), (3, ("a",))], "majority of 4"),
+    ([[1, 2], [5, 3]], [(1, ("a", "b"))], "rank 0 (no majority of 2)"),
+    ([[1, 2], [1, 2], [5, 2], [5, 2]], [(2, ("a",)), (3, ("a",))], "rank 0 (no majority of 4)"),
+    ([[1, 2], [5, 2], [5, 2], [1, 2]], [(1, ("a",)), (2, ("a",))], "rank 0 (no majority of 4)"),
 ])
 def test_compare_names_the_ranks_off_the_majority(rows, named, reference):
     got = compare(rows, ["a", "b"], step=8)

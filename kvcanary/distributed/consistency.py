@@ -103,15 +103,18 @@ def compare(rows: list[list[int]], names: list[str], step: int) -> list[Divergen
     """
     world = len(rows)
     diff: dict[int, list[str]] = {}
+    tie_rank = None
     for j, name in enumerate(names):
         values = [row[j] for row in rows]
         counts = Counter(values)
         top = max(counts.values())
         ref = next(x for x in values if counts[x] == top)
+        if list(counts.values()).count(top) > 1:
+            tie_rank = values.index(ref) if tie_rank is None else min(tie_rank, values.index(ref))
         for r, x in enumerate(values):
             if x != ref:
                 diff.setdefault(r, []).append(name)
-    reference = f"majority of {world}" if world > 2 else "rank 0"
+    reference = f"majority of {world}" if tie_rank is None else f"rank {tie_rank} (no majority of {world})"
     return [Divergence(step, r, tuple(f), reference) for r, f in sorted(diff.items())]
 
 
