@@ -110,6 +110,11 @@ def test_landing_refuses_a_mismatched_packet(prefilled):
     with pytest.raises(ValueError, match="pack_records slots and tokens"):
         pack_records(src, torch.tensor(SRC), torch.tensor(TOKENS[:2]), request_id=7)
     assert all(torch.equal(a, b) for a, b in zip(before, dec._group("full").bufs.values()))
+    check = ArrivalCheck(dec, rank=1, capacity=3)
+    with pytest.raises(ValueError, match=r"packet must hold <= capacity \(3\) positions, got 5"):
+        check.check(packet, torch.tensor(DST))
+    with pytest.raises(ValueError, match="table_slots must be 1-D with >= 5 entries"):
+        ArrivalCheck(dec, rank=1).check(packet, torch.tensor(DST[:4]))
 
 
 def test_record_digest_sees_records_and_slots_but_not_the_real_kv_hash(prefilled):

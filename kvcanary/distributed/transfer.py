@@ -213,6 +213,9 @@ class ArrivalCheck:
         if table_slots.dim() != 1 or table_slots.shape[0] < start + n:
             raise ValueError(f"kv-canary: ArrivalCheck table_slots must be 1-D with >= {start + n} entries, got "
                              f"shape {tuple(table_slots.shape)}")
+        if n > self.entries.capacity:
+            raise ValueError(f"kv-canary: ArrivalCheck packet must hold <= capacity ({self.entries.capacity}) "
+                             f"positions, got {n}; raise ArrivalCheck(capacity=...)")
         dev = self.canary.device
         row = table_slots[:start + n].to(dev, torch.int64)
         slots = row[start:]
