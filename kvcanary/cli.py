@@ -99,7 +99,7 @@ def _zoo_args(p: argparse.ArgumentParser) -> None:
                    help="run only this matrix configuration (repeatable; default: the whole matrix)")
     p.add_argument("--distributed", action="store_true",
                    help="the distributed zoo instead: tensor-parallel and prefill/decode runs in N processes "
-                        "(docs/distributed.md); --bug then names distributed bugs")
+                        "(docs/distributed.md); --bug then names distributed bugs (--seeds, --config unused)")
     p.add_argument("--world-size", type=int, default=2, help="with --distributed: processes (default 2)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="with --distributed: gloo on CPU (default) or nccl, one GPU per rank")
