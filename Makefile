@@ -9,8 +9,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU torch build (a CUDA build would be several GB); triton for its CPU interpreter.
-	$(BIN)/pip install -q torch==2.13.0 triton==3.6.0
+	# The CPU torch build (a CUDA build would be several GB); the newest tested triton for its CPU
+	# interpreter (the GPU image runs the oldest tested one, 3.6, natively).
+	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0
 	$(BIN)/pip install -q -e '.[triton,transformers,test]'
 	touch $(STAMP)
 

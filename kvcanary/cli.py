@@ -9,8 +9,11 @@ Library functions raise; only ``main`` turns errors into exit codes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
+import time
 from collections.abc import Callable
 
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
@@ -31,6 +34,45 @@ def emit(args: argparse.Namespace, payload: dict, text: str) -> None:
     print(json.dumps(payload, indent=2, default=str) if getattr(args, "json", False) else text)
 
 
+def check_device(option: str, device: str | None) -> str | None:
+    """``device`` if it names the CPU or an available CUDA device, else ValueError naming the option."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"kv-canary: {option} must be cpu or cuda[:N], got {device!r}") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(f"kv-canary: {option} must be an available device, got {device!r} with {count} CUDA "
+                             "device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"kv-canary: {option} must be cpu or cuda[:N], got {device!r}")
+    return device
+
+
+def check_output(option: str, path: str | None) -> None:
+    """A file can be written at ``path`` (its folder exists), checked before the work that fills it."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"kv-canary: {option} must be a path in an existing folder, got {path!r} ({folder} does "
+                         "not exist)")
+    if os.path.isdir(path):
+        raise ValueError(f"kv-canary: {option} must be a file path, got the folder {path!r}")
+
+
+def need_extra(command: str, module: str, extra: str) -> None:
+    """ValueError naming the extra to install when ``module`` is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"kv-canary: {command} needs {module}, which is not installed; install the extra: "
+                         f"pip install 'kv-canary[{extra}]'")
+
+
 def _selfcheck_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 
@@ -39,6 +81,7 @@ def _selfcheck_args(p: argparse.ArgumentParser) -> None:
 def _selfcheck(args: argparse.Namespace) -> int:
     from kvcanary.selfcheck import format_selfcheck, run_selfcheck
 
+    check_device("--device", args.device)
     result = run_selfcheck(args.device)
     emit(args, result, format_selfcheck(result))
     return 0 if result["ok"] else 1
@@ -56,16 +99,27 @@ def _recall_args(p: argparse.ArgumentParser) -> None:
 def _recall(args: argparse.Namespace) -> int:
     import logging
 
-    from kvcanary.sim.recall import measure_sim, recall_table
+    from kvcanary.sim.recall import KINDS, RecallReport, measure, recall_table, sim_runner
     from kvcanary.sim import MATRIX
 
     names = [n for n in args.configs.split(",") if n] or list(MATRIX)
     unknown = sorted(set(names) - set(MATRIX))
     if unknown:
         raise ValueError(f"kv-canary: --configs must name sim configurations {sorted(MATRIX)}, got {unknown}")
+    if not 0.0 < args.prob <= 1.0:
+        raise ValueError(f"kv-canary: --prob must be in (0, 1], got {args.prob}")
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or set(kinds) - set(KINDS):
+        raise ValueError(f"kv-canary: --kinds must be comma-separated kinds among {KINDS}, got {args.kinds!r}")
     logging.getLogger("kvcanary").setLevel(logging.ERROR)  # one line per injection and violation otherwise
-    reports = measure_sim([MATRIX[n].replace(seed=args.sim_seed) for n in names], args.prob,
-                          [k for k in args.kinds.split(",") if k], args.seed)
+    per_config = []
+    for i, name in enumerate(names):
+        t0 = time.perf_counter()
+        per_config.append(measure(sim_runner(MATRIX[name].replace(seed=args.sim_seed)), args.prob, kinds,
+                                  args.seed + i))
+        print(f"[{i + 1}/{len(names)}] {name}: {len(kinds) + (len(kinds) > 1)} runs, "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    reports = {run: RecallReport.merge(r[run] for r in per_config) for run in per_config[0]}
     emit(args, {name: rep.to_dict() for name, rep in reports.items()}, recall_table(reports, markdown=False))
     return 0 if all(not r.false_positives and r.recall in (None, 1.0) for r in reports.values()) else 1
 
@@ -84,6 +138,10 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 @command("demo", "a tiny model on transformers continuous batching with the canary: clean, then a planted bug",
          _demo_args)
 def _demo(args: argparse.Namespace) -> int:
+    need_extra("demo", "transformers", "transformers")
+    check_device("--device", args.device)
+    if args.model is not None and not os.path.isdir(args.model):
+        raise ValueError(f"kv-canary: --model must be a local model directory, got {args.model!r}")
     from kvcanary.demo import format_demo, run_demo
 
     result = run_demo(device=args.device, bug=args.bug, model_path=args.model)
@@ -121,7 +179,11 @@ def _zoo(args: argparse.Namespace) -> int:
                                  args.bench_slots)
         emit(args, report.to_dict(), format_report(report))
         return 0 if report.ok else 1
-    from kvcanary.sim.zoo import format_table, run_verdict, run_zoo
+    from kvcanary.sim.zoo import format_table, plan_runs, run_verdict, run_zoo
+
+    if args.seeds < 1:
+        raise ValueError(f"kv-canary: --seeds must be >= 1, got {args.seeds}")
+    plan_runs(args.bug, args.seeds, args.config)  # unknown names fail here, before the first run
 
     def progress(i: int, total: int, r) -> None:
         where = f"{r.bug or 'clean'} @ {r.config} seed {r.seed}"
@@ -153,13 +215,33 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 @command("bench", "op throughput, or with --engine the canary's cost inside transformers CB; JSON and PNG",
          _bench_args)
 def _bench(args: argparse.Namespace) -> int:
+    check_device("--device", args.device)
+    check_output("--out", args.out)
+    check_output("--plot", args.plot)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("kv-canary: --plot needs matplotlib, which is not installed (pip install matplotlib)")
     if args.engine is not None:
         return _bench_engine(args)
-    from kvcanary.bench.ops import bench_main
+    if args.canary_option:
+        raise ValueError(f"kv-canary: --canary-option applies to --engine runs only, got {args.canary_option} "
+                         "without --engine")
+    import torch
 
+    from kvcanary.bench.ops import bench_main
+    from kvcanary.ops import api
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for p in args.providers or ():
+        if p not in api.BACKENDS or p == "auto":
+            raise ValueError(f"kv-canary: --providers must be among {[b for b in api.BACKENDS if b != 'auto']}, "
+                             f"got {p!r}")
+        api.impl_module(p, device.type)  # an unusable backend (triton without a GPU or interpreter) fails here
     out = bench_main(args)
     emit(args, out, json.dumps(out["meta"]))
-    return 0
+    failed = [r["workload"] for r in out["results"] if r.get("error")]
+    if failed:
+        print(f"kvcanary bench: {len(failed)} workload(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed or not out["results"] else 0
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -168,11 +250,22 @@ def _bench_engine(args: argparse.Namespace) -> int:
     from kvcanary.bench import suite as bench_suite
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"kv-canary: bench device must be available, got {device} without a CUDA GPU")
+    if args.timeout <= 0:
+        raise ValueError(f"kv-canary: --timeout must be > 0 seconds, got {args.timeout}")
+    if args.providers:
+        raise ValueError(f"kv-canary: --providers applies to op runs only, got {args.providers} with --engine")
+    need_extra("bench --engine", "transformers", "transformers")
     from kvcanary.bench.engine import canary_config
 
-    canary_config(args.canary_option)  # a bad option fails here, not once per workload process
+    try:
+        canary_config(args.canary_option)  # a bad option fails here, not once per workload process
+    except ValueError as e:
+        # The options travel as KV_CANARY_* variables: name the option the user wrote instead.
+        for key in (o.partition("=")[0] for o in args.canary_option):
+            var = "KV_CANARY_" + key.upper()
+            if f"kv-canary: {var} " in str(e):
+                raise ValueError(str(e).replace(var, f"--canary-option {key}", 1)) from None
+        raise
     out = bench_suite.run_engine(device, args.engine, args.timeout, canary_options=args.canary_option)
     if args.out:
         with open(args.out, "w") as f:
@@ -185,8 +278,40 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+@command("config", "the effective canary configuration (KV_CANARY_* variables) and where each value came from")
+def _config(args: argparse.Namespace) -> int:
+    import dataclasses
+    import warnings
+
+    from kvcanary.runtime.config import ENV_PREFIX, CanaryConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg, sources = CanaryConfig.from_env(), CanaryConfig.sources()
+    rows = [(ENV_PREFIX + f.name.upper(), getattr(cfg, f.name), sources[f.name]) for f in dataclasses.fields(cfg)]
+    notes = sorted({str(w.message) for w in caught})
+    width = max(len(r[0]) for r in rows)
+    text = "\n".join([f"{'variable':<{width}}  {'value':<10}  source"]
+                     + [f"{var:<{width}}  {value!r:<10}  {source}" for var, value, source in rows] + notes)
+    emit(args, {"config": {var: {"value": value, "source": source} for var, value, source in rows},
+                "warnings": notes}, text)
+    return 0
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kv-canary")
+    except Exception:  # running from a checkout that was never installed
+        import kvcanary
+
+        return kvcanary.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache integrity sanitizer for LLM engines")
+    parser.add_argument("--version", action="version", version=f"kvcanary {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in sorted(COMMANDS.items()):
         p = sub.add_parser(name, help=help_text, description=help_text)

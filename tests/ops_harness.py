@@ -53,7 +53,7 @@ def static_shapes(on: bool):
 def poisoned_plan(capacity: int, max_batch: int, device) -> Plan:
     p = Plan.allocate(capacity, max_batch, device)
     for t in (p.entries.slot, p.entries.position, p.entries.prev, p.entries.expected_token, p.entries.count,
-              p.write_offsets, p.seed_slot):
+              p.entries.requested, p.write_offsets, p.seed_slot):
         t.fill_(SENTINEL)
     p.entries.enable.fill_(SENTINEL32)
     return p

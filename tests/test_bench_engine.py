@@ -146,5 +146,5 @@ def test_bench_engine_passes_canary_options_to_every_workload(monkeypatch, capsy
     capsys.readouterr()
     spawned = len(commands)
     assert cli.main(["bench", "--engine", "--device", "cpu", "--canary-option", "real_kv=maybe"]) == 2
-    assert "config real_kv must be one of ('none', 'partial', 'all'), got 'maybe'" in capsys.readouterr().err
+    assert "--canary-option real_kv must be one of ('none', 'partial', 'all'), got 'maybe'" in capsys.readouterr().err
     assert len(commands) == spawned  # rejected before any workload process

@@ -1,6 +1,6 @@
 """The package's dependencies run one way (README, "Layout"):
 
-    format <- ops <- runtime <- (integrations, distributed) <- sim <- bench <- (demo, selfcheck) <- cli
+    format <- ops <- runtime <- (integrations, distributed) <- (sim, pytest_plugin) <- bench <- (demo, selfcheck) <- cli
 
 A module may import its own subpackage and anything on a lower level, never a higher level and never a
 sibling on its own level. Every import counts, including the ones inside functions: a lazy upward
@@ -22,6 +22,7 @@ LEVELS = {
     "kvcanary.integrations": 3,
     "kvcanary.distributed": 3,
     "kvcanary.sim": 4,
+    "kvcanary.pytest_plugin": 4,
     "kvcanary.bench": 5,
     "kvcanary.cli": 7,
     "kvcanary.demo": 6,

@@ -160,6 +160,9 @@ def test_write_fuzz(backend):
             free = [s for s in range(num_slots) if s not in seeds]
             locs = d(st.lists(st.sampled_from(free) if free else st.just(-1), min_size=n_tok, max_size=n_tok,
                               unique=True)) if len(free) >= n_tok else [-1] * n_tok
+        # Skipped entries (negative slots) anywhere in a request: no checks, no record, no chain step.
+        skips = d(st.lists(st.sampled_from([False, False, False, True]), min_size=n_tok, max_size=n_tok))
+        locs = [-1 if skip else loc for loc, skip in zip(locs, skips)]
         ids = d(st.lists(st.integers(-3, 60), min_size=n_tok, max_size=n_tok))
         pos_base = d(st.integers(-1, 8))
         pos = [pos_base + k + d(st.sampled_from([0, 0, 0, 1, -1])) for k in range(n_tok)]

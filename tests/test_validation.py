@@ -353,6 +353,7 @@ def test_rejected_write_leaves_ring_and_buffer_alone():
     """A call that fails its last check (the launch tag) after a clean call changed nothing more."""
     kw = good("write")
     kw["plan"].write_offsets[1] = 1
+    kw["plan"].seed_slot[0] = 5  # a seeded request: the chain-position assert checks it
     ops.write(**dict(kw, positions=t([7])), chain_check=t([1], I32), backend="torch")
     snapshot = [x.clone() for x in (kw["buf"], kw["ring"].rows, kw["ring"].write_index, kw["counters"])]
     with pytest.raises(ValueError):

@@ -146,7 +146,7 @@ def plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_le
         raise v.fail_type(op, "out", "a Plan", type(out).__name__)
     if bs > out.max_batch:
         raise v.fail_value(op, "req_pool_indices", f"at most the plan's max_batch ({out.max_batch}) long", bs)
-    if not isinstance(window, int) or window < 0:
+    if not v.is_int(window) or window < 0:
         raise v.fail_value(op, "window", "an int >= 0", repr(window))
     if full_to_swa is not None:
         v.check_vector(op, "full_to_swa", full_to_swa, v.INDEX_DTYPES)
@@ -157,7 +157,7 @@ def plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_le
         v.check_ndim(op, "token_table", token_table, 2)
         v.check_dtype(op, "token_table", token_table, (torch.int32,))
         v.check_vector(op, "token_valid_lens", token_valid_lens, v.INDEX_DTYPES, length=bs)
-    if token_offset not in (0, 1):
+    if not v.is_int(token_offset) or token_offset not in (0, 1):
         raise v.fail_value(op, "token_offset", "0 or 1", repr(token_offset))
     device = req_to_token.device
     v.check_device(op, device, req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
@@ -178,18 +178,22 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
     """Write the canary records of the tokens a forward writes (SPEC 4.3).
 
     Request r owns write entries ``[plan.write_offsets[r], plan.write_offsets[r+1])``; its
-    chain starts from ``link(buf[plan.seed_slot[r]])`` (or the chain head without a seed).
+    chain starts from ``link(buf[plan.seed_slot[r]])`` for a seed inside the buffer (slot 0
+    included), else from the chain head. Edge rules follow SGLang 0.5.23 (SPEC 4.3).
 
     Args:
         buf: uint8 [num_slots, stride] canary buffer of this group and K/V.
-        plan: the forward's ``Plan`` (write_offsets, seed_slot).
+        plan: the forward's ``Plan`` (write_offsets, seed_slot); offsets must be non-negative and
+            non-decreasing (checked when they are on the CPU).
         num_requests: bs of the forward (host int, <= plan.max_batch).
-        out_cache_loc: int32/int64 [num_tokens] slot each token's KV goes to (< 0 = skip).
+        out_cache_loc: int32/int64 [num_tokens] slot each token's KV goes to; < 0 skips the entry
+            (no checks, no record, no chain step, not counted).
         input_ids, positions: int32/int64 [num_tokens] actual token and position of each entry.
         ring, counters: violation ring and counter table; launch_tag: a ``LaunchTag``.
         sources, real_kv_mode: real-KV fingerprint stored with each record (NONE stores 0).
         expected_input_ids, expected_positions: optional [num_tokens] write-input assert.
-        chain_check: optional int32 [1] device flag arming the chain-position assert.
+        chain_check: optional int32 [1] device flag arming the chain-position assert (requests
+            with a seed only; a failing entry gets its own row after the write-input row).
         writer_ids: optional int64 [bs] request ids stored in WRITER_ID (stride >= 48).
         step: optional int64 [1] forward step stored in WRITER_STEP (stride >= 48).
     """
@@ -197,8 +201,10 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
     v.check_canary_buffer(op, buf)
     if not isinstance(plan, Plan):
         raise v.fail_type(op, "plan", "a Plan", type(plan).__name__)
-    if not isinstance(num_requests, int) or not 0 <= num_requests <= plan.max_batch:
+    if not v.is_int(num_requests) or not 0 <= num_requests <= plan.max_batch:
         raise v.fail_value(op, "num_requests", f"an int in [0, {plan.max_batch}]", repr(num_requests))
+    v.check_vector(op, "plan.write_offsets", plan.write_offsets, (torch.int64,), min_length=num_requests + 1)
+    v.check_vector(op, "plan.seed_slot", plan.seed_slot, (torch.int64,), min_length=num_requests)
     v.check_vector(op, "out_cache_loc", out_cache_loc, v.INDEX_DTYPES)
     n = out_cache_loc.shape[0]
     v.check_vector(op, "input_ids", input_ids, v.INDEX_DTYPES, length=n)
@@ -219,7 +225,8 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
     v.check_device(op, buf.device, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
                    expected_input_ids=expected_input_ids, expected_positions=expected_positions,
                    chain_check=chain_check, writer_ids=writer_ids, step=step,
-                   **{"plan.write_offsets": plan.write_offsets})
+                   **{"plan.write_offsets": plan.write_offsets, "plan.seed_slot": plan.seed_slot})
+    v.check_write_offsets(op, plan.write_offsets, num_requests)
     _impl(backend, buf.device).write(
         buf=buf, write_offsets=plan.write_offsets, seed_slot=plan.seed_slot, num_requests=num_requests,
         out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions, ring=ring, counters=counters,
@@ -229,13 +236,20 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
 
 
 def verify(*, buf: torch.Tensor, entries: Entries, ring: ViolationRing, counters: torch.Tensor, launch_tag: int,
-           sources=(), real_kv_mode: int = RealKvMode.NONE, backend: str = "auto") -> None:
+           sources=(), real_kv_mode: int = RealKvMode.NONE, check_token: bool = True,
+           backend: str = "auto") -> None:
     """Verify the records of every entry (SPEC 4.4); each failing entry adds one violation row.
 
     Checks per entry (slot 0 skipped but counted): chain (stored prev_hash == link(buf[prev]),
-    the chain head for prev == -1, skipped for prev == 0), position, token (unless expected
-    is -1) and real-KV hash (0 == 0 in mode NONE). An out-of-range slot reads as a zero record.
-    Nothing runs (and no counter moves) while ``entries.enable`` is 0.
+    the chain head for any negative prev, skipped for prev == 0), position, token (with
+    ``check_token``, unless expected is -1) and real-KV hash (0 == 0 in mode NONE). A slot past
+    the buffer reads as a zero record. While ``entries.enable`` is 0 nothing is checked; the
+    launch is still counted (LAUNCHES + 1, ENTRIES + 0).
+
+    Args:
+        check_token: SGLang's ``check_verify_expected_token``. False skips the token check and
+            reports EXPECTED_TOKEN as -1; True (the default) checks every entry whose expected
+            token is not -1.
     """
     op = "verify"
     v.check_canary_buffer(op, buf)
@@ -244,9 +258,12 @@ def verify(*, buf: torch.Tensor, entries: Entries, ring: ViolationRing, counters
     v.check_ring(op, ring, counters, buf.device)
     v.check_launch_tag(op, launch_tag, counters)
     sources = v.check_sources(op, sources, real_kv_mode, buf.device)
+    if not isinstance(check_token, bool):
+        raise v.fail_type(op, "check_token", "a bool", type(check_token).__name__)
     v.check_device(op, buf.device, **{"entries.slot": entries.slot})
     _impl(backend, buf.device).verify(buf=buf, entries=entries, ring=ring, counters=counters,
-                                      launch_tag=int(launch_tag), sources=sources, real_kv_mode=int(real_kv_mode))
+                                      launch_tag=int(launch_tag), sources=sources, real_kv_mode=int(real_kv_mode),
+                                      check_token=check_token)
 
 
 def fill_entries(entries: Entries, slots: torch.Tensor, positions: torch.Tensor, prevs: torch.Tensor,
@@ -254,7 +271,8 @@ def fill_entries(entries: Entries, slots: torch.Tensor, positions: torch.Tensor,
     """Load engine-supplied (slot, position, prev_slot) triples into ``entries`` (for sweeps).
 
     Args: slots, positions, prevs: int32/int64 [n]; expected_tokens optional [n] (default -1).
-    More than ``entries.capacity`` triples set ``enable`` to 0, like an overflowing plan.
+    More than ``entries.capacity`` triples set ``enable`` to 0 and ``count`` to the capacity, like an
+    overflowing plan (the first ``capacity`` triples are still loaded).
     """
     op = "fill_entries"
     v.check_vector(op, "slots", slots, v.INDEX_DTYPES)
@@ -271,5 +289,6 @@ def fill_entries(entries: Entries, slots: torch.Tensor, positions: torch.Tensor,
         entries.expected_token[:k].fill_(-1)
     else:
         entries.expected_token[:k].copy_(expected_tokens[:k])
-    entries.count.fill_(n)
+    entries.requested.fill_(n)
+    entries.count.fill_(k)
     entries.enable.fill_(int(n <= entries.capacity))

@@ -104,13 +104,15 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
     tokens = None if token_table is None else token_table.tolist()
     valid = None if token_valid_lens is None else token_valid_lens.tolist()
     entries = []
+    bs = len(rows)
     out.write_offsets[0] = 0
     for r, row in enumerate(rows):
         P = min(prefix[r], max_ctx)
         real_row = row != 0 and 0 <= row < len(rtt)
-        write_len = extend[r] if (row != 0 and extend[r] > 0) else 0
-        out.write_offsets[r + 1] = int(out.write_offsets[r]) + write_len
-        out.seed_slot[r] = _translate(rtt[row][P - 1], table) if (real_row and P > 0) else -1
+        writes = row != 0 and extend[r] > 0
+        out.write_offsets[r + 1] = int(out.write_offsets[r]) + (extend[r] if writes else 0)
+        # A request that writes nothing has no chain to continue.
+        out.seed_slot[r] = _translate(rtt[row][P - 1], table) if (real_row and writes and P > 0) else -1
         if not real_row:
             continue
         start = max(0, P - window) if window > 0 else 0
@@ -122,10 +124,14 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
             if tokens is not None and row < len(tokens) and 0 <= q < valid[r] and q < len(tokens[row]):
                 exp = tokens[row][q]
             entries.append((slot, p, prev, exp))
+    out.write_offsets[bs + 1:] = 0
     e = out.entries
-    e.count[0] = len(entries)
-    e.enable[0] = int(len(entries) <= e.capacity)
-    for i, (slot, p, prev, exp) in enumerate(entries[:e.capacity]):
+    fits = len(entries) <= e.capacity
+    e.requested[0] = len(entries)
+    e.count[0] = min(len(entries), e.capacity)
+    e.enable[0] = int(fits)
+    # An overflowing plan stores no entry (the verify is skipped anyway).
+    for i, (slot, p, prev, exp) in enumerate(entries if fits else []):
         e.slot[i], e.position[i], e.prev[i], e.expected_token[i] = slot, p, prev, exp
 
 
@@ -139,33 +145,38 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
     check_chain = chain_check is not None and int(chain_check[0]) != 0
     attribution = buf.shape[1] >= ATTRIBUTION_STRIDE
     step_value = -1 if step is None else int(step[0])
-    num_tokens = len(locs)
+    num_tokens, num_slots = len(locs), buf.shape[0]
+    counters[launch_tag, Counter.LAUNCHES] += 1
+    processed = 0
     for r in range(num_requests):
         seed = seeds[r]
-        if seed > 0 and seed < buf.shape[0]:
+        # Any slot of the buffer (slot 0 included) is a predecessor; anything else is the chain head.
+        seeded = 0 <= seed < num_slots
+        if seeded:
             tok, pos, prev_hash, _ = _record(buf, seed)
             running, prev_pos = link(prev_hash, tok, pos), to_signed(pos)
-        elif seed < 0:
-            running, prev_pos = CHAIN_HEAD, -1
         else:
-            # Unreachable seed (evicted SWA predecessor): no position to start from.
             running, prev_pos = CHAIN_HEAD, None
-        for i in range(offs[r], min(offs[r + 1], num_tokens)):
+        for i in range(max(offs[r], 0), min(offs[r + 1], num_tokens)):
             slot, tok, pos = locs[i], ids[i], poss[i]
-            reason, exp_tok, aux = 0, tok, pos
+            if slot < 0:
+                continue  # a skipped entry: no checks, no record, the chain does not move
+            processed += 1
+            reason = 0
             if exp_ids is not None and tok != exp_ids[i]:
                 reason |= FailReason.WRITE_TOKEN
-                exp_tok = exp_ids[i]
             if exp_pos is not None and pos != exp_pos[i]:
                 reason |= FailReason.WRITE_POSITION
-                aux = exp_pos[i]
-            if check_chain and prev_pos is not None and pos != prev_pos + 1:
-                if not reason & FailReason.WRITE_POSITION:
-                    aux = prev_pos + 1
-                reason |= FailReason.WRITE_POSITION
             if reason:
-                _push_violation(ring, [launch_tag, slot, pos, tok, exp_tok, running, aux, int(reason)])
-            if 0 <= slot < buf.shape[0]:
+                want_tok = tok if exp_ids is None else exp_ids[i]
+                want_pos = pos if exp_pos is None else exp_pos[i]
+                _push_violation(ring, [launch_tag, slot, pos, tok, want_tok, running, want_pos, int(reason)])
+            if check_chain and seeded:
+                if pos != prev_pos + 1:
+                    _push_violation(ring, [launch_tag, slot, pos, tok, tok, running, prev_pos + 1,
+                                           int(FailReason.WRITE_POSITION)])
+                prev_pos = pos
+            if slot < num_slots:
                 _store(buf, slot, RecordField.TOKEN, tok)
                 _store(buf, slot, RecordField.POSITION, pos)
                 _store(buf, slot, RecordField.PREV_HASH, running)
@@ -173,27 +184,26 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
                 if attribution:
                     _store(buf, slot, RecordField.WRITER_ID, -1 if writer_ids is None else int(writer_ids[r]))
                     _store(buf, slot, RecordField.WRITER_STEP, step_value)
-            running, prev_pos = link(running, tok, pos), pos
-    counters[launch_tag, Counter.LAUNCHES] += 1
-    counters[launch_tag, Counter.ENTRIES] += min(offs[num_requests], num_tokens) if num_requests else 0
+            running = link(running, tok, pos)
+    counters[launch_tag, Counter.ENTRIES] += processed
 
 
-def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0) -> None:
+def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0, check_token=True) -> None:
+    counters[launch_tag, Counter.LAUNCHES] += 1  # a disabled launch still ran
     if int(entries.enable[0]) == 0:
         return
     n = max(0, min(int(entries.count[0]), entries.capacity))
-    counters[launch_tag, Counter.LAUNCHES] += 1
     counters[launch_tag, Counter.ENTRIES] += n
     for e in range(n):
         slot = int(entries.slot[e])
         if slot == 0:
             continue
         prev, position = int(entries.prev[e]), int(entries.position[e])
-        exp_tok = int(entries.expected_token[e])
+        exp_tok = int(entries.expected_token[e]) if check_token else -1
         tok, pos, prev_hash, real = _record(buf, slot)
         reason, aux = 0, prev_hash
         if prev != 0:
-            if prev == -1:
+            if prev < 0:
                 expected = CHAIN_HEAD
             else:
                 p_tok, p_pos, p_prev, _ = _record(buf, prev)

@@ -90,18 +90,23 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
     entries, dev = out.entries, req_to_token.device
     P = prefix_lens.long().clamp(max=max_ctx)
     real_row = (rows != 0) & (rows >= 0) & (rows < num_rows)
-    write_len = torch.where((rows != 0) & (extend > 0), extend, 0)
+    writes = (rows != 0) & (extend > 0)
+    write_len = torch.where(writes, extend, 0)
     out.write_offsets[:1] = 0
     out.write_offsets[1:bs + 1] = torch.cumsum(write_len, 0)
+    out.write_offsets[bs + 1:] = 0
     seed = _translate(gather_rows(req_to_token, rows, P - 1), full_to_swa)
-    out.seed_slot[:bs] = torch.where(real_row & (P > 0), seed, -1)
+    out.seed_slot[:bs] = torch.where(real_row & writes & (P > 0), seed, -1)
     start = (P - window).clamp(min=0) if window > 0 else torch.zeros_like(P)
     count = torch.where(real_row, (P - start).clamp(min=0), 0)
     cum = torch.cumsum(count, 0)
     total = cum[-1:] if bs else torch.zeros(1, dtype=torch.int64, device=dev)
-    entries.count.copy_(total)
-    entries.enable.copy_((total <= entries.capacity).to(torch.int32))
-    n = _bound(total, entries.capacity)
+    fits = total <= entries.capacity
+    entries.requested.copy_(total)
+    entries.count.copy_(total.clamp(max=entries.capacity))
+    entries.enable.copy_(fits.to(torch.int32))
+    # An overflowing plan stores no entry: the static bound is then work for nothing, but CUDA-graph safe.
+    n = _bound(torch.where(fits, total, 0), entries.capacity)
     if n == 0 or bs == 0:
         return
     # Entry e belongs to the request whose inclusive cumsum first passes e.
@@ -116,7 +121,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
         q = p + token_offset
         known = (q >= 0) & (q < token_valid_lens.long()[r]) & (q < token_table.shape[1]) & (row < token_table.shape[0])
         expected = torch.where(known, gather_rows(token_table, row, q), -1)
-    keep = o_e < total
+    keep = (o_e < total) & fits
     for dst, val in ((entries.slot, slot), (entries.position, p), (entries.prev, prev),
                      (entries.expected_token, expected)):
         dst[:n] = torch.where(keep, val, dst[:n])
@@ -138,13 +143,17 @@ def _chain_delays(dep, has_dep, req, begin, num_requests):
     return delay
 
 
-def _run_chains(running, tok, pos, begin, length, delay, dep, has_dep):
-    """prev_hash each entry stores: the serial chains, stepped together across requests."""
+def _run_chains(running, tok, pos, live, begin, length, delay, dep, has_dep):
+    """prev_hash each entry stores: the serial chains, stepped together across requests.
+
+    An entry that is not ``live`` (a skipped slot) leaves the running hash as it is.
+    """
     n_tok, dev = tok.shape[0], tok.device
     if _host_reads(dev) and length.numel() and int(length.max()) > SCALAR_CHAIN_MIN:
-        return _run_chains_scalar(running, tok, pos, begin, length, delay, dep, has_dep)
+        return _run_chains_scalar(running, tok, pos, live, begin, length, delay, dep, has_dep)
     # Index n_tok is a scratch entry that idle requests write each step.
     tok_x, pos_x = torch.cat([tok, tok[:1]]), torch.cat([pos, pos[:1]])
+    live_x = torch.cat([live, live.new_zeros(1)])
     run_before = torch.zeros(n_tok + 1, dtype=torch.int64, device=dev)
     run_after = torch.zeros_like(run_before)
     steps = int((delay + length).max()) if _host_reads(dev) else n_tok
@@ -156,7 +165,7 @@ def _run_chains(running, tok, pos, begin, length, delay, dep, has_dep):
             running = torch.where(act & (k == 0) & has_dep, run_after[dep], running)
         i = torch.where(act, begin + k, n_tok)
         run_before[i] = running
-        running = torch.where(act, mix3(running, tok_x[i], pos_x[i]), running)
+        running = torch.where(live_x[i], mix3(running, tok_x[i], pos_x[i]), running)
         run_after[i] = running
     return run_before[:n_tok]
 
@@ -166,9 +175,9 @@ def _run_chains(running, tok, pos, begin, length, delay, dep, has_dep):
 SCALAR_CHAIN_MIN = 16
 
 
-def _run_chains_scalar(running, tok, pos, begin, length, delay, dep, has_dep):
+def _run_chains_scalar(running, tok, pos, live, begin, length, delay, dep, has_dep):
     """``_run_chains`` for CPU tensors: requests in start order, each chain a Python-int loop."""
-    tok_l, pos_l = tok.tolist(), pos.tolist()
+    tok_l, pos_l, live_l = tok.tolist(), pos.tolist(), live.tolist()
     run0, begin_l, length_l = running.tolist(), begin.tolist(), length.tolist()
     dep_l, has_dep_l, delay_l = dep.tolist(), has_dep.tolist(), delay.tolist()
     before = [0] * len(tok_l)
@@ -178,29 +187,35 @@ def _run_chains_scalar(running, tok, pos, begin, length, delay, dep, has_dep):
         h = (after[dep_l[r]] if has_dep_l[r] and length_l[r] > 0 else run0[r]) & MASK64
         for i in range(begin_l[r], begin_l[r] + length_l[r]):
             before[i] = h
-            h = mix3_int(h, tok_l[i], pos_l[i])
+            if live_l[i]:
+                h = mix3_int(h, tok_l[i], pos_l[i])
             after[i] = h
     return torch.tensor([to_signed(x) for x in before], dtype=torch.int64)
 
 
-def _write_checks(tok, pos, prev_pos, has_prev_pos, expected_input_ids, expected_positions, chain_check):
-    """(reason, expected token, expected position) of each entry's write-time checks."""
+def _violation_rows(tag, slot, tok, pos, running, live, seeded, prev_pos, expected_input_ids, expected_positions,
+                    chain_check):
+    """Rows and flags of the write-time checks: per entry a write-input row, then a chain-position row."""
     reason = torch.zeros_like(tok)
-    expected_tok, aux = tok, pos
+    want_tok, want_pos = tok, pos
     if expected_input_ids is not None:
-        bad = tok != expected_input_ids.long()
-        reason |= torch.where(bad, int(FailReason.WRITE_TOKEN), 0)
-        expected_tok = torch.where(bad, expected_input_ids.long(), tok)
+        want_tok = expected_input_ids.long()
+        reason |= torch.where(tok != want_tok, int(FailReason.WRITE_TOKEN), 0)
     if expected_positions is not None:
-        bad = pos != expected_positions.long()
-        reason |= torch.where(bad, int(FailReason.WRITE_POSITION), 0)
-        aux = torch.where(bad, expected_positions.long(), aux)
+        want_pos = expected_positions.long()
+        reason |= torch.where(pos != want_pos, int(FailReason.WRITE_POSITION), 0)
+    reason = torch.where(live, reason, 0)
     if chain_check is not None:
         # prev_pos + 1 wraps at INT64_MAX where the reference's Python ints do not.
-        bad = (chain_check[0] != 0) & has_prev_pos & ((pos != prev_pos + 1) | (prev_pos == INT64_MAX))
-        aux = torch.where(bad & ((reason & int(FailReason.WRITE_POSITION)) == 0), prev_pos + 1, aux)
-        reason |= torch.where(bad, int(FailReason.WRITE_POSITION), 0)
-    return reason, expected_tok, aux
+        jump = (pos != prev_pos + 1) | (prev_pos == INT64_MAX)
+        chain_bad = live & seeded & (chain_check[0] != 0) & jump
+    else:
+        chain_bad = torch.zeros_like(live)
+    row_in = torch.stack([tag, slot, pos, tok, want_tok, running, want_pos, reason], 1)
+    row_chain = torch.stack([tag, slot, pos, tok, tok, running, prev_pos + 1,
+                             torch.full_like(tok, int(FailReason.WRITE_POSITION))], 1)
+    rows = torch.stack([row_in, row_chain], 1).reshape(-1, row_in.shape[1])
+    return rows, torch.stack([reason != 0, chain_bad], 1).reshape(-1)
 
 
 def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_ids, positions, ring, counters,
@@ -210,29 +225,30 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
     nr, n_tok, num_slots = num_requests, out_cache_loc.shape[0], buf.shape[0]
     dev = buf.device
     counters[launch_tag, Counter.LAUNCHES] += 1
-    if nr == 0:
+    if nr == 0 or n_tok == 0:
         return
-    offs = write_offsets[:nr + 1]
+    offs = write_offsets[:nr + 1].clamp(min=0)
     end = offs[nr:].clamp(max=n_tok)
-    counters[launch_tag, Counter.ENTRIES] += end[0]
-    if n_tok == 0:
-        return
     words = buf.view(torch.int64)
     o_i = torch.arange(n_tok, device=dev)
     slot, tok, pos = out_cache_loc.long(), input_ids.long(), positions.long()
     done = (o_i >= offs[0]) & (o_i < end)
+    # A negative slot skips its entry altogether: no checks, no record, no chain step, not counted.
+    live = done & (slot >= 0)
+    counters[launch_tag, Counter.ENTRIES] += live.sum()
     req = count_le(offs[1:], 0, n_tok).clamp(max=nr - 1)
     begin = offs[:nr]
     length = (torch.minimum(offs[1:], end) - begin).clamp(min=0)
 
     # Stored entries sorted by (slot, index): a slot's last writer, and the last write before a request starts.
-    stored = done & (slot >= 0) & (slot < num_slots)
+    stored = live & (slot < num_slots)
     slot_c = torch.where(stored, slot, 0)
     span = n_tok + 1
     keys = torch.sort(torch.where(stored, slot_c * span + o_i, -1)).values
     last = keys[(torch.searchsorted(keys, (slot_c + 1) * span) - 1).clamp(min=0)] % span
     seed = seed_slot[:nr]
-    seeded = (seed > 0) & (seed < num_slots)
+    # Any slot of the buffer (slot 0 included) is a predecessor; anything else is the chain head.
+    seeded = (seed >= 0) & (seed < num_slots)
     seed_c = torch.where(seeded, seed, 0)
     at = torch.searchsorted(keys, seed_c * span + begin.clamp(0, n_tok)) - 1
     hit = keys[at.clamp(min=0)]
@@ -241,18 +257,18 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
 
     s_tok, s_pos, s_prev = gather_rows(words, torch.where(seeded, seed, -1), slice(0, 3)).unbind(-1)
     head = torch.where(seeded, mix3(s_prev, s_tok, s_pos), HEAD)
-    running = _run_chains(head, tok, pos, begin, length, _chain_delays(dep, has_dep, req, begin, nr), dep, has_dep)
+    delay = _chain_delays(dep, has_dep, req, begin, nr)
+    running = _run_chains(head, tok, pos, live, begin, length, delay, dep, has_dep)
 
-    # Position each entry follows: its predecessor's, or the seed record's for a request's first entry.
-    first = o_i == begin[req]
-    seed_pos = torch.where(has_dep, pos[dep], torch.where(seeded, s_pos, -1))
-    prev_pos = torch.where(first, seed_pos[req], torch.cat([pos[:1], pos[:-1]]))
-    has_prev_pos = ~first | (seeded | (seed < 0))[req]
-    reason, expected_tok, aux = _write_checks(tok, pos, prev_pos, has_prev_pos, expected_input_ids,
-                                              expected_positions, chain_check)
-    reason = torch.where(done, reason, 0)
+    # Position each live entry follows: the request's previous live entry, or the seed record's.
+    last_live = torch.cummax(torch.where(live, o_i, -1), 0).values
+    prev_i = torch.cat([last_live.new_full((1,), -1), last_live[:-1]])
+    seed_pos = torch.where(has_dep, pos[dep], s_pos)
+    prev_pos = torch.where(prev_i < begin[req], seed_pos[req], pos[prev_i.clamp(min=0)])
     tag = torch.full_like(slot, launch_tag)
-    _push(ring, torch.stack([tag, slot, pos, tok, expected_tok, running, aux, reason], 1), reason != 0)
+    rows, flags = _violation_rows(tag, slot, tok, pos, running, live, seeded[req], prev_pos, expected_input_ids,
+                                  expected_positions, chain_check)
+    _push(ring, rows, flags)
 
     if num_slots == 0:
         return
@@ -270,22 +286,23 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
     words[target, :width] = torch.where(any_stored, fields[src], words[target, :width])
 
 
-def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0) -> None:
+def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0, check_token=True) -> None:
     enable = entries.enable[0] != 0
+    counters[launch_tag, Counter.LAUNCHES] += 1  # a disabled launch still ran
     if _host_reads(buf.device) and not bool(enable):
         return
     count = entries.count.clamp(min=0, max=entries.capacity)
-    counters[launch_tag, Counter.LAUNCHES] += enable.long()
     counters[launch_tag, Counter.ENTRIES] += torch.where(enable, count[0], 0)
     n = _bound(count, entries.capacity)
     if n == 0:
         return
     slot, prev = entries.slot[:n], entries.prev[:n]
-    position, expected_tok = entries.position[:n], entries.expected_token[:n]
+    position = entries.position[:n]
+    expected_tok = entries.expected_token[:n] if check_token else torch.full_like(position, -1)
     words = buf.view(torch.int64)
     tok, pos, prev_hash, real = gather_rows(words, slot, slice(0, 4)).unbind(-1)
     p_tok, p_pos, p_prev, _ = gather_rows(words, prev, slice(0, 4)).unbind(-1)
-    expected = torch.where(prev == -1, HEAD, mix3(p_prev, p_tok, p_pos))
+    expected = torch.where(prev < 0, HEAD, mix3(p_prev, p_tok, p_pos))
     chain_bad = (prev != 0) & (prev_hash != expected)
     aux = torch.where(chain_bad, expected, prev_hash)
     reason = (torch.where(chain_bad, int(FailReason.VERIFY_CHAIN_HASH), 0)

@@ -89,40 +89,50 @@ def _request_plan(o_r, m_r, p_rows, p_prefix, p_extend, num_rows, max_ctx, windo
 @_jit("bs")
 def _plan_kernel(p_rows, p_prefix, p_extend, bs, p_rtt, rtt_s0, rtt_s1, num_rows, max_ctx, window, p_swa, swa_len,
                  p_tokens, tok_s0, tok_s1, tok_rows, tok_cols, p_valid, token_offset,
-                 p_slot, p_position, p_prev, p_expected, p_count, p_enable, capacity, p_write_offsets, p_seed,
+                 p_slot, p_position, p_prev, p_expected, p_count, p_enable, p_requested, capacity,
+                 p_write_offsets, offsets_len, p_seed,
                  HAS_SWA: tl.constexpr, HAS_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
     # program (i_r, i_j) stores blocks i_j, i_j + SPLIT, ... of request i_r's entries
     i_r = tl.program_id(0).to(tl.int64)
     i_j = tl.program_id(1).to(tl.int64)
     n_split = tl.num_programs(1).to(tl.int64)
-    # entries of requests before this one, write lengths up to and including it
+    # entries of requests before this one and of all requests, write lengths up to and including this one
     n_before = i_r * 0
+    n_total = i_r * 0
     w_through = i_r * 0
-    for b0 in range(0, tl.minimum(i_r + 1, bs), BLOCK_B):
+    for b0 in range(0, bs, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)  # [BLOCK_B]
-        m_b = (o_b <= i_r) & (o_b < bs)
+        m_b = o_b < bs
         _, _, _, _, b_n, b_w = _request_plan(o_b, m_b, p_rows, p_prefix, p_extend, num_rows, max_ctx, window)
         n_before += tl.sum(tl.where(o_b < i_r, b_n, 0), axis=0)
-        w_through += tl.sum(b_w, axis=0)
+        n_total += tl.sum(b_n, axis=0)
+        w_through += tl.sum(tl.where(o_b <= i_r, b_w, 0), axis=0)
     m_r = i_r < bs
-    i_row, m_real, i_p, i_start, n_r, _ = _request_plan(i_r, m_r, p_rows, p_prefix, p_extend, num_rows, max_ctx,
-                                                         window)
+    i_row, m_real, i_p, i_start, n_r, i_w = _request_plan(i_r, m_r, p_rows, p_prefix, p_extend, num_rows, max_ctx,
+                                                          window)
     p_row = p_rtt + i_row * rtt_s0
     if i_j == 0:
-        if i_r == tl.maximum(bs, 1) - 1:
-            n_total = n_before + n_r
-            tl.store(p_count, n_total)
-            tl.store(p_enable, (n_total <= capacity).to(tl.int32))
         if i_r == 0:
+            tl.store(p_requested, n_total)
+            tl.store(p_count, tl.minimum(n_total, capacity))
+            tl.store(p_enable, (n_total <= capacity).to(tl.int32))
             tl.store(p_write_offsets, i_r * 0)
+            # offsets past the batch read 0
+            for z0 in range(bs + 1, offsets_len, BLOCK):
+                o_z = z0 + tl.arange(0, BLOCK)  # [BLOCK]
+                tl.store(p_write_offsets + o_z, tl.zeros_like(o_z).to(tl.int64), mask=o_z < offsets_len)
         tl.store(p_write_offsets + i_r + 1, w_through, mask=m_r)
-        m_seed = m_real & (i_p > 0)
+        # a request that writes nothing has no chain to continue
+        m_seed = m_real & (i_w > 0) & (i_p > 0)
         i_seed = tl.load(p_row + (i_p - 1) * rtt_s1, mask=m_seed, other=0).to(tl.int64)
         i_seed = tl.where(m_seed, _translate(i_seed, m_seed, p_swa, swa_len, HAS_SWA=HAS_SWA), -1)
         tl.store(p_seed + i_r, i_seed, mask=m_r)
     if HAS_TOKENS:
         i_valid = tl.load(p_valid + i_r, mask=m_r, other=0).to(tl.int64)
-    n_store = tl.maximum(tl.minimum(n_r, capacity - n_before), 0)
+        # a row past the token table has no expected tokens: fold that into the column bound
+        i_tok_cols = tl.where(i_row < tok_rows, tok_cols, 0)
+    # an overflowing plan stores no entry
+    n_store = tl.where(n_total <= capacity, n_r, 0)
     for j0 in range(i_j * BLOCK, n_store, n_split * BLOCK):
         o_j = j0 + tl.arange(0, BLOCK)  # [BLOCK]
         m = o_j < n_store
@@ -135,7 +145,7 @@ def _plan_kernel(p_rows, p_prefix, p_extend, bs, p_rtt, rtt_s0, rtt_s1, num_rows
         b_exp = tl.full([BLOCK], -1, tl.int64)
         if HAS_TOKENS:
             o_q = o_p + token_offset
-            m_q = m & (o_q >= 0) & (o_q < i_valid) & (o_q < tok_cols) & (i_row < tok_rows)
+            m_q = m & (o_q >= 0) & (o_q < i_valid) & (o_q < i_tok_cols)
             b_tok = tl.load(p_tokens + i_row * tok_s0 + o_q * tok_s1, mask=m_q, other=0).to(tl.int64)
             b_exp = tl.where(m_q, b_tok, b_exp)
         o_e = n_before + o_j
@@ -156,21 +166,21 @@ def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_request
     i_r = tl.program_id(0).to(tl.int64)
     i_tag = tl.full((), launch_tag, tl.int64)
     if i_r == 0:
-        n_written = tl.minimum(tl.load(p_write_offsets + num_requests), num_tokens)
         tl.atomic_add(p_counters + i_tag * 2, 1)
-        tl.atomic_add(p_counters + i_tag * 2 + 1, tl.where(num_requests > 0, n_written, 0))
     m_r = i_r < num_requests
-    i_start = tl.load(p_write_offsets + i_r, mask=m_r, other=0)
+    # offsets are validated on the host where that is free; elsewhere a negative one must not read out of bounds
+    i_start = tl.maximum(tl.load(p_write_offsets + i_r, mask=m_r, other=0), 0)
     i_end = tl.minimum(tl.load(p_write_offsets + i_r + 1, mask=m_r, other=0), num_tokens)
-    # the chain starts from the seed record, read before this request stores anything
-    i_seed = tl.load(p_seed + i_r, mask=m_r, other=0)
-    m_seed = m_r & (i_seed > 0) & (i_seed < num_slots)
+    # the chain starts from the seed record, read before this request stores anything; any slot of the
+    # buffer (slot 0 included) is a predecessor, anything else is the chain head
+    i_seed = tl.load(p_seed + i_r, mask=m_r, other=-1)
+    m_seed = m_r & (i_seed >= 0) & (i_seed < num_slots)
     s_tok, s_pos, s_prev = load_record3(p_buf, i_seed, m_seed, stride)
     running = tl.where(m_seed, mix3(s_prev, s_tok, s_pos), chain_head_like(s_tok))
-    prev_pos = tl.where(m_seed, as_i64(s_pos), -1)
-    has_prev = m_seed | (i_seed < 0)
+    prev_pos = as_i64(s_pos)
     if HAS_CHAIN_CHECK:
-        armed = tl.load(p_chain_check) != 0
+        # only a seeded request has a position to continue from
+        armed = (tl.load(p_chain_check) != 0) & m_seed
     # order-free fields first: real-KV hash and attribution depend on the slot and request only
     if ATTRIBUTION:
         i_writer = tl.full((), -1, tl.int64)
@@ -179,10 +189,12 @@ def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_request
         i_step = tl.full((), -1, tl.int64)
         if HAS_STEP:
             i_step = tl.load(p_step)
+    n_live = i_r * 0
     for j0 in range(i_start, i_end, BLOCK):
         o = j0 + tl.arange(0, BLOCK)  # [BLOCK]
         m = o < i_end
         b_slot = tl.load(p_loc + o, mask=m, other=-1).to(tl.int64)
+        n_live += tl.sum((b_slot >= 0).to(tl.int64), axis=0)
         m_in = m & (b_slot >= 0) & (b_slot < num_slots)
         b_fp = slot_fingerprint(b_slot, m_in, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,
                                 src_rows, NUM_SOURCES=NUM_SOURCES, ALIGNED=ALIGNED)
@@ -191,62 +203,69 @@ def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_request
         if ATTRIBUTION:
             tl.store(p_rec + 4, tl.zeros_like(b_slot) + i_writer, mask=m_in)
             tl.store(p_rec + 5, tl.zeros_like(b_slot) + i_step, mask=m_in)
-    # the serial chain: entries in order, each stores the running hash it extends
+    # entries with a negative slot are skipped altogether and not counted
+    tl.atomic_add(p_counters + i_tag * 2 + 1, n_live, mask=n_live > 0)
+    # the serial chain: live entries in order, each stores the running hash it extends
     o_f = tl.arange(0, 8)
     for i in range(i_start, i_end):
         i_slot = tl.load(p_loc + i).to(tl.int64)
-        i_tok = tl.load(p_ids + i).to(tl.int64)
-        i_pos = tl.load(p_pos + i).to(tl.int64)
-        reason = i_slot * 0
-        exp_tok = i_tok
-        aux = i_pos
-        if HAS_EXP_IDS:
-            e_tok = tl.load(p_exp_ids + i).to(tl.int64)
-            reason = tl.where(i_tok != e_tok, reason | 8, reason)
-            exp_tok = e_tok
-        if HAS_EXP_POS:
-            e_pos = tl.load(p_exp_pos + i).to(tl.int64)
-            reason = tl.where(i_pos != e_pos, reason | 16, reason)
-            aux = e_pos
-        if HAS_CHAIN_CHECK:
-            # prev_pos + 1 overflowing int64 never equals a position
-            m_jump = armed & has_prev & ((i_pos != prev_pos + 1) | (prev_pos == INT64_MAX))
-            aux = tl.where(m_jump & ((reason & 16) == 0), prev_pos + 1, aux)
-            reason = tl.where(m_jump, reason | 16, reason)
-        if reason != 0:
-            b_row = violation_rows(i_tag, i_slot[None], i_pos[None], i_tok[None], exp_tok[None], as_i64(running)[None],
-                                   aux[None], reason[None], o_f)
-            push_violations(tl.full([1], 1, tl.int1), b_row, p_ring, p_write_index, ring_capacity)
-        m_in = (i_slot >= 0) & (i_slot < num_slots)
-        p_rec = record_ptr(p_buf, i_slot, stride)
-        tl.store(p_rec, i_tok, mask=m_in)
-        tl.store(p_rec + 1, i_pos, mask=m_in)
-        tl.store(p_rec + 2, as_i64(running), mask=m_in)
-        running = mix3(running, as_u64(i_tok), as_u64(i_pos))
-        prev_pos = i_pos
-        has_prev = has_prev | True
+        if i_slot >= 0:
+            i_tok = tl.load(p_ids + i).to(tl.int64)
+            i_pos = tl.load(p_pos + i).to(tl.int64)
+            reason = i_slot * 0
+            exp_tok = i_tok
+            exp_pos = i_pos
+            if HAS_EXP_IDS:
+                exp_tok = tl.load(p_exp_ids + i).to(tl.int64)
+                reason = tl.where(i_tok != exp_tok, reason | 8, reason)
+            if HAS_EXP_POS:
+                exp_pos = tl.load(p_exp_pos + i).to(tl.int64)
+                reason = tl.where(i_pos != exp_pos, reason | 16, reason)
+            # the write-input row, then the chain-position row: two rows when both fail
+            if reason != 0:
+                b_row = violation_rows(i_tag, i_slot[None], i_pos[None], i_tok[None], exp_tok[None],
+                                       as_i64(running)[None], exp_pos[None], reason[None], o_f)
+                push_violations(tl.full([1], 1, tl.int1), b_row, p_ring, p_write_index, ring_capacity)
+            if HAS_CHAIN_CHECK:
+                # prev_pos + 1 overflowing int64 never equals a position
+                if armed & ((i_pos != prev_pos + 1) | (prev_pos == INT64_MAX)):
+                    b_row = violation_rows(i_tag, i_slot[None], i_pos[None], i_tok[None], i_tok[None],
+                                           as_i64(running)[None], (prev_pos + 1)[None], (i_slot * 0 + 16)[None], o_f)
+                    push_violations(tl.full([1], 1, tl.int1), b_row, p_ring, p_write_index, ring_capacity)
+            m_in = i_slot < num_slots
+            p_rec = record_ptr(p_buf, i_slot, stride)
+            tl.store(p_rec, i_tok, mask=m_in)
+            tl.store(p_rec + 1, i_pos, mask=m_in)
+            tl.store(p_rec + 2, as_i64(running), mask=m_in)
+            running = mix3(running, as_u64(i_tok), as_u64(i_pos))
+            prev_pos = i_pos
 
 
 @_jit()
 def _verify_kernel(p_buf, stride, num_slots, p_slot, p_position, p_prev, p_expected, p_count, p_enable, capacity,
                    p_ring, p_write_index, ring_capacity, p_counters, launch_tag,
                    src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes, src_rows,
-                   NUM_SOURCES: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                   NUM_SOURCES: tl.constexpr, ALIGNED: tl.constexpr, CHECK_TOKEN: tl.constexpr,
+                   BLOCK: tl.constexpr):
     i_p = tl.program_id(0).to(tl.int64)
     n_p = tl.num_programs(0).to(tl.int64)
     i_tag = tl.full((), launch_tag, tl.int64)
     m_on = tl.load(p_enable) != 0
     n = tl.where(m_on, tl.maximum(tl.minimum(tl.load(p_count), capacity), 0), 0)
     if i_p == 0:
-        tl.atomic_add(p_counters + i_tag * 2, 1, mask=m_on)
-        tl.atomic_add(p_counters + i_tag * 2 + 1, n, mask=m_on)
+        # a disabled launch still ran
+        tl.atomic_add(p_counters + i_tag * 2, 1)
+        tl.atomic_add(p_counters + i_tag * 2 + 1, n, mask=n > 0)
     o_f = tl.arange(0, 8)
     for b0 in range(i_p * BLOCK, n, n_p * BLOCK):
         o = b0 + tl.arange(0, BLOCK)  # [BLOCK]
         m = o < n
         b_slot = tl.load(p_slot + o, mask=m, other=0)
         b_prev = tl.load(p_prev + o, mask=m, other=0)
-        b_exp = tl.load(p_expected + o, mask=m, other=-1)
+        if CHECK_TOKEN:
+            b_exp = tl.load(p_expected + o, mask=m, other=-1)
+        else:
+            b_exp = tl.full([BLOCK], -1, tl.int64)
         b_position = tl.load(p_position + o, mask=m, other=0)
         m = m & (b_slot != 0)
         m_in = m & (b_slot >= 0) & (b_slot < num_slots)
@@ -254,7 +273,7 @@ def _verify_kernel(p_buf, stride, num_slots, p_slot, p_position, p_prev, p_expec
         b_real = tl.load(record_ptr(p_buf, b_slot, stride) + 3, mask=m_in, other=0).to(tl.uint64, bitcast=True)
         m_link = m & (b_prev > 0) & (b_prev < num_slots)
         l_tok, l_pos, l_hash = load_record3(p_buf, b_prev, m_link, stride)
-        b_want = tl.where(b_prev == -1, chain_head_like(b_hash), mix3(l_hash, l_tok, l_pos))
+        b_want = tl.where(b_prev < 0, chain_head_like(b_hash), mix3(l_hash, l_tok, l_pos))
         m_chain = (b_prev != 0) & (b_hash != b_want)
         # the sources may cover slots the canary buffer does not
         b_fp = slot_fingerprint(b_slot, m, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,

@@ -225,7 +225,8 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
         p_tokens=tokens, tok_s0=tokens.stride(0), tok_s1=tokens.stride(1), tok_rows=tokens.shape[0],
         tok_cols=tokens.shape[1], p_valid=valid, token_offset=token_offset,
         p_slot=e.slot, p_position=e.position, p_prev=e.prev, p_expected=e.expected_token, p_count=e.count,
-        p_enable=e.enable, capacity=e.capacity, p_write_offsets=out.write_offsets, p_seed=out.seed_slot,
+        p_enable=e.enable, p_requested=e.requested, capacity=e.capacity, p_write_offsets=out.write_offsets,
+        offsets_len=out.write_offsets.shape[0], p_seed=out.seed_slot,
         HAS_SWA=full_to_swa is not None, HAS_TOKENS=token_table is not None,
         BLOCK_B=PLAN_BLOCK_B, BLOCK=PLAN_BLOCK, num_warps=PLAN_WARPS,
     )
@@ -252,12 +253,12 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
     )
 
 
-def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0) -> None:
+def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0, check_token=True) -> None:
     num_programs = max(1, min(_cdiv(entries.capacity, VERIFY_BLOCK), _verify_programs(buf.device)))
     _launch(k._verify_kernel, (num_programs,),
         p_buf=buf, stride=buf.shape[1], num_slots=buf.shape[0], p_slot=entries.slot, p_position=entries.position,
         p_prev=entries.prev, p_expected=entries.expected_token, p_count=entries.count, p_enable=entries.enable,
         capacity=entries.capacity, p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,
         p_counters=counters, launch_tag=launch_tag, **_source_args(sources, real_kv_mode, buf),
-        BLOCK=VERIFY_BLOCK, num_warps=VERIFY_WARPS,
+        CHECK_TOKEN=bool(check_token), BLOCK=VERIFY_BLOCK, num_warps=VERIFY_WARPS,
     )

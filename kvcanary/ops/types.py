@@ -64,8 +64,10 @@ class Entries:
     """Verify entries: one per (slot a forward reads).
 
     slot, position, prev, expected_token: int64 [capacity];
-    count: int64 [1] entries requested (may exceed capacity);
-    enable: int32 [1], 0 when count > capacity (the verify is skipped).
+    count: int64 [1] entries to verify, at most capacity (SGLang's ``verify_num_valid``);
+    enable: int32 [1], 0 when the entries did not fit (the verify is skipped);
+    requested: int64 [1] entries asked for, may exceed capacity (tells how much capacity an
+        overflowing step needed; not part of SGLang's plan).
     """
 
     slot: torch.Tensor
@@ -74,6 +76,7 @@ class Entries:
     expected_token: torch.Tensor
     count: torch.Tensor
     enable: torch.Tensor
+    requested: torch.Tensor
 
     @property
     def capacity(self) -> int:
@@ -89,6 +92,7 @@ class Entries:
             expected_token=z(),
             count=torch.zeros(1, dtype=torch.int64, device=device),
             enable=torch.zeros(1, dtype=torch.int32, device=device),
+            requested=torch.zeros(1, dtype=torch.int64, device=device),
         )
 
 
@@ -96,8 +100,9 @@ class Entries:
 class Plan:
     """Output of ``plan``: verify entries plus write metadata for up to max_batch requests.
 
-    write_offsets: int64 [max_batch + 1], exclusive cumsum of write lengths;
-    seed_slot: int64 [max_batch], slot of position prefix_len-1 (translated) or -1.
+    write_offsets: int64 [max_batch + 1], exclusive cumsum of write lengths, 0 past the batch;
+    seed_slot: int64 [max_batch], slot of position prefix_len-1 (translated), or -1 for a request
+        without a cached prefix or without tokens to write.
     """
 
     entries: Entries

@@ -23,6 +23,11 @@ def fail_value(op: str, name: str, expected: str, got: object) -> ValueError:
     return ValueError(f"kv-canary: {op} {name} must be {expected}, got {got}")
 
 
+def is_int(x: object) -> bool:
+    """A Python int that is not a bool (``True`` is an int to ``isinstance``, never a count or an index)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def check_tensor(op: str, name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise fail_type(op, name, "a torch.Tensor", type(t).__name__)
@@ -91,7 +96,7 @@ def check_ring(op: str, ring, counters: torch.Tensor, device: torch.device) -> N
 
 
 def check_launch_tag(op: str, tag: int, counters: torch.Tensor) -> None:
-    if not isinstance(tag, int) or not 0 <= int(tag) < counters.shape[0]:
+    if not is_int(tag) or not 0 <= int(tag) < counters.shape[0]:
         raise fail_value(op, "launch_tag", f"an int in [0, {counters.shape[0]})", repr(tag))
 
 
@@ -120,6 +125,10 @@ def check_real_kv_source(src) -> None:
     if src.tensor.shape[0] and row_bytes < need:
         raise fail_value(op, "tensor", f"rows of at least page_size * num_bytes_per_token = {need} bytes",
                          f"{row_bytes} bytes")
+    # Rows closer than one page apart overlap (a heads-first permute, an expand): slots would share bytes.
+    if src.tensor.shape[0] > 1 and row_stride < need:
+        raise fail_value(op, "tensor", f"a row stride of at least page_size * num_bytes_per_token = {need} bytes "
+                         "(rows must not overlap)", f"{row_stride} bytes")
 
 
 def check_sources(op: str, sources, mode: int, device: torch.device) -> tuple:
@@ -135,3 +144,23 @@ def check_sources(op: str, sources, mode: int, device: torch.device) -> tuple:
             raise fail_type(op, f"sources[{i}]", "a RealKvSource", type(s).__name__)
         check_device(op, device, **{f"sources[{i}].tensor": s.tensor})
     return sources
+
+
+def check_write_offsets(op: str, offsets: torch.Tensor, num_requests: int) -> None:
+    """Offsets of the requests a write walks: non-negative and non-decreasing.
+
+    Read only where that is free (CPU tensors); on an accelerator reading them would sync with the
+    device, and the kernels clamp a negative offset to 0 instead (memory-safe, unspecified result).
+    """
+    if not offsets.is_cpu or num_requests == 0:
+        return
+    offs = offsets[:num_requests + 1]
+    negative = (offs < 0).nonzero()
+    if negative.numel():
+        i = int(negative[0, 0])
+        raise fail_value(op, "plan.write_offsets", "non-negative", f"{int(offs[i])} at index {i}")
+    falling = (offs[1:] < offs[:-1]).nonzero()
+    if falling.numel():
+        i = int(falling[0, 0]) + 1
+        raise fail_value(op, "plan.write_offsets", "non-decreasing",
+                         f"{int(offs[i])} after {int(offs[i - 1])} at index {i}")

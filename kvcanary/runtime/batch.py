@@ -40,10 +40,8 @@ class SwaSpec:
     v_sources: tuple[RealKvSource, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.num_slots < 2:
-            raise ValueError(f"kv-canary: SwaSpec num_slots must be >= 2, got {self.num_slots}")
-        if self.window < 1:
-            raise ValueError(f"kv-canary: SwaSpec window must be >= 1, got {self.window}")
+        _check_int("SwaSpec", "num_slots", self.num_slots, 2)
+        _check_int("SwaSpec", "window", self.window, 1)
         if not isinstance(self.full_to_swa, torch.Tensor) or self.full_to_swa.dim() != 1:
             raise ValueError("kv-canary: SwaSpec full_to_swa must be a 1-D tensor, got "
                              f"{getattr(self.full_to_swa, 'shape', type(self.full_to_swa).__name__)}")
@@ -66,10 +64,23 @@ class PoolSpec:
     swa: SwaSpec | None = None
 
     def __post_init__(self) -> None:
-        if self.num_slots < 2:
-            raise ValueError(f"kv-canary: PoolSpec num_slots must be >= 2, got {self.num_slots}")
-        object.__setattr__(self, "k_sources", tuple(self.k_sources))
-        object.__setattr__(self, "v_sources", tuple(self.v_sources))
+        _check_int("PoolSpec", "num_slots", self.num_slots, 2)
+        for name in ("k_sources", "v_sources"):
+            value = getattr(self, name)
+            if isinstance(value, RealKvSource) or not isinstance(value, (tuple, list)):
+                raise TypeError(f"kv-canary: PoolSpec {name} must be a tuple of RealKvSource, got "
+                                f"{type(value).__name__}")
+            object.__setattr__(self, name, tuple(value))
+        if self.swa is not None and not isinstance(self.swa, SwaSpec):
+            raise TypeError(f"kv-canary: PoolSpec swa must be a SwaSpec or None, got {type(self.swa).__name__}")
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
+    # bool is an int subclass; a float or a string would only fail later, deep inside an allocation.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"kv-canary: {owner} {name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"kv-canary: {owner} {name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -92,7 +103,7 @@ class TokenAppend:
     request) instead of every request's whole history each forward.
 
     cell_rows, cell_cols, cell_tokens: int32/int64 [n] token table cells to set (rows < the canary's
-        num_rows, columns < its max_context: the caller guarantees the range).
+        num_rows, columns < its max_context; ``before_forward`` rejects others before writing any).
     valid_lens: int32/int64 [bs] per request of the batch, the positions [0, valid) its row holds.
     """
 
@@ -165,11 +176,14 @@ def verified_cells(batch: ForwardBatch, window: int, table: torch.Tensor | None)
     """
     rows, prefix, ids = batch_lists(batch)
     table_l = None if table is None else table.tolist()
+    num_rows = batch.req_to_token.shape[0]
     out = []
     for r, row in enumerate(rows):
-        if row == 0 or prefix[r] <= 0:
+        # Rows outside the table read nothing the canary can name (before_forward rejects them).
+        if not 0 < row < num_rows or prefix[r] <= 0:
             continue
         start = max(0, prefix[r] - window) if window else 0
         cells = [translate_slot(c, table_l) for c in batch.req_to_token[row, :prefix[r]].tolist()]
-        out.extend((ids[r], p, cells[p], cells[p - 1] if p > 0 else -1) for p in range(start, prefix[r]))
+        start = min(start, len(cells))
+        out.extend((ids[r], p, cells[p], cells[p - 1] if p > 0 else -1) for p in range(start, len(cells)))
     return out

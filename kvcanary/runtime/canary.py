@@ -19,9 +19,10 @@ from kvcanary import ops
 from kvcanary.ops import validate as v
 from kvcanary.format import RealKvMode, launch_tag
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec
+from kvcanary.runtime.checks import check_batch_values, slots_tensor
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.inject import Injector
-from kvcanary.runtime.launch import ForwardLauncher
+from kvcanary.runtime.launch import ForwardLauncher, check_batch
 from kvcanary.runtime.monitor import Monitor
 from kvcanary.runtime.report import Violation
 
@@ -70,12 +71,20 @@ class Canary:
     def __init__(self, pool: PoolSpec, config: CanaryConfig | None = None, *, max_batch: int, max_tokens: int,
                  max_context: int, num_rows: int, device: torch.device | str = "cpu",
                  on_violation: Callable[[Violation], None] | None = None):
-        self.config = cfg = config if config is not None else CanaryConfig.from_env()
+        if not isinstance(pool, PoolSpec):
+            raise TypeError(f"kv-canary: Canary pool must be a PoolSpec, got {type(pool).__name__}")
+        if config is not None and not isinstance(config, CanaryConfig):
+            raise TypeError(f"kv-canary: Canary config must be a CanaryConfig or None, got {type(config).__name__}"
+                            " (CanaryConfig(**options) builds one)")
         for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens), ("max_context", max_context),
                             ("num_rows", num_rows)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"kv-canary: Canary {name} must be an int >= 1, got {value!r}")
-        self.device = torch.device(device)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise (ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError)(
+                    f"kv-canary: Canary {name} must be an int >= 1, got {value!r}")
+        if on_violation is not None and not callable(on_violation):
+            raise TypeError(f"kv-canary: Canary on_violation must be a callable or None, got {on_violation!r}")
+        self.device = _device(device)
+        self.config = cfg = config if config is not None else CanaryConfig.from_env()
         self.pool = pool
         self.max_batch, self.max_tokens, self.max_context, self.num_rows = max_batch, max_tokens, max_context, num_rows
         self.enabled = cfg.mode != "none"
@@ -96,6 +105,9 @@ class Canary:
         self.chain_check = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.sweep_provider: SweepProvider | None = None
         self.step = 0
+        self._open: ForwardBatch | None = None  # the forward between before_forward and after_forward
+        self._sweeps_unsnapshotted = False  # sweep rows in the ring that no step close has taken yet
+        self._check_values = cfg.value_check == "always" or (cfg.value_check == "auto" and self.device.type == "cpu")
         self.monitor = Monitor(self, on_violation)
         self.launcher = ForwardLauncher(self)
         # Fault injection (a self-test, docs/fault_injection.md): None unless an inject_*_prob is above 0.
@@ -107,25 +119,47 @@ class Canary:
         self.chain_check.fill_(int(self.config.chain_position_check))
 
     def before_forward(self, batch: ForwardBatch) -> None:
-        """Host part, then device part, before the engine's forward writes KV."""
+        """Host part, then device part, before the engine's forward writes KV.
+
+        Each forward is ``before_forward(batch)``, the engine's forward, ``after_forward(batch)``;
+        calling either out of turn raises ``RuntimeError`` (nothing changes). A batch the canary
+        cannot check exactly raises ``ValueError``/``TypeError`` before anything is written.
+        """
         if not self.enabled:
             return
         self.host_before(batch)
-        self.device_before(batch)
+        try:
+            self.device_before(batch)
+        except BaseException:
+            # Its metadata checks run before its first write: a batch they reject leaves no forward open.
+            self._open = None
+            raise
 
     def after_forward(self, batch: ForwardBatch) -> None:
         """Device part, then host part, after the engine's forward wrote KV."""
         if not self.enabled:
             return
+        self._check_open("after_forward")
         self.device_after(batch)
         self.host_after(batch)
 
     def host_before(self, batch: ForwardBatch) -> None:
-        """Validate host-known sizes and drain observations that have landed (never waits)."""
+        """Validate the batch and drain observations that have landed (never waits on CUDA unless
+        ``value_check="always"``); opens the forward."""
+        if self._open is not None:
+            raise RuntimeError("kv-canary: before_forward must be followed by after_forward before the next "
+                               f"forward, got a second before_forward at step {self.step}")
+        if not isinstance(batch, ForwardBatch):
+            raise TypeError(f"kv-canary: forward batch must be a ForwardBatch, got {type(batch).__name__}")
         self._check_sizes(batch)
+        if self._check_values:
+            check_batch(batch, self.device)  # the values are read below: their metadata first
+            check_batch_values(batch, num_rows=self.num_rows, num_slots=self.pool.num_slots,
+                               max_context=self.max_context)
         if self.injector is not None:
             self.injector.before_forward(batch)
         self.monitor.poll()
+        self._open = batch
 
     def device_before(self, batch: ForwardBatch) -> None:
         """Plan, HEAD verify, HEAD write: static buffers only, no sync (CUDA-graph capturable)."""
@@ -137,6 +171,8 @@ class Canary:
 
     def host_after(self, batch: ForwardBatch) -> None:
         """Periodic sweep, then close the step: snapshot for the one-step-late drain, health, stats."""
+        self._check_open("host_after")
+        self._open = None
         self.step += 1
         self.monitor.note_forward(batch)
         if self.injector is not None:
@@ -148,22 +184,31 @@ class Canary:
                 self.sweep(*triples)
         if self.injector is not None:
             self.injector.end_step(batch)
+        self._sweeps_unsnapshotted = False
         self.monitor.close_step()
 
     def sweep(self, slots: torch.Tensor, positions: torch.Tensor, prevs: torch.Tensor, group: str = "full") -> None:
         """Verify slots held by the engine's prefix cache (SPEC 4.5) against the TAIL buffers.
 
         Args: slots, positions, prevs: int32/int64 [n] triples from the engine's cache walker
-        (prev = slot of position - 1, -1 at position 0).
+        (prev = slot of position - 1, -1 at position 0). More than ``sweep_capacity`` triples are
+        verified in several launches. Violations reach ``flush()`` at once, or the next step's drain.
         """
         if not self.enabled:
             return
         g = self._group(group)
-        ops.fill_entries(g.sweep_entries, slots, positions, prevs)
-        for kv in g.kvs:
-            ops.verify(buf=g.bufs["tail", kv], entries=g.sweep_entries, ring=self.ring, counters=self.counters,
-                       launch_tag=g.tag("sweep", kv), sources=g.sources[kv], real_kv_mode=self._mode(g, kv),
-                       backend=self.config.backend)
+        slots = slots_tensor("sweep", "slots", slots, g.num_slots, self.device)
+        n = slots.shape[0]
+        for name, t in (("positions", positions), ("prevs", prevs)):
+            v.check_vector("sweep", name, v.check_tensor("sweep", name, t), v.INDEX_DTYPES, length=n)
+        cap = g.sweep_entries.capacity
+        for at in range(0, n, cap) if n else [0]:
+            ops.fill_entries(g.sweep_entries, slots[at:at + cap], positions[at:at + cap], prevs[at:at + cap])
+            for kv in g.kvs:
+                ops.verify(buf=g.bufs["tail", kv], entries=g.sweep_entries, ring=self.ring, counters=self.counters,
+                           launch_tag=g.tag("sweep", kv), sources=g.sources[kv], real_kv_mode=self._mode(g, kv),
+                           backend=self.config.backend)
+        self._sweeps_unsnapshotted = self._open is None
         self.monitor.note_sweep(group)
 
     def perturb_next_tokens(self, request_ids, tokens, positions=None):
@@ -182,7 +227,8 @@ class Canary:
     def copy_records(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, group: str = "full") -> None:
         """The engine copied KV from src_slots to dst_slots (fork, defragmentation): carry the records."""
         g = self._group(group)
-        src, dst = self._slot_pair(src_slots, dst_slots)
+        src = slots_tensor("copy_records", "src_slots", src_slots, g.num_slots, self.device)
+        dst = slots_tensor("copy_records", "dst_slots", dst_slots, g.num_slots, self.device, length=src.shape[0])
         for buf in g.bufs.values():
             buf.index_copy_(0, dst, buf.index_select(0, src))
         if self.injector is not None:
@@ -191,15 +237,26 @@ class Canary:
     def save_records(self, slots: torch.Tensor, group: str = "full") -> dict:
         """Records of slots whose KV is offloaded (a copy per buffer, on the canary's device)."""
         g = self._group(group)
-        idx = slots.to(device=self.device, dtype=torch.int64)
+        idx = slots_tensor("save_records", "slots", slots, g.num_slots, self.device)
         return {key: buf.index_select(0, idx) for key, buf in g.bufs.items()}
 
     def restore_records(self, saved: dict, slots: torch.Tensor, group: str = "full") -> None:
         """The offloaded KV came back into ``slots`` (same order as saved): restore its records."""
         g = self._group(group)
-        idx = slots.to(device=self.device, dtype=torch.int64)
+        idx = slots_tensor("restore_records", "slots", slots, g.num_slots, self.device)
+        if not isinstance(saved, dict) or set(saved) != set(g.bufs):
+            raise TypeError(f"kv-canary: restore_records saved must be the dict save_records returned for group "
+                            f"{group!r}, got {type(saved).__name__}"
+                            + (f" with keys {sorted(saved)}" if isinstance(saved, dict) else ""))
         for key, buf in g.bufs.items():
-            buf.index_copy_(0, idx, saved[key])
+            rec = saved[key]
+            shape = (idx.shape[0], buf.shape[1])
+            if not isinstance(rec, torch.Tensor) or rec.dtype != torch.uint8 or tuple(rec.shape) != shape:
+                raise ValueError(f"kv-canary: restore_records saved[{key}] must be uint8 records of shape {shape} "
+                                 f"(one per slot), got {getattr(rec, 'dtype', type(rec).__name__)} "
+                                 f"{tuple(getattr(rec, 'shape', ()))}")
+        for key, buf in g.bufs.items():
+            buf.index_copy_(0, idx, saved[key].to(self.device))
         if self.injector is not None:
             self.injector.follow_restore(saved, idx, group)
 
@@ -212,6 +269,9 @@ class Canary:
     def flush(self) -> list[Violation]:
         """Wait for and drain every pending observation; returns all violations so far."""
         if self.enabled:
+            if self._sweeps_unsnapshotted and self._open is None:
+                self._sweeps_unsnapshotted = False
+                self.monitor.close_step(health=False)
             self.monitor.flush()
         return self.monitor.violations
 
@@ -249,13 +309,13 @@ class Canary:
                 return g
         raise ValueError(f"kv-canary: group must be one of {[g.name for g in self.groups]}, got {name!r}")
 
-    def _slot_pair(self, src, dst):
-        if src.shape != dst.shape or src.dim() != 1:
-            raise ValueError(f"kv-canary: copy_records src_slots and dst_slots must be 1-D of one length, got "
-                             f"{tuple(src.shape)} and {tuple(dst.shape)}")
-        return src.to(self.device, torch.int64), dst.to(self.device, torch.int64)
+    def _check_open(self, call: str) -> None:
+        if self._open is None:
+            raise RuntimeError(f"kv-canary: {call} must follow before_forward (one before, one after per forward), "
+                               f"got {call} with no forward open at step {self.step}")
 
     def _check_sizes(self, batch: ForwardBatch) -> None:
+        v.check_ndim("forward batch", "req_to_token", batch.req_to_token, 2)
         if batch.batch_size > self.max_batch:
             raise ValueError(f"kv-canary: forward batch size must be <= max_batch ({self.max_batch}), got "
                              f"{batch.batch_size}; raise Canary(max_batch=...)")
@@ -265,3 +325,19 @@ class Canary:
         if batch.req_to_token.shape[1] > self.max_context:
             raise ValueError(f"kv-canary: req_to_token columns must be <= max_context ({self.max_context}), got "
                              f"{batch.req_to_token.shape[1]}; raise Canary(max_context=...)")
+
+
+def _device(device: object) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"kv-canary: Canary device must be a torch device such as 'cpu' or 'cuda:0', "
+                         f"got {device!r}") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(f"kv-canary: Canary device must be an available device, got {device!r} with "
+                             f"{count} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"kv-canary: Canary device must be 'cpu' or a CUDA device, got {device!r}")
+    return dev

@@ -8,14 +8,30 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 
 from kvcanary.format import DEFAULT_RECORD_STRIDE
 
 MODES = ("none", "log", "raise")
 REAL_KV_MODES = ("none", "partial", "all")
+VALUE_CHECKS = ("auto", "always", "off")
 ENV_PREFIX = "KV_CANARY_"
 INJECT_PROBS = ("inject_table_prob", "inject_kv_prob", "inject_cached_prob", "inject_after_prob", "inject_swap_prob")
+# Variables with the prefix that are read elsewhere (not CanaryConfig fields): no "unknown variable" warning.
+OTHER_VARIABLES = ("KV_CANARY_TRITON_FAST_LAUNCH",)
+
+
+class ConfigError(ValueError):
+    """A config value out of its domain; ``from_env`` renames it after the variable it came from."""
+
+    def __init__(self, field: str, expectation: str, got: object, *, name: str | None = None):
+        self.field, self.expectation, self.got = field, expectation, got
+        super().__init__(f"kv-canary: {name or 'config ' + field} must be {expectation}, got {got!r}")
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A config value of the wrong type (``CanaryConfig(check_v="no")``)."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,7 @@ class CanaryConfig:
         real_kv: real-KV fingerprint at TAIL and sweep: "none" | "partial" (16 bytes) | "all".
         token_check: verify stored tokens against request token histories when the engine gives them.
         input_check: write-input assert when the engine gives expected input ids/positions.
+        value_check: check batch values (rows, lengths, slots) before each forward: "auto" (when the canary is on the CPU, no device sync) | "always" (also on CUDA, where reading them syncs every forward) | "off".
         chain_position_check: chain-position assert at write (armed by ``Canary.mark_ready``).
         sweep_interval: run the prefix-cache sweep every N steps (0 = only on ``Canary.sweep`` calls).
         ring_capacity: violation rows kept per step (the count keeps growing past it).
@@ -55,6 +72,7 @@ class CanaryConfig:
     real_kv: str = "partial"
     token_check: bool = True
     input_check: bool = True
+    value_check: str = "auto"
     chain_position_check: bool = True
     sweep_interval: int = 0
     ring_capacity: int = 1024
@@ -75,30 +93,26 @@ class CanaryConfig:
     inject_group: str = "full"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"kv-canary: config mode must be one of {MODES}, got {self.mode!r}")
-        if self.real_kv not in REAL_KV_MODES:
-            raise ValueError(f"kv-canary: config real_kv must be one of {REAL_KV_MODES}, got {self.real_kv!r}")
+        for field in dataclasses.fields(self):
+            _check_type(field.name, _kind(field), getattr(self, field.name))
+        _choice("mode", self.mode, MODES)
+        _choice("real_kv", self.real_kv, REAL_KV_MODES)
+        _choice("value_check", self.value_check, VALUE_CHECKS)
+        _choice("inject_group", self.inject_group, ("full", "swa"))
         from kvcanary.ops.api import BACKENDS
 
-        if self.backend not in BACKENDS:
-            raise ValueError(f"kv-canary: config backend must be one of {BACKENDS}, got {self.backend!r}")
+        _choice("backend", self.backend, BACKENDS)
         if self.record_stride < 32 or self.record_stride % 8:
-            raise ValueError(f"kv-canary: config record_stride must be >= 32 and a multiple of 8, "
-                             f"got {self.record_stride}")
+            raise ConfigError("record_stride", ">= 32 and a multiple of 8", self.record_stride)
         if self.ring_capacity < 1:
-            raise ValueError(f"kv-canary: config ring_capacity must be >= 1, got {self.ring_capacity}")
+            raise ConfigError("ring_capacity", ">= 1", self.ring_capacity)
         for name in ("sweep_interval", "plan_capacity", "sweep_capacity", "warmup_steps", "health_interval",
-                     "stats_interval", "report_blocks"):
+                     "stats_interval", "report_blocks", "inject_warmup"):
             if getattr(self, name) < 0:
-                raise ValueError(f"kv-canary: config {name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(name, ">= 0", getattr(self, name))
         for name in INJECT_PROBS:
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"kv-canary: config {name} must be in [0, 1], got {getattr(self, name)}")
-        if self.inject_warmup < 0:
-            raise ValueError(f"kv-canary: config inject_warmup must be >= 0, got {self.inject_warmup}")
-        if self.inject_group not in ("full", "swa"):
-            raise ValueError(f"kv-canary: config inject_group must be 'full' or 'swa', got {self.inject_group!r}")
+                raise ConfigError(name, "in [0, 1]", getattr(self, name))
 
     @property
     def injecting(self) -> bool:
@@ -107,30 +121,78 @@ class CanaryConfig:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> CanaryConfig:
-        """Defaults, then ``KV_CANARY_<FIELD>`` variables, then keyword overrides."""
+        """Defaults, then ``KV_CANARY_<FIELD>`` variables, then keyword overrides.
+
+        A bad variable raises ``ValueError`` naming it; a ``KV_CANARY_*`` variable that names no
+        field warns (a typo would otherwise be ignored silently).
+        """
+        return cls._from_env(environ, overrides)[0]
+
+    @classmethod
+    def sources(cls, environ: dict[str, str] | None = None, **overrides) -> dict[str, str]:
+        """Where each field's effective value comes from: "default", "environment" or "argument"."""
+        return cls._from_env(environ, overrides)[1]
+
+    @classmethod
+    def _from_env(cls, environ, overrides) -> tuple[CanaryConfig, dict[str, str]]:
         environ = os.environ if environ is None else environ
-        values = {}
-        for field in dataclasses.fields(cls):
-            raw = environ.get(ENV_PREFIX + field.name.upper())
+        fields = {ENV_PREFIX + f.name.upper(): f for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in fields
+                         and k not in OTHER_VARIABLES)
+        if unknown:
+            warnings.warn(f"kv-canary: unknown environment variables {unknown} ignored (known: "
+                          f"docs/configuration.md or `kvcanary config`)", stacklevel=3)
+        values, source, raws = {}, {f.name: "default" for f in fields.values()}, {}
+        for var, field in fields.items():
+            raw = environ.get(var)
             if raw is not None:
-                values[field.name] = _parse(field, raw)
+                values[field.name], source[field.name], raws[field.name] = _parse(field, raw), "environment", raw
+        for name in overrides:
+            source[name] = "argument"
         values.update(overrides)
-        return cls(**values)
+        try:
+            cfg = cls(**values)
+        except ConfigError as e:
+            if e.field in raws and e.field not in overrides:
+                raise ValueError(f"kv-canary: {ENV_PREFIX + e.field.upper()} must be {e.expectation}, got "
+                                 f"{raws[e.field]!r}") from None
+            raise
+        return cfg, source
 
     def replace(self, **changes) -> CanaryConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _kind(field: dataclasses.Field) -> str:
+    return field.type if isinstance(field.type, str) else field.type.__name__
+
+
+def _check_type(name: str, kind: str, value: object) -> None:
+    # bool is an int subclass: reject it where a count is meant, and accept only real bools for flags.
+    ok = {"bool": lambda x: isinstance(x, bool),
+          "int": lambda x: isinstance(x, int) and not isinstance(x, bool),
+          "float": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+          "str": lambda x: isinstance(x, str)}[kind](value)
+    if not ok:
+        expectation = {"bool": "a bool (True/False)", "int": "an int", "float": "a number", "str": "a str"}[kind]
+        raise ConfigTypeError(name, expectation, value)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(name, f"one of {choices}", value)
+
+
 def _parse(field: dataclasses.Field, raw: str):
     name = ENV_PREFIX + field.name.upper()
-    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    kind = _kind(field)
     if kind == "bool":
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True
         if low in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"kv-canary: {name} must be a boolean (1/0/true/false), got {raw!r}")
+        raise ValueError(f"kv-canary: {name} must be a boolean (1/0/true/false/yes/no/on/off), got {raw!r}")
     if kind == "int":
         try:
             return int(raw)
@@ -141,7 +203,8 @@ def _parse(field: dataclasses.Field, raw: str):
             return float(raw)
         except ValueError:
             raise ValueError(f"kv-canary: {name} must be a number, got {raw!r}") from None
-    return raw.strip()
+    # Choices are lower-case words: read them case-insensitively, as the booleans are.
+    return raw.strip().lower()
 
 
 def env_table() -> list[tuple[str, str, str]]:

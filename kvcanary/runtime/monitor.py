@@ -30,7 +30,7 @@ class Monitor:
         self.on_violation = on_violation
         watched = {"counters": canary.counters}
         for g in canary.groups:
-            watched[f"plan_count_{g.name}"] = g.plan.entries.count
+            watched[f"plan_count_{g.name}"] = g.plan.entries.requested
         self.observer = HostObserver(canary.ring, watched)
         self.violations: list[Violation] = []
         self.total_violations = 0
@@ -54,9 +54,13 @@ class Monitor:
     def note_sweep(self, group: str) -> None:
         self.sweeps[group] += 1
 
-    def close_step(self) -> None:
+    def close_step(self, health: bool = True) -> None:
+        """Snapshot the step for the one-step-late drain; ``health=False`` only takes the ring (a flush
+        after sweeps outside a forward)."""
         meta = {"forwards": self.forwards, "sweeps": dict(self.sweeps)}
         self._process(self.observer.snapshot(self.canary.step, meta))
+        if not health:
+            return
         cfg, step = self.canary.config, self.canary.step
         if cfg.health_interval and step >= cfg.warmup_steps and step % cfg.health_interval == 0:
             self.check_health()
@@ -113,9 +117,14 @@ class Monitor:
         except ValueError:
             return Violation.from_row(row, step)
         phase, kv, group = tag.name.lower().split("_")
-        attribution = self._writer(row, phase, kv, group)
-        if phase != "sweep" and not (row[7] & 24):
-            attribution.update(self._reader(row, step, group, kv, phase))
+        try:
+            attribution = self._writer(row, phase, kv, group)
+            if phase != "sweep" and not (row[7] & 24):
+                attribution.update(self._reader(row, step, group, kv, phase))
+        except Exception as e:  # attribution is a courtesy: the violation itself must never be lost
+            log.error("kv_canary: attribution of a violation at step %d failed (%s: %s); reported without it",
+                      step, type(e).__name__, e)
+            attribution = {}
         return Violation.from_row(row, step, **attribution)
 
     def _writer(self, row, phase, kv, group) -> dict:

@@ -1,0 +1,85 @@
+"""Value checks at the canary's public entry points, before anything is written.
+
+The ops check metadata only (shape, dtype, device). A forward whose values are wrong — a row
+past the table, a prefix wider than it, tokens that do not add up to ``out_cache_loc`` — would
+otherwise be planned and written half-way and then reported as false violations, or fail deep
+in the report path. Values live on the device, so reading them costs a sync on CUDA:
+``CanaryConfig.value_check`` says when they are read (docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.ops import validate as v
+from kvcanary.runtime.batch import ForwardBatch, TokenAppend
+
+OP = "forward batch"
+
+
+def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, max_context: int) -> None:
+    """ValueError for a forward the canary cannot plan exactly (metadata is already checked)."""
+    # Per-request vectors are short: host lists and one loop cost less than a dozen tensor ops.
+    rows, pre, ext = batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist()
+    table_rows, cols = batch.req_to_token.shape
+    row_limit = min(table_rows, num_rows)
+    padding = False
+    for i, (row, p, e) in enumerate(zip(rows, pre, ext)):
+        if not 0 <= row < row_limit:
+            what = f"req_to_token rows ({table_rows})" if table_rows <= num_rows else f"Canary num_rows ({num_rows})"
+            raise v.fail_value(OP, "req_pool_indices", f"rows in [0, {row_limit}) ({what})",
+                               f"{row} at batch index {i}")
+        if p < 0 or e < 0:
+            name, x = ("prefix_lens", p) if p < 0 else ("extend_lens", e)
+            raise v.fail_value(OP, name, ">= 0", f"{x} at batch index {i}")
+        if p + e > cols:
+            raise v.fail_value(OP, "prefix_lens + extend_lens", f"<= req_to_token columns ({cols})",
+                               f"{p} + {e} at batch index {i}")
+        # Row 0 is the padding row: the plan skips it, so a real request there is never verified, and
+        # padding tokens before a real request would shift that request's write offsets.
+        if (row == 0 and p > 0) or (row != 0 and padding):
+            raise v.fail_value(OP, "req_pool_indices",
+                               "free of row 0 for real requests (row 0 is the padding row: prefix_lens 0, after "
+                               "every real request)", f"row {row} with prefix_lens {p} at batch index {i}")
+        padding = padding or (row == 0 and e > 0)
+    n, total = batch.num_tokens, sum(ext)
+    if total != n:
+        raise v.fail_value(OP, "out_cache_loc", f"of length sum(extend_lens) = {total}", f"length {n}")
+    if n and int(batch.out_cache_loc.max()) >= num_slots:
+        loc = batch.out_cache_loc
+        i = int((loc >= num_slots).nonzero()[0, 0])
+        raise v.fail_value(OP, "out_cache_loc", f"slots < num_slots ({num_slots}) (< 0 = no write)",
+                           f"{int(loc[i])} at token {i}")
+    hist = batch.token_history
+    if isinstance(hist, TokenAppend):
+        _check_append(hist, num_rows, max_context)
+    elif hist is not None:
+        offsets = hist.offsets.tolist()
+        lens = [b - a for a, b in zip(offsets, offsets[1:])]
+        if offsets[0] != 0 or offsets[-1] != hist.flat.shape[0] or min(lens, default=0) < 0:
+            raise v.fail_value(OP, "token_history.offsets", f"non-decreasing from 0 to len(flat) = "
+                               f"{hist.flat.shape[0]}", f"{offsets}")
+        if max(lens, default=0) > max_context:
+            raise v.fail_value(OP, "token_history", f"histories of at most max_context ({max_context}) tokens",
+                               f"{max(lens)} tokens")
+
+
+def _check_append(hist: TokenAppend, num_rows: int, max_context: int) -> None:
+    for name, t, hi in (("cell_rows", hist.cell_rows, num_rows), ("cell_cols", hist.cell_cols, max_context),
+                        ("valid_lens", hist.valid_lens, max_context + 1)):
+        if not t.shape[0]:
+            continue
+        lo_got, hi_got = (int(x) for x in torch.aminmax(t))
+        if lo_got < 0 or hi_got >= hi:
+            raise v.fail_value(OP, f"token_history.{name}", f"values in [0, {hi})", f"[{lo_got}, {hi_got}]")
+
+
+def slots_tensor(op: str, name: str, slots: object, num_slots: int, device: torch.device,
+                 length: int | None = None) -> torch.Tensor:
+    """A 1-D int32/int64 tensor of slots in [0, num_slots) as int64 on ``device`` (syncs on CUDA)."""
+    v.check_vector(op, name, v.check_tensor(op, name, slots), v.INDEX_DTYPES, length=length)
+    if slots.shape[0]:
+        lo, hi = (int(x) for x in torch.aminmax(slots))
+        if lo < 0 or hi >= num_slots:
+            raise v.fail_value(op, name, f"slots in [0, {num_slots})", f"[{lo}, {hi}]")
+    return slots.to(device=device, dtype=torch.int64)

@@ -1,0 +1,52 @@
+"""CanaryConfig from the environment: errors name the variable, choices ignore case, typos warn."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from kvcanary import CanaryConfig
+
+
+@pytest.mark.parametrize("var, raw, message", [
+    ("MODE", "bogus", "KV_CANARY_MODE must be one of ('none', 'log', 'raise'), got 'bogus'"),
+    ("REAL_KV", "some", "KV_CANARY_REAL_KV must be one of ('none', 'partial', 'all'), got 'some'"),
+    ("RING_CAPACITY", "0", "KV_CANARY_RING_CAPACITY must be >= 1, got '0'"),
+    ("RECORD_STRIDE", "36", "KV_CANARY_RECORD_STRIDE must be >= 32 and a multiple of 8, got '36'"),
+    ("INJECT_KV_PROB", "1.5", "KV_CANARY_INJECT_KV_PROB must be in [0, 1], got '1.5'"),
+    ("VALUE_CHECK", "maybe", "KV_CANARY_VALUE_CHECK must be one of ('auto', 'always', 'off'), got 'maybe'"),
+])
+def test_bad_variable_is_named(var, raw, message):
+    with pytest.raises(ValueError) as info:
+        CanaryConfig.from_env({"KV_CANARY_" + var: raw})
+    assert str(info.value) == "kv-canary: " + message
+
+
+def test_an_override_is_named_as_an_argument_not_a_variable():
+    with pytest.raises(ValueError, match=r"^kv-canary: config mode must be one of"):
+        CanaryConfig.from_env({"KV_CANARY_MODE": "raise"}, mode="loud")
+
+
+@pytest.mark.parametrize("raw, mode", [("RAISE", "raise"), (" Log ", "log"), ("None", "none")])
+def test_choices_ignore_case(raw, mode):
+    assert CanaryConfig.from_env({"KV_CANARY_MODE": raw}).mode == mode
+
+
+def test_booleans_ignore_case():
+    assert CanaryConfig.from_env({"KV_CANARY_CHECK_V": "TRUE"}).check_v is True
+    assert CanaryConfig.from_env({"KV_CANARY_CHECK_V": "Off"}).check_v is False
+
+
+def test_unknown_variables_warn_and_known_others_do_not():
+    with pytest.warns(UserWarning, match=r"unknown environment variables \['KV_CANARY_MODEE'\] ignored"):
+        cfg = CanaryConfig.from_env({"KV_CANARY_MODEE": "raise"})
+    assert cfg.mode == "log"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CanaryConfig.from_env({"KV_CANARY_TRITON_FAST_LAUNCH": "0", "OTHER": "1"})
+
+
+def test_sources():
+    src = CanaryConfig.sources({"KV_CANARY_MODE": "raise"}, check_v=True)
+    assert (src["mode"], src["check_v"], src["real_kv"]) == ("environment", "argument", "default")
