@@ -79,7 +79,7 @@ def test_swapped_table_cell_is_a_chain_violation_with_attribution():
     head = [v for v in vs if v.launch_tag == "HEAD_K_FULL" and v.slot == victim][0]
     assert head.reasons == ("verify_chain_hash",) and head.position == 2 and head.stored_token == 7
     assert head.reader_request == 2 and head.reader_position == 2
-    assert head.writer_request == 1 and head.writer_step == 0
+    assert head.writer_request == 1 and head.writer_step == 1  # forwards count from 1, as violation steps
     assert "two requests own this slot" in head.block()
 
 
@@ -399,3 +399,17 @@ def test_memory_report_follows_the_documented_formulas():
     assert m["sweep_entries"] == 32 * (64 + 40)
     assert m["token_table"] == 8 * 32 * 4
     assert m["total"] == sum(v for k, v in m.items() if k not in ("total", "record_bytes_per_slot"))
+
+
+def test_token_failure_names_the_request_that_reads_the_wrong_kv():
+    # Request 2 maps request 1's first three slots but its history says position 2 holds 99: the
+    # token check fails for request 2 only, although request 1 (first in the batch) maps the slot too.
+    e = engine(token_history=True)
+    e.add(1, [5, 6, 7, 8])
+    e.forward([(1, 4)])
+    e.add(2, [5, 6, 99, 8], share_from=1, shared=3)
+    e.forward([(1, 1), (2, 1)])
+    vs = [v for v in e.canary.flush() if v.launch_tag == "HEAD_K_FULL"]
+    assert [(v.reasons, v.slot, v.expected_token) for v in vs] == [(("verify_token",), e.slot(1, 2), 99)]
+    assert vs[0].reader_request == 2 and vs[0].reader_position == 2 and vs[0].writer_request == 1
+    assert "read by request 2 at position 2" in vs[0].block() and "last written by request 1 at step 1" in vs[0].block()

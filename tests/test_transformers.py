@@ -16,6 +16,7 @@ from kvcanary.demo import build_tiny_model, demo_prompts, run_workload  # noqa: 
 from kvcanary.format import FailReason, oracle_token  # noqa: E402
 from kvcanary.integrations import hf_bugs  # noqa: E402
 from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, check_version  # noqa: E402
+from kvcanary.runtime.report import MISSING_TOKEN  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
 
@@ -104,6 +105,15 @@ def test_clean_demo_workload_llama(llama, llama_baseline):
     assert s["prefix_hits"] > 0 and s["dedup_remaps"] > 0 and s["fork_block_copies"] > 0 and s["sweeps"] > 0
     assert s["launches"]["HEAD_V_FULL"] == s["launches"]["HEAD_K_FULL"] > 0
     assert s["tokens_protected"] > sum(len(p) for p in demo_prompts(512))
+
+
+@pytest.mark.parametrize("block_size,sharing", [(8, True), (16, False)], ids=["block8-sharing", "block16-no-sharing"])
+def test_clean_block_sizes_and_sharing(llama, block_size, sharing):
+    cb = {"block_size": block_size, "num_blocks": 48, "allow_block_sharing": sharing}
+    base = run_workload(llama, canary=False, cb=cb)
+    run = run_workload(llama, cb=cb)
+    assert run.violations == [] and run.tokens == base.tokens
+    assert run.stats["fork_block_copies"] > 0 and run.stats["tokens_protected"] > 0
 
 
 def test_token_oracle_drives_generation(llama):
@@ -270,7 +280,74 @@ EXPECTED = {
     "prefix-key-collision": lambda names, vs: (vs[0].launch_tag == "HEAD_K_FULL"
                                                and vs[0].reasons == ("verify_chain_hash",) and two_owner(vs[0]))
     or pytest.fail(str(vs[0])),
+    "wrong-read-index": lambda names, vs: check_read_index(vs),
+    "contiguous-read-index": lambda names, vs: check_read_index(vs),
+    "k-only-fork-copy": lambda names, vs: check_partial_copy(names, vs),
+    "first-layer-fork-copy": lambda names, vs: check_partial_copy(names, vs),
+    "history-short": lambda names, vs: check_history_short(vs),
+    "never-written": lambda names, vs: check_never_written(vs),
+    "write-into-predecessor": lambda names, vs: check_write_into_predecessor(vs),
+    "new-token-read-index": lambda names, vs: check_new_token_read(vs),
 }
+
+
+def check_new_token_read(vs):
+    # Only this step's read of the new token is wrong (prefix reads are right): the check of the new
+    # tokens' read cells, after the HEAD write and before the forward, reports it.
+    assert len({(v.step, v.launch_tag) for v in vs}) == 1, [str(v) for v in vs]
+    first = vs[0]
+    assert first.launch_tag == "HEAD_K_FULL" and first.fail_reason & FailReason.VERIFY_POSITION
+    assert first.reader_request == first.writer_request and first.reader_position == first.position + 1
+    assert f"reads its own position {first.position}'s slot as position {first.position + 1}" in first.block()
+
+
+def check_read_index(vs):
+    # The block tables are right; only the read index attention consumes is wrong: the HEAD verify of
+    # the slot it lists names the reader and the slot's real owner.
+    first = vs[0]
+    assert first.launch_tag == "HEAD_K_FULL" and first.fail_reason & FailReason.VERIFY_POSITION, str(first)
+    assert two_owner(first) and first.reader_position != first.position
+    assert "two requests own this slot" in first.block()
+
+
+def check_partial_copy(names, vs):
+    check_fork_copy(names, vs)
+    text = vs[0].block()
+    assert "K without V" in text and "two requests own" not in text
+    assert f"last written by request {vs[0].writer_request} at step {vs[0].writer_step}" in text
+
+
+def check_history_short(vs):
+    # One request's history is short: every violation names that request alone, as reader and writer.
+    assert {v.reader_request for v in vs} == {vs[0].reader_request} and vs[0].reader_request is not None
+    assert {v.writer_request for v in vs} == {vs[0].reader_request}
+    assert {v.reasons for v in vs} == {("verify_token",)}
+    assert {v.expected_token for v in vs} == {MISSING_TOKEN}
+    assert "token history of the reader is shorter" in vs[0].block()
+
+
+def check_never_written(vs):
+    first = vs[0]
+    assert first.never_written and first.writer_request is None and first.reader_request is not None, str(first)
+    text = first.block()
+    assert "was never written" in text and "request 0" not in text and "two requests own" not in text
+    assert "a missing KV write, or a wrong table or read-index entry" in text
+
+
+def check_write_into_predecessor(vs):
+    # The misplaced write changes the predecessor's KV in the same forward: the TAIL real-KV row names
+    # the writer and what it wrote there, and the next HEAD sees the predecessor's slot holding it.
+    tail = next(v for v in vs if v.launch_tag == "TAIL_K_FULL")
+    assert tail.step == vs[0].step
+    # its own slot was never written: the check of the new token's read cell says so before the forward
+    assert vs[0].launch_tag == "HEAD_K_FULL" and vs[0].never_written and vs[0].reader_request == tail.reader_request
+    assert tail.launch_tag == "TAIL_K_FULL" and tail.reasons == ("verify_real_kv_hash",), str(tail)
+    assert tail.writer_request == tail.reader_request and tail.writer_position == tail.position + 1
+    assert tail.writer_step == tail.step
+    assert f"a write of position {tail.position + 1} landed in a slot still read as position {tail.position}" \
+        in tail.block()
+    assert any(v.launch_tag == "HEAD_K_FULL" and v.slot == tail.slot and v.position == tail.position + 1
+               and v.reader_position == tail.position for v in vs)
 
 
 @pytest.mark.parametrize("bug", sorted(hf_bugs.BUGS))

@@ -3,20 +3,27 @@
 Per request i of ``io.requests_in_batch`` (a ``FutureRequestState``): ``extend = query_length``,
 ``prefix = state.position_offset - query_length`` (prepare_batch_tensors advanced the offset),
 input ids and positions are ``io.input_ids`` / ``io.position_ids`` slices, the written slots are
-``io.write_index_storage[full_group]`` (or, on the flash decode fast path, the table's). Each request
-keeps one canary row while it lives; that row of req_to_token is rebuilt from the request's block
-table every step, and its token table row receives only the tokens it has not seen.
+``io.write_index_storage[full_group]`` (or, on the flash decode fast path, the io block table's).
+Each request keeps one canary row while it lives; that row of req_to_token is rebuilt every step
+from the indices attention reads through (``io.read_index_storage``, or the io block table on the
+flash decode fast path), not from the Python block tables, so the canary checks the addresses the
+forward really reads. Its token table row receives only the tokens it has not seen.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 
+import numpy as np
 import torch
 
+from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.runtime.monitor import KEEP_BATCHES
+from kvcanary.runtime.report import MISSING_TOKEN
 
+log = logging.getLogger("kvcanary")
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
 
 
@@ -35,55 +42,41 @@ class BatchBuilder:
         self.oracle = bool(session.handle.options.get("token_oracle"))
         self.stage = Staging(self.device)
         self.in_block = torch.arange(session.layout.block_size, dtype=torch.int64, device=self.device)
+        self.warned_read_size = False
+        self.new_reads = ops.Entries.allocate(session.canary.max_tokens, self.device)
+        self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
 
     def build(self) -> ForwardBatch:
         s, lay = self.s, self.s.layout
-        bp = s.bp
-        io = bp.inputs_and_outputs
+        io = s.bp.inputs_and_outputs
         reqs = io.requests_in_batch
-        bs, B = len(reqs), lay.block_size
-        cms = bp.cache.group_cache_managers
-        full_tables = cms[lay.full_group].block_table
+        bs = len(reqs)
         names = [fs.state.request_id for fs in reqs]
+        extend = [fs.query_length for fs in reqs]
+        prefix = [fs.state.position_offset - q for fs, q in zip(reqs, extend)]
         rows = self._rows(names)
-        prefix, extend, rids, tables = [], [], [], []
-        for fs in reqs:
-            st, q = fs.state, fs.query_length
-            prefix.append(st.position_offset - q)
-            extend.append(q)
-            rids.append(s.request_id(st.request_id))
-            tables.append(full_tables.get(st.request_id, []))
-        cu = [0]
-        for q in extend:
-            cu.append(cu[-1] + q)
-        T = cu[-1]
-        maxb = max(1, max(len(t) for t in tables))
+        rids = [s.request_id(n) for n in names]
+        T = sum(extend)
         small = rows + prefix + extend + rids
-        pad = [0] * maxb
-        for t in tables:
-            small += t
-            small += pad[:maxb - len(t)]
+        n = len(small)
         if self.want_history:
             small += self._token_cells(reqs, rows, prefix, extend)
-        packed = self.stage.send(small)
+        # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
+        packed = self.stage.send(small, np.repeat(np.arange(bs, dtype=np.int64), extend))
         rows_t, prefix_t, extend_t, rids_t = (packed[i * bs:(i + 1) * bs] for i in range(4))
-        n = 4 * bs + bs * maxb
-        block_table = packed[4 * bs:n].view(bs, maxb)
-        # Each batch row of the table = the request's slots, block by block; other rows are never read,
-        # and columns past a request's length neither.
-        rtt = torch.empty(self.num_rows, maxb * B, dtype=torch.int64, device=self.device)
-        rtt.view(self.num_rows, maxb, B)[rows_t] = torch.add(self.in_block[:B], block_table.unsqueeze(2), alpha=B)
+        self.token_req = packed[len(small):]
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
+        rtt = self._read_table(io, rows_t, prefix_t, extend_t, max(p + q for p, q in zip(prefix, extend)),
+                               sum(prefix) + T)
         if io.use_block_table:
-            # Flash decode fast path: write_index is not filled; the kernel writes through the table.
-            per_token = rows_t.repeat_interleave(extend_t, output_size=T)  # host-known size: no sync
-            out_cache_loc = rtt[per_token, positions.to(torch.int64)]
+            # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
+            out_cache_loc = rtt[rows_t[self.token_req], positions.to(torch.int64)]
         else:
             out_cache_loc = io.write_index_storage[lay.full_group, :T]
         batch = ForwardBatch(req_pool_indices=rows_t, prefix_lens=prefix_t, extend_lens=extend_t,
                              input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              req_to_token=rtt, request_ids=rids_t,
-                             mode=ForwardMode.DECODE if all(q == 1 for q in extend) else ForwardMode.EXTEND)
+                             mode=ForwardMode.DECODE if T == bs else ForwardMode.EXTEND)
         if self.want_history:
             k = (len(small) - n - bs) // 3
             c0 = n + bs
@@ -92,8 +85,76 @@ class BatchBuilder:
         if self.oracle:
             self._oracle(batch, reqs, prefix, extend, rids)
         if lay.swa_group is not None:
-            self._fill_swa_table(io, cms, reqs, prefix, extend, tables, cu, out_cache_loc)
+            self._fill_swa_table(io, prefix_t, extend_t, max(min(p, lay.window) for p in prefix), T, out_cache_loc)
         return batch
+
+    def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int) -> torch.Tensor:
+        """req_to_token from the indices the forward's attention consumes, not from the block tables.
+
+        Full-attention layers read ``read_index[g]`` (sdpa / eager: per request, the slots of
+        positions [0, prefix + extend), after the forward's writes), or on the flash decode fast
+        path the io's block table (slot = block * B + offset). Row r of the batch's rows gets its
+        request's slots; other rows and columns past a request's length are never read.
+        """
+        g, B = self.s.layout.full_group, self.s.layout.block_size
+        if io.use_block_table:
+            nb = min(-(-width // B), io.block_table.shape[2])
+            blocks = io.block_table[g, :rows_t.shape[0], :nb].to(torch.int64)
+            rtt = torch.empty(self.num_rows, nb * B, dtype=torch.int64, device=self.device)
+            rtt.view(self.num_rows, nb, B)[rows_t] = torch.add(self.in_block[:B], blocks.unsqueeze(2), alpha=B)
+            return rtt
+        rtt = torch.empty(self.num_rows, max(1, width), dtype=torch.int64, device=self.device)
+        if io.max_kv_read == 0:
+            return rtt  # nothing is read from the cache (fresh prefills only): no prefix to verify
+        seen = prefix_t + extend_t
+        # [bs, width] positions into the flat read index; cells past a request's length are never read.
+        idx = (torch.cumsum(seen, 0) - seen).unsqueeze(1) + self._arange(width)
+        have = min(total, io.true_read_sizes[g])
+        read = io.read_index_storage[g]
+        if have == total:
+            rtt[rows_t] = read.index_select(0, idx.view(-1).clamp_(max=read.shape[0] - 1)).view(idx.shape)
+            return rtt
+        if not self.warned_read_size:
+            self.warned_read_size = True
+            log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
+                        io.true_read_sizes[g], total)
+        # Cells the read index lacks get an out-of-range slot, which verifies as a never-written record:
+        # a short read index is reported against the request that misses slots.
+        got = read.index_select(0, idx.view(-1).clamp(max=max(0, have - 1))).view(idx.shape)
+        rtt[rows_t] = torch.where(idx < have, got, self.s.layout.num_slots)
+        return rtt
+
+    def verify_new_reads(self, batch: ForwardBatch) -> None:
+        """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
+
+        Full attention writes the new tokens, then reads positions [0, prefix + extend) through the
+        read index: the plan verifies the prefix, and this checks that the read index's new cells
+        hold the records just written at the write index (a read index that disagrees with the
+        write index for a new token is reported before the forward reads it).
+        """
+        io, T = self.s.bp.inputs_and_outputs, batch.num_tokens
+        if io.use_block_table or io.max_kv_read == 0 or not T:
+            return  # the fast path reads through the table the writes used; no read of the cache at all
+        c = self.s.canary
+        g = c.groups[0]
+        per = batch.req_pool_indices[self.token_req]
+        pos = batch.positions.to(torch.int64)
+        rtt = batch.req_to_token
+        slots = rtt[per, pos]
+        # Where every read cell is the write cell the check holds by construction (the HEAD write just
+        # stored those records); on the CPU that comparison costs no sync and saves the verify.
+        if self.device.type == "cpu" and torch.equal(slots, batch.out_cache_loc):
+            return
+        prev = torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1)
+        ops.fill_entries(self.new_reads, slots, pos, prev, batch.input_ids)
+        for kv in g.kvs:
+            ops.verify(buf=g.bufs["head", kv], entries=self.new_reads, ring=c.ring, counters=c.counters,
+                       launch_tag=g.tag("head", kv), backend=c.config.backend)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        if self.iota.shape[0] < n:
+            self.iota = torch.arange(max(n, 2 * self.iota.shape[0]), dtype=torch.int64, device=self.device)
+        return self.iota[:n]
 
     def _rows(self, names: list[str]) -> list[int]:
         """The stable row of each request of the batch, assigning rows to new ones."""
@@ -114,7 +175,13 @@ class BatchBuilder:
         return rows
 
     def _token_cells(self, reqs, rows, prefix, extend) -> list[int]:
-        """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens."""
+        """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens.
+
+        Each request's cells are packed with its own row and columns, as many as its positions need:
+        a history shorter than the positions (an engine bug) fills the missing cells with
+        ``MISSING_TOKEN``, so the gap is reported against that request alone and never shifts
+        another request's cells.
+        """
         valid, cell_rows, cell_cols, cell_tokens = [], [], [], []
         for fs, row, p, q in zip(reqs, rows, prefix, extend):
             st, need = fs.state, p + q
@@ -123,7 +190,9 @@ class BatchBuilder:
             if have < need:
                 init, gen = st.initial_tokens, st.generated_tokens
                 n0 = len(init)
-                toks = init[have:min(need, n0)] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
+                toks = init[have:need] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
+                if len(toks) < need - have:
+                    toks += [MISSING_TOKEN] * (need - have - len(toks))
                 cell_rows += [row] * (need - have)
                 cell_cols += range(have, need)
                 cell_tokens += toks
@@ -147,33 +216,37 @@ class BatchBuilder:
         batch.expected_input_ids, batch.expected_positions = packed[:len(exp_ids)], packed[len(exp_ids):]
         self.next_tokens = torch.tensor(forced, dtype=torch.int64)
 
-    def _fill_swa_table(self, io, cms, reqs, prefix, extend, tables, cu, out_cache_loc) -> None:
-        """Synthetic full->SWA table of this step: full slot -> the sliding group's physical slot.
+    def _fill_swa_table(self, io, prefix_t, extend_t, width: int, T: int, out_cache_loc) -> None:
+        """Synthetic full->SWA table of this step, from the read and write indices of both groups.
 
-        In window (the last W-1 past positions, plus the new ones) a position maps to its rolling-buffer
-        slot ``table[(p % W) // B] * B + (p % W) % B``; a position this forward overwrites (or writes
-        to the trash) maps to 0 = evicted. Everything else is 0.
+        The sliding group's read index lists, per request, the rolling-buffer slots of its last
+        ``c = min(prefix, W - 1)`` positions (then a sentinel per new token); the full group's read
+        index the full slots of the same positions. Each such full slot maps to the sliding slot the
+        forward reads, except positions this forward overwrites (``p < prefix + extend - W``), which
+        map to 0 = evicted (their HEAD verify ran before the write; TAIL would see the new token).
+        New tokens map their full write slot to their sliding write slot (0 for the write trash).
         """
         lay = self.s.layout
-        B, W, trash = lay.block_size, lay.window + 1, lay.write_trash
-        swa_tables = cms[lay.swa_group].block_table
-        full_w = out_cache_loc.tolist()
-        swa_w = io.write_index_storage[lay.swa_group, :cu[-1]].tolist()
-        mapping: dict[int, int] = {}
-        for i, (fs, P, q, table) in enumerate(zip(reqs, prefix, extend, tables)):
-            stbl = swa_tables.get(fs.state.request_id, [])
-            keep_from = P + q - W
-            for p in range(max(0, P - lay.window), P):
-                r = p % W
-                v = stbl[r // B] * B + r % B if p >= keep_from and r // B < len(stbl) else 0
-                _put(mapping, table[p // B] * B + p % B, v)
-            for k in range(cu[i], cu[i + 1]):
-                _put(mapping, full_w[k], 0 if swa_w[k] == trash else swa_w[k])
-        table = self.s.swa_table
+        W, table = lay.window + 1, self.s.swa_table
         table.zero_()
-        if mapping:
-            idx = torch.tensor(list(mapping.keys()), dtype=torch.int64).to(self.device)
-            table[idx] = torch.tensor(list(mapping.values()), dtype=torch.int64).to(self.device)
+        if width:
+            g, sg = lay.full_group, lay.swa_group
+            c = prefix_t.clamp(max=lay.window)
+            k = self._arange(width)  # [bs, width] grid of window cells; k >= c are not read
+            full_start = torch.cumsum(prefix_t + extend_t, 0) - extend_t - c  # first window position, full read
+            swa_start = torch.cumsum(c + extend_t, 0) - extend_t - c
+            fr, sr = io.read_index_storage[g], io.read_index_storage[sg]
+            full = fr.index_select(0, (full_start.unsqueeze(1) + k).view(-1).clamp_(max=fr.shape[0] - 1))
+            swa = sr.index_select(0, (swa_start.unsqueeze(1) + k).view(-1).clamp_(max=sr.shape[0] - 1))
+            p = (prefix_t - c).unsqueeze(1) + k
+            keep = (p >= (prefix_t + extend_t - W).unsqueeze(1)).view(-1)
+            inside = (k < c.unsqueeze(1)).view(-1)
+            # Cells outside the window go to slot 0 (padding, never a real slot), cleared again below.
+            table[torch.where(inside, full, 0)] = torch.where(keep, swa, 0)
+            table[0] = 0
+        if T:
+            swa_w = io.write_index_storage[lay.swa_group, :T]
+            table[out_cache_loc] = torch.where(swa_w == lay.write_trash, torch.zeros_like(swa_w), swa_w)
 
     def forget_finished(self) -> list[str]:
         """Release the rows of requests that finished this step; returns their names."""
@@ -205,8 +278,10 @@ class Staging:
         self.turn = 0
         self.event = torch.cuda.Event() if self.cuda else None
 
-    def send(self, small: list[int]) -> torch.Tensor:
-        n = len(small)
+    def send(self, small: list[int], tail: np.ndarray | None = None) -> torch.Tensor:
+        """``small`` then ``tail`` (if any) in one device buffer."""
+        m = len(small)
+        n = m + (0 if tail is None else len(tail))
         if self.event is not None:
             self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
         if self.host is None or self.host.shape[0] < n:
@@ -215,16 +290,12 @@ class Staging:
             self.host_np = self.host.numpy()
             # (remembered batches keep their old buffers alive)
             self.ring = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
-        self.host_np[:n] = small  # numpy converts a list of ints several times faster than torch
+        self.host_np[:m] = small  # numpy converts a list of ints several times faster than torch
+        if tail is not None:
+            self.host_np[m:n] = tail
         out = self.ring[self.turn][:n]
         self.turn = (self.turn + 1) % self.depth
         out.copy_(self.host[:n], non_blocking=self.cuda)
         if self.event is not None:
             self.event.record()
         return out
-
-
-def _put(mapping: dict[int, int], full_slot: int, swa_slot: int) -> None:
-    # Two requests never share a full slot with block sharing off; if they did, skip the slot rather than guess.
-    old = mapping.get(full_slot)
-    mapping[full_slot] = swa_slot if old is None or old == swa_slot else 0

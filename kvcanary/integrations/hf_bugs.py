@@ -22,6 +22,19 @@ BUGS: dict[str, tuple[str, str]] = {
     "flip-idle-cache": ("G", "one byte of layer 0's K of an idle prefix-cached block flips"),
     "prefix-key-collision": ("F", "the prefix-cache key leaves out the parent block, so equal blocks after "
                                   "different prefixes are shared"),
+    "wrong-read-index": ("C", "one request's read index lists another live request's slot for one of its prefix "
+                              "positions (its block table is right)"),
+    "contiguous-read-index": ("D", "a read index is built as if the request's blocks were contiguous: "
+                                   "first block * block size + position"),
+    "k-only-fork-copy": ("G", "the fork copy of a parent's partial block copies K but not V"),
+    "first-layer-fork-copy": ("G", "the fork copy of a parent's partial block copies the first layer only"),
+    "history-short": ("E", "a request's token history loses its newest token while the engine still feeds it "
+                           "(the history is one token short of the positions)"),
+    "never-written": ("H", "a decode token's KV write goes to the write trash (as for padding), so its slot in a "
+                           "fresh block is never written"),
+    "write-into-predecessor": ("E", "a decode token's write index is its predecessor's slot (off by one)"),
+    "new-token-read-index": ("C", "a decode token's read index cell for its own position lists its predecessor's "
+                                  "slot instead of the slot it was just written to"),
 }
 
 
@@ -120,7 +133,7 @@ def skip_fork_copy(bp, state) -> None:
 
 
 def _flip(cache, slot: int) -> None:
-    import torch
+    import torch  # not at import time: the CLI reads BUGS for its --help without torch
 
     _, j = cache.layer_index_to_group_indices[0]
     cache.key_cache[j][slot].view(torch.uint8).view(-1)[1] ^= 0x10
@@ -162,6 +175,134 @@ def prefix_key_collision(bp, state) -> None:
         return orig(None, tokens, group_id)
 
     bm.compute_hash = compute_hash
+
+
+def _full_manager(cache):
+    return cache.group_cache_managers[0]
+
+
+def wrong_read_index(bp, state) -> None:
+    cm, B = _full_manager(bp.cache), bp.cache.block_size
+    orig = cm.get_read_indices
+
+    def get_read_indices(request_id, past_length, query_length):
+        out = orig(request_id, past_length, query_length)
+        if past_length >= 3:
+            own = set(cm.block_table[request_id])
+            other = next((t for t in cm.block_table.values() if t and not own & set(t)), None)
+            if other is not None and _once(state):
+                out[1] = other[0] * B + 2  # another request's position 2, read as our position 1
+        return out
+
+    cm.get_read_indices = get_read_indices
+
+
+def contiguous_read_index(bp, state) -> None:
+    cm, B = _full_manager(bp.cache), bp.cache.block_size
+    orig = cm.get_read_indices
+
+    def get_read_indices(request_id, past_length, query_length):
+        out = orig(request_id, past_length, query_length)
+        table = cm.block_table[request_id]
+        n = (past_length - 1) // B + 1 if past_length else 0
+        # (a fork's guess may land on its parent's identical block: harmless, so wait for one that is not)
+        root = request_id.split("__child")[0]
+        kin = {b for rid, t in cm.block_table.items() if rid.split("__child")[0] == root for b in t}
+        if n >= 2 and any(table[0] + i not in kin for i in range(n)) and _once(state):
+            out[:past_length] = range(table[0] * B, table[0] * B + past_length)
+        return out
+
+    cm.get_read_indices = get_read_indices
+
+
+def _partial_fork_copy(bp, state, copy_k: bool, copy_v: bool, layers: int | None) -> None:
+    import torch
+
+    orig, cache = bp.cache.copy_cache, bp.cache
+    for t in (*cache.key_cache, *cache.value_cache):  # finite wrong KV, as in skip_fork_copy
+        t.zero_()
+
+    def copy_cache(src, dst):
+        if not _once(state):
+            return orig(src, dst)
+        s_, d_ = torch.tensor(src), torch.tensor(dst)
+        for j, (k, v) in enumerate(zip(cache.key_cache, cache.value_cache)):
+            if layers is not None and j >= layers:
+                continue
+            for t, on in ((k, copy_k), (v, copy_v)):
+                if on:
+                    view = t.view(-1, cache.block_size, *t.shape[1:])
+                    view[d_] = view[s_]
+
+    cache.copy_cache = copy_cache
+
+
+def k_only_fork_copy(bp, state) -> None:
+    _partial_fork_copy(bp, state, copy_k=True, copy_v=False, layers=None)
+
+
+def first_layer_fork_copy(bp, state) -> None:
+    _partial_fork_copy(bp, state, copy_k=True, copy_v=True, layers=1)
+
+
+def history_short(bp, state) -> None:
+    orig = bp.update_batch
+    io = bp.inputs_and_outputs
+
+    def update_batch():
+        orig()
+        for fs in io.requests_in_batch:
+            st = fs.state
+            if len(st.generated_tokens) >= 2 and st.status != 3 and _once(state):
+                del st.generated_tokens[-1]
+                return
+
+    bp.update_batch = update_batch
+
+
+def never_written(bp, state) -> None:
+    cache = bp.cache
+    cm, B = _full_manager(cache), cache.block_size
+    orig = cm.get_write_indices
+    seen: set[int] = set()
+
+    def get_write_indices(request_id, past_length, query_length):
+        out = orig(request_id, past_length, query_length)
+        table = cm.block_table[request_id]
+        if query_length == 1 and past_length % B == 0 and table[past_length // B] not in seen:
+            st = bp.scheduler.active_requests.get(request_id)
+            if st is not None and st.generated_len() + 2 <= st.max_new_tokens and _once(state):
+                out[0] = cache.write_trash_index
+        seen.update(table[:(past_length + query_length - 1) // B + 1])
+        return out
+
+    cm.get_write_indices = get_write_indices
+
+
+def write_into_predecessor(bp, state) -> None:
+    cm, B = _full_manager(bp.cache), bp.cache.block_size
+    orig = cm.get_write_indices
+
+    def get_write_indices(request_id, past_length, query_length):
+        out = orig(request_id, past_length, query_length)
+        if query_length == 1 and past_length % B >= 1 and past_length >= 4 and _once(state):
+            out[0] -= 1
+        return out
+
+    cm.get_write_indices = get_write_indices
+
+
+def new_token_read_index(bp, state) -> None:
+    cm = _full_manager(bp.cache)
+    orig = cm.get_read_indices
+
+    def get_read_indices(request_id, past_length, query_length):
+        out = orig(request_id, past_length, query_length)
+        if query_length == 1 and past_length >= 4 and _once(state):
+            out[past_length] = out[past_length - 1]
+        return out
+
+    cm.get_read_indices = get_read_indices
 
 
 _PLANTERS = {name.replace("-", "_"): globals()[name.replace("-", "_")] for name in BUGS}

@@ -118,6 +118,8 @@ class EngineLayout:
     v_full: torch.Tensor
     k_swa: torch.Tensor | None
     v_swa: torch.Tensor | None
+    keys: tuple[torch.Tensor, ...] = ()  # cache.key_cache: entry j serves layer j of every group
+    values: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def from_cache(cls, cache) -> EngineLayout:
@@ -134,7 +136,25 @@ class EngineLayout:
         return cls(block_size=cache.block_size, num_blocks=cache.num_blocks,
                    num_slots=cache.key_cache[j_full].shape[0], full_group=full_group, swa_group=swa_group,
                    window=window, write_trash=cache.write_trash_index, k_full=cache.key_cache[j_full],
-                   v_full=cache.value_cache[j_full], k_swa=k_swa, v_swa=v_swa)
+                   v_full=cache.value_cache[j_full], k_swa=k_swa, v_swa=v_swa, keys=tuple(cache.key_cache),
+                   values=tuple(cache.value_cache))
+
+    def real_kv_sources(self, check_v: bool) -> tuple[tuple[RealKvSource, ...], tuple[RealKvSource, ...]]:
+        """(K buffer sources, V buffer sources) of the real-KV hash: more than one layer, K and V.
+
+        A slot's bytes live in ``keys[j]`` / ``values[j]`` for every layer j of its group (the same
+        tensors serve every group). Without V buffers the K record hashes the first layer's K and
+        the last layer's V (2 sources: each source is a few more tensor ops per launch on the CPU),
+        so a copy that skips V, skips K, or moves only the first or only the last layer changes the
+        hash. With V buffers, K records hash the K of up to 4 layers (first, last and evenly spaced
+        between) and V records the V of the same layers.
+        """
+        n = len(self.keys)
+        if check_v:
+            layers = sorted({round(i * (n - 1) / 3) for i in range(4)}) if n > 1 else [0]
+            return (tuple(s for j in layers for s in kv_sources(self.keys[j])),
+                    tuple(s for j in layers for s in kv_sources(self.values[j])))
+        return kv_sources(self.keys[0]) + kv_sources(self.values[n - 1]), ()
 
     def blocks_to_slots(self, blocks: list[int], device) -> torch.Tensor:
         """int64 slots of whole blocks, block-major."""

@@ -20,7 +20,7 @@ import torch
 
 from kvcanary.format import oracle_token
 from kvcanary.integrations.hf_batch import BatchBuilder
-from kvcanary.integrations.hf_layout import EngineLayout, Patcher, kv_sources
+from kvcanary.integrations.hf_layout import EngineLayout, Patcher
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 
 log = logging.getLogger("kvcanary")
@@ -65,13 +65,13 @@ class Session:
         if not config.plan_capacity:
             config = config.replace(plan_capacity=min(max_batch * max_context, 2 * num_pages + max_tokens))
         self.config = config
-        check_v = config.check_v
+        # One set of layers serves both groups (the cache tensors are shared; the groups use disjoint blocks).
+        k_sources, v_sources = lay.real_kv_sources(config.check_v)
         swa = None
         if lay.swa_group is not None:
             self.swa_table = torch.zeros(lay.num_slots, dtype=torch.int64, device=self.device)
-            swa = SwaSpec(lay.num_slots, lay.window, self.swa_table, kv_sources(lay.k_swa),
-                          kv_sources(lay.v_swa) if check_v else ())
-        pool = PoolSpec(lay.num_slots, kv_sources(lay.k_full), kv_sources(lay.v_full) if check_v else (), swa=swa)
+            swa = SwaSpec(lay.num_slots, lay.window, self.swa_table, k_sources, v_sources)
+        pool = PoolSpec(lay.num_slots, k_sources, v_sources, swa=swa)
         canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
                         num_rows=2 * max_batch + 1, device=self.device)
         canary.sweep_provider = self._sweep_triples
@@ -159,6 +159,8 @@ class Session:
         with self.lock, self._range("kvcanary_before"), self._engine_stream():
             self._batch = self.builder.build()
             self.canary.before_forward(self._batch)
+            if self.canary.enabled:
+                self.builder.verify_new_reads(self._batch)
         self._before_s = time.perf_counter() - t0
 
     def _after(self) -> None:

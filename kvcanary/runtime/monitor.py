@@ -16,7 +16,7 @@ from kvcanary.format import (
     link,
     to_unsigned,
 )
-from kvcanary.runtime.batch import verified_cells
+from kvcanary.runtime.batch import batch_lists, verified_cells
 from kvcanary.runtime.observer import HostObserver, Observation
 from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation
 
@@ -121,6 +121,8 @@ class Monitor:
             attribution = self._writer(row, phase, kv, group)
             if phase != "sweep" and not (row[7] & 24):
                 attribution.update(self._reader(row, step, group, kv, phase))
+            elif phase != "sweep":
+                attribution.update(self._slot_position(row, step, group))
         except Exception as e:  # attribution is a courtesy: the violation itself must never be lost
             log.error("kv_canary: attribution of a violation at step %d failed (%s: %s); reported without it",
                       step, type(e).__name__, e)
@@ -128,33 +130,80 @@ class Monitor:
         return Violation.from_row(row, step, **attribution)
 
     def _writer(self, row, phase, kv, group) -> dict:
+        """Who last wrote the slot's record, and at which forward (counted from 1, as violation steps)."""
         g = self.canary._group(group)
         buf = g.bufs["tail" if phase == "sweep" else phase, kv]
         slot = row[1]
         if buf.shape[1] < ATTRIBUTION_STRIDE or not 0 <= slot < buf.shape[0]:
             return {}
         rec = buf[slot].view(torch.int64).tolist()
-        # The record may have been rewritten since the row was taken; attribute only if it still matches.
-        if rec[R.TOKEN] != row[3] or rec[R.POSITION] != row[2] or rec[R.WRITER_ID] == -1:
+        if rec[R.WRITER_ID] == -1 or not any(rec):  # unattributed, or never written (an empty record)
             return {}
-        return {"writer_request": rec[R.WRITER_ID], "writer_step": rec[R.WRITER_STEP]}
+        out = {"writer_request": rec[R.WRITER_ID], "writer_step": rec[R.WRITER_STEP] + 1}
+        if rec[R.TOKEN] != row[3] or rec[R.POSITION] != row[2]:
+            if phase != "tail" or row[7] & 24:
+                return {}
+            # A TAIL verify runs before the step's TAIL write: the record was rewritten by the write that
+            # changed the slot's KV in this same forward. Its writer is the one to name.
+            out.update(writer_token=rec[R.TOKEN], writer_position=rec[R.POSITION])
+        return out
 
     def _reader(self, row: list[int], step: int, group: str, kv: str, phase: str) -> dict:
-        """The request whose table reads the slot; for chain failures, the one whose predecessor
-        gives the expected hash (two requests may map the same slot)."""
+        """The request whose table reads the slot in a way that fails the row's checks: two requests may
+        map one slot (the legitimate owner and the reader of the wrong KV), and only the latter's
+        position, expected token and predecessor give the row's failures."""
         batch = self.batches.get(step)
         if batch is None:
             return {}
-        slot = row[1]
+        slot, bits = row[1], row[7]
         g = self.canary._group(group)
         buf = g.bufs[phase, kv]
-        candidates = [(rid, p, prev) for rid, p, s, prev in verified_cells(batch, g.window, g.table) if s == slot]
-        if row[7] & FailReason.VERIFY_CHAIN_HASH:
-            matching = [c for c in candidates if _expected_prev_hash(buf, c[2]) == to_unsigned(row[6])]
-            candidates = matching or candidates
+        rows = batch.req_pool_indices.tolist()
+        cells = verified_cells(batch, g.window, g.table)
+        if g.table is None:
+            cells += _new_cells(batch)  # after the prefix: an adapter may also verify the new tokens' reads
+        candidates = [c for c in cells if c[2] == slot]
         if not candidates:
             return {}
+        row_of = dict(zip(batch_lists(batch)[2], rows))
+        tokens = self.canary.token_table
+
+        def expected_token(c):
+            r = row_of.get(c[0])
+            return int(tokens[r, c[1]]) if r is not None and 0 <= c[1] < tokens.shape[1] else None
+
+        position_failed = bool(bits & FailReason.VERIFY_POSITION)
+        tests = [lambda c: (c[1] != row[2]) == position_failed]
+        if bits & FailReason.VERIFY_TOKEN:
+            tests.append(lambda c: expected_token(c) == row[4])
+        if bits & FailReason.VERIFY_CHAIN_HASH:
+            tests.append(lambda c: _expected_prev_hash(buf, c[3]) == to_unsigned(row[6]))
+        for test in tests:  # each narrows the candidates, unless it would leave none
+            kept = [c for c in candidates if test(c)]
+            candidates = kept or candidates
         return {"reader_request": candidates[0][0], "reader_position": candidates[0][1]}
+
+    def _slot_position(self, row: list[int], step: int, group: str) -> dict:
+        """For a write-time row: the position whose slot the writing request's table says this is."""
+        batch = self.batches.get(step)
+        if batch is None or group != "full":
+            return {}
+        slot, position = row[1], row[2]
+        rows, prefix, _ = batch_lists(batch)
+        extend = batch.extend_lens.tolist()
+        loc, pos = batch.out_cache_loc.tolist(), batch.positions.tolist()
+        start = 0
+        for r, q in enumerate(extend):
+            hits = [k for k in range(start, start + q) if loc[k] == slot and pos[k] == position]
+            start += q
+            if not hits:
+                continue
+            width = min(prefix[r] + q, batch.req_to_token.shape[1])
+            cells = batch.req_to_token[rows[r], :width].tolist()
+            where = [p for p, c in enumerate(cells) if c == slot]
+            if where:
+                return {"slot_position": position if position in where else where[0]}
+        return {}
 
     # -- health and stats ------------------------------------------------------------------------
     def expected_tags(self) -> list[str]:
@@ -208,6 +257,18 @@ class Monitor:
         s = self.stats()
         return (f"kv_canary stats: step={s['step']} tokens_protected={s['tokens_protected']} "
                 f"entries_checked={s['entries_checked']} sweeps={s['sweeps']} violations={s['violations']}")
+
+
+def _new_cells(batch) -> list[tuple[int, int, int, int]]:
+    """(request id, position, slot, prev slot) of the new tokens' cells of req_to_token (host-side, reports only)."""
+    rows, prefix, ids = batch_lists(batch)
+    out = []
+    for r, (row, q) in enumerate(zip(rows, batch.extend_lens.tolist())):
+        p0 = prefix[r]
+        width = min(p0 + q, batch.req_to_token.shape[1])
+        cells = batch.req_to_token[row, :width].tolist()
+        out.extend((ids[r], p, cells[p], cells[p - 1] if p > 0 else -1) for p in range(p0, width))
+    return out
 
 
 def _expected_prev_hash(buf: torch.Tensor, prev: int) -> int | None:

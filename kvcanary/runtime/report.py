@@ -8,6 +8,9 @@ from dataclasses import asdict, dataclass
 from kvcanary.format import FailReason, LaunchTag, ViolationField as F, reason_label, to_signed, to_unsigned
 
 WRITE_REASONS = int(FailReason.WRITE_TOKEN | FailReason.WRITE_POSITION)
+# Expected token of a position the engine's token history does not cover (an adapter sets it when a
+# request's history is shorter than its positions): never equal to a stored token, so it is reported.
+MISSING_TOKEN = -2
 
 
 @dataclass(frozen=True)
@@ -15,7 +18,12 @@ class Violation:
     """One violation row, decoded, plus attribution the runtime could add.
 
     ``expected_aux`` is the expected prev_hash for verify rows and the expected position
-    for write-time rows; hashes are unsigned 64-bit ints.
+    for write-time rows; hashes are unsigned 64-bit ints. Steps count forwards from 1: ``step``
+    is the forward whose check found the violation, ``writer_step`` the forward that last wrote
+    the slot's record. ``writer_token`` / ``writer_position`` are set when that record was
+    rewritten after the check read it (a TAIL check before the same step's TAIL write): the
+    writer then put that token and position there. ``slot_position`` (write-time rows) is the
+    position whose slot the writing request's table says the written slot is.
     """
 
     step: int
@@ -32,6 +40,9 @@ class Violation:
     reader_position: int | None = None
     writer_request: int | None = None
     writer_step: int | None = None
+    writer_token: int | None = None
+    writer_position: int | None = None
+    slot_position: int | None = None
 
     @classmethod
     def from_row(cls, row: list[int], step: int, **attribution) -> Violation:
@@ -65,16 +76,29 @@ class Violation:
                 f"expected_token={self.expected_token} stored_chain_hash=0x{self.stored_chain_hash:016x} "
                 f"expected_aux=0x{self.expected_aux:016x}")
 
+    @property
+    def never_written(self) -> bool:
+        """A verify row whose record is empty: no write reached the slot (a written record's
+        prev hash is a hash output, never 0 in practice)."""
+        return (not self.is_write_check and self.stored_chain_hash == 0 and self.stored_token == 0
+                and self.position == 0)
+
     def block(self) -> str:
         """A readable multi-line explanation."""
         lines = [f"KV canary violation at step {self.step} ({self.launch_tag}): {self.reason_label}"]
         if self.is_write_check:
-            expected_pos = to_signed(self.expected_aux)
-            lines.append(f"  the engine wrote token {self.stored_token} at position {self.position} into slot "
-                         f"{self.slot}; expected token {self.expected_token} at position {expected_pos}")
+            lines += self._write_lines()
+        elif self.never_written:
+            lines.append(f"  slot {self.slot} was never written: its record is empty (no KV write reached it since "
+                         "the pool was created)")
+            if self.expected_token not in (-1, 0):
+                lines.append(f"  expected token: {self.expected_token}")
         else:
             lines.append(f"  slot {self.slot} holds token {self.stored_token} of position {self.position}")
-            if self.expected_token != -1:
+            if self.expected_token == MISSING_TOKEN:
+                lines.append("  expected token: none: the engine's token history of the reader is shorter than its "
+                             "positions")
+            elif self.expected_token != -1:
                 lines.append(f"  expected token: {self.expected_token}")
             if self.fail_reason & FailReason.VERIFY_CHAIN_HASH:
                 lines.append(f"  chain: stored prev hash 0x{self.stored_chain_hash:016x} != expected "
@@ -85,11 +109,51 @@ class Violation:
         if self.reader_request is not None:
             lines.append(f"  read by request {self.reader_request} at position {self.reader_position}")
         if self.writer_request is not None:
-            lines.append(f"  last written by request {self.writer_request} at step {self.writer_step}")
-        if (self.reader_request is not None and self.writer_request is not None
-                and self.reader_request != self.writer_request and not self.is_write_check):
-            lines.append("  -> two requests own this slot: double allocation, early free or a stale table entry")
+            if self.writer_position is not None:
+                lines.append(f"  last written by request {self.writer_request} at step {self.writer_step}, with "
+                             f"token {self.writer_token} of position {self.writer_position} (after this check)")
+            else:
+                lines.append(f"  last written by request {self.writer_request} at step {self.writer_step}")
+        lines += self._verdict()
         return "\n".join(lines)
+
+    def _write_lines(self) -> list[str]:
+        expected_pos = to_signed(self.expected_aux)
+        lines = [f"  the engine wrote token {self.stored_token} of position {self.position} into slot {self.slot}"]
+        if self.slot_position is not None and self.slot_position != self.position:
+            lines.append(f"  slot {self.slot} is position {self.slot_position}'s slot in the writer's table: position "
+                         f"{self.position} went into position {self.slot_position}'s slot")
+        if self.fail_reason & FailReason.WRITE_TOKEN:
+            lines.append(f"  expected token {self.expected_token} at position {self.position}")
+        # A misplaced slot explains a position failure better than the chain's expectation does.
+        if self.fail_reason & FailReason.WRITE_POSITION and self.slot_position in (None, self.position):
+            held = "an empty record (never written)" if expected_pos == 1 else f"position {expected_pos - 1}"
+            lines.append(f"  expected position {expected_pos}: the request's previous record (the slot its table "
+                         f"gives position {self.position - 1}) holds {held}, not position {self.position - 1}")
+        return lines
+
+    def _verdict(self) -> list[str]:
+        if self.is_write_check:
+            return []
+        if self.never_written:
+            return ["  -> the reader's table maps a slot no forward wrote: a missing KV write, or a wrong table or "
+                    "read-index entry"]
+        if self.expected_token == MISSING_TOKEN:
+            return ["  -> the engine fed a token its request history does not hold: a dropped or late history update"]
+        if self.fail_reason == FailReason.VERIFY_REAL_KV_HASH:
+            if self.writer_position is not None:
+                return [f"  -> a write of position {self.writer_position} landed in a slot still read as position "
+                        f"{self.position}: a write index or table entry pointing at a live slot"]
+            return ["  -> the KV bytes changed under an intact record: a skipped or partial copy (some layers, K "
+                    "without V), a stray write, or a transfer into the wrong place"]
+        if self.reader_request is None or self.writer_request is None:
+            return []
+        if self.reader_request != self.writer_request:
+            return ["  -> two requests own this slot: double allocation, early free or a stale table entry"]
+        if self.fail_reason & FailReason.VERIFY_POSITION and self.reader_position != self.position:
+            return [f"  -> the request reads its own position {self.position}'s slot as position "
+                    f"{self.reader_position}: a wrong table or read-index entry, or a misplaced write"]
+        return []
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -1,0 +1,130 @@
+"""The transformers adapter's per-step arrays (read table, token cells) and the readable report, without a model."""
+
+import collections
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcanary.format import CHAIN_HEAD, FailReason
+from kvcanary.integrations.hf_batch import BatchBuilder
+from kvcanary.runtime.report import MISSING_TOKEN, Violation
+
+B = 4  # block size
+
+
+def builder(num_rows=7, num_slots=64) -> BatchBuilder:
+    b = BatchBuilder.__new__(BatchBuilder)  # the array code only, without an engine session
+    b.num_rows, b.device = num_rows, torch.device("cpu")
+    b.row_of, b.sent, b.free = collections.OrderedDict(), {}, list(range(num_rows - 1, 0, -1))
+    b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, block_size=B, num_slots=num_slots))
+    b.in_block = torch.arange(B)
+    b.iota = torch.arange(4)
+    b.warned_read_size = False
+    return b
+
+
+def slots_of(blocks, n):
+    return [blocks[p // B] * B + p % B for p in range(n)]
+
+
+# Three requests in canary rows 5, 2, 3: prefix + extend lengths and their (non-contiguous) blocks.
+ROWS, PREFIX, EXTEND = [5, 2, 3], [6, 0, 9], [1, 3, 1]
+BLOCKS = [[3, 9], [4], [7, 2, 11]]
+
+
+def test_read_table_is_built_from_the_read_index_attention_consumes():
+    reads = [slots_of(bl, p + q) for bl, p, q in zip(BLOCKS, PREFIX, EXTEND)]
+    reads[2][4] = 40  # the engine's read index disagrees with its block table at one cell
+    flat = [s for r in reads for s in r]
+    storage = torch.full((1, 64), -7, dtype=torch.int64)
+    storage[0, :len(flat)] = torch.tensor(flat)
+    io = SimpleNamespace(use_block_table=False, max_kv_read=sum(PREFIX), read_index_storage=storage,
+                         true_read_sizes=[len(flat)])
+    b = builder()
+    rtt = b._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND),
+                        max(p + q for p, q in zip(PREFIX, EXTEND)), len(flat))
+    for row, r in zip(ROWS, reads):
+        assert rtt[row, :len(r)].tolist() == r  # the read index, cell for cell (40 included)
+
+
+def test_a_short_read_index_leaves_out_of_range_cells_that_fail_verification():
+    reads = [slots_of(bl, p + q) for bl, p, q in zip(BLOCKS, PREFIX, EXTEND)]
+    flat = [s for r in reads for s in r][:-2]  # the last request misses its last two cells
+    storage = torch.zeros((1, 64), dtype=torch.int64)
+    storage[0, :len(flat)] = torch.tensor(flat)
+    io = SimpleNamespace(use_block_table=False, max_kv_read=1, read_index_storage=storage,
+                         true_read_sizes=[len(flat)])
+    b = builder(num_slots=64)
+    rtt = b._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND), 10, len(flat) + 2)
+    assert rtt[3, :10].tolist() == reads[2][:8] + [64, 64]
+    assert rtt[5, :7].tolist() == reads[0]
+
+
+def test_read_table_on_the_flash_path_uses_the_io_block_table():
+    table = torch.full((1, 8, 5), -1, dtype=torch.int32)
+    for i, bl in enumerate(BLOCKS):
+        table[0, i, :len(bl)] = torch.tensor(bl, dtype=torch.int32)
+    io = SimpleNamespace(use_block_table=True, block_table=table)
+    rtt = builder()._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND), 10, 0)
+    for row, bl, p, q in zip(ROWS, BLOCKS, PREFIX, EXTEND):
+        assert rtt[row, :p + q].tolist() == slots_of(bl, p + q)
+
+
+def fake_request(name, init, gen, prefix, extend):
+    return SimpleNamespace(state=SimpleNamespace(request_id=name, initial_tokens=init, generated_tokens=gen),
+                           query_length=extend, prefix=prefix)
+
+
+def test_a_short_history_only_marks_its_own_request():
+    b = builder()
+    good1 = fake_request("a", [10, 11, 12], [13, 14], 4, 1)
+    short = fake_request("b", [20, 21], [22], 3, 1)  # positions [0, 4) fed, the history holds 3 tokens
+    good2 = fake_request("c", [30, 31, 32, 33], [], 0, 4)
+    reqs = [good1, short, good2]
+    rows = b._rows([r.state.request_id for r in reqs])
+    cells = b._token_cells(reqs, rows, [r.prefix for r in reqs], [r.query_length for r in reqs])
+    bs = len(reqs)
+    valid, rest = cells[:bs], cells[bs:]
+    k = len(rest) // 3
+    table = {(r, c): t for r, c, t in zip(rest[:k], rest[k:2 * k], rest[2 * k:])}
+    assert valid == [5, 4, 4] and len(rest) == 3 * k
+    assert [table[rows[0], c] for c in range(5)] == [10, 11, 12, 13, 14]
+    assert [table[rows[1], c] for c in range(4)] == [20, 21, 22, MISSING_TOKEN]
+    assert [table[rows[2], c] for c in range(4)] == [30, 31, 32, 33]
+
+
+def row(tag=0, slot=9, position=4, stored=7, expected=-1, chain=CHAIN_HEAD, aux=CHAIN_HEAD, bits=0):
+    return [tag, slot, position, stored, expected, chain - (1 << 64) if chain >= 1 << 63 else chain,
+            aux - (1 << 64) if aux >= 1 << 63 else aux, bits]
+
+
+def test_never_written_slot_names_no_writer_and_points_at_the_table():
+    v = Violation.from_row(row(position=0, stored=0, expected=312, chain=0,
+                               bits=int(FailReason.VERIFY_CHAIN_HASH | FailReason.VERIFY_POSITION)), 3,
+                           reader_request=2, reader_position=4)
+    text = v.block()
+    assert v.never_written and "slot 9 was never written" in text and "request 0" not in text
+    assert "read by request 2 at position 4" in text and "a missing KV write, or a wrong table" in text
+
+
+@pytest.mark.parametrize("slot_position,expect", [
+    (3, "position 4 went into position 3's slot"),
+    (None, "expected position 5: the request's previous record (the slot its table gives position 3) holds "
+           "position 4, not position 3"),
+])
+def test_write_row_says_which_position_went_where(slot_position, expect):
+    v = Violation.from_row(row(tag=0, position=4, stored=7, expected=7, aux=5, bits=int(FailReason.WRITE_POSITION)),
+                           6, writer_request=1, writer_step=6, slot_position=slot_position)
+    text = v.block()
+    assert "the engine wrote token 7 of position 4 into slot 9" in text and expect in text
+    assert ("expected position 5" in text) == (slot_position is None)
+
+
+def test_tail_row_rewritten_after_the_check_names_that_writer():
+    v = Violation.from_row(row(tag=2, position=5, stored=405, expected=405, bits=int(FailReason.VERIFY_REAL_KV_HASH)),
+                           2, reader_request=1, reader_position=5, writer_request=3, writer_step=2,
+                           writer_token=406, writer_position=6)
+    text = v.block()
+    assert "last written by request 3 at step 2, with token 406 of position 6 (after this check)" in text
+    assert "a write of position 6 landed in a slot still read as position 5" in text
