@@ -155,11 +155,30 @@ def _zoo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=1, help="workload seeds per configuration (default 1)")
     p.add_argument("--config", action="append", metavar="NAME",
                    help="run only this matrix configuration (repeatable; default: the whole matrix)")
+    p.add_argument("--distributed", action="store_true",
+                   help="the distributed zoo instead: tensor-parallel and prefill/decode runs in N processes "
+                        "(docs/distributed.md); --bug then names distributed bugs (--seeds, --config unused)")
+    p.add_argument("--world-size", type=int, default=2, help="with --distributed: processes (default 2)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                   help="with --distributed: gloo on CPU (default) or nccl, one GPU per rank")
+    p.add_argument("--interval", type=int, default=None,
+                   help="with --distributed: forwards between consistency exchanges (default 16)")
+    p.add_argument("--bench-slots", type=int, default=0, metavar="N",
+                   help="with --distributed: also time the consistency exchange over an N-slot canary and the "
+                        "arrival check of a 4096-token request on each rank's device (default 0: off)")
 
 
 @command("zoo", "planted-bug zoo on the simulated engine: every bug where it applies, plus clean baselines",
          _zoo_args)
 def _zoo(args: argparse.Namespace) -> int:
+    if args.distributed:
+        from kvcanary.distributed import DEFAULT_INTERVAL
+        from kvcanary.sim.distributed import format_report, run_distributed
+
+        report = run_distributed(args.world_size, args.backend, args.bug, args.interval or DEFAULT_INTERVAL,
+                                 args.bench_slots)
+        emit(args, report.to_dict(), format_report(report))
+        return 0 if report.ok else 1
     from kvcanary.sim.zoo import format_table, plan_runs, run_verdict, run_zoo
 
     if args.seeds < 1:

@@ -21,6 +21,7 @@ WORDS = 4  # int64 words per token and layer: 32 bytes
 _M1, _M2, _M3, _M4 = -7046029254386353131, -4658895280553007687, -7723592293110705685, 0x2545F4914F6CDD1D
 _MULTS = torch.tensor([_M1, _M2, _M3, _M4], dtype=torch.int64)  # int64 arithmetic wraps like uint64
 SWA_LAYER_TAG = 100
+SHARD_TAG = 1000  # a tensor-parallel rank's shard of the heads: its own bytes for the same token
 
 
 def kv_words(tokens: torch.Tensor, positions: torch.Tensor, tag: int) -> torch.Tensor:
@@ -51,6 +52,7 @@ class MockModel:
         self.v = [torch.zeros(pages, page_size * WORDS, dtype=torch.int64) for _ in range(num_layers)]
         self.swa_k = torch.zeros(swa_slots, WORDS, dtype=torch.int64) if swa_slots else None
         self.swa_v = torch.zeros(swa_slots, WORDS, dtype=torch.int64) if swa_slots else None
+        self.shard = 0  # tensor-parallel rank whose heads these caches hold (kvcanary.sim.distributed_tp)
 
     @property
     def num_kv_tensors(self) -> int:
@@ -88,11 +90,11 @@ class MockModel:
         loc = out_cache_loc.to(torch.int64)
         for tag, view in self._full_views():
             ok = (loc >= 0) & (loc < view.shape[0])
-            view[loc[ok]] = kv_words(input_ids[ok], positions[ok], tag)
+            view[loc[ok]] = kv_words(input_ids[ok], positions[ok], tag + SHARD_TAG * self.shard)
         if swa_loc is not None and self.swa_k is not None:
             ok = (swa_loc >= 0) & (swa_loc < self.swa_k.shape[0])
-            self.swa_k[swa_loc[ok]] = kv_words(input_ids[ok], positions[ok], SWA_LAYER_TAG)
-            self.swa_v[swa_loc[ok]] = kv_words(input_ids[ok], positions[ok], SWA_LAYER_TAG + 1)
+            self.swa_k[swa_loc[ok]] = kv_words(input_ids[ok], positions[ok], SWA_LAYER_TAG + SHARD_TAG * self.shard)
+            self.swa_v[swa_loc[ok]] = kv_words(input_ids[ok], positions[ok], SWA_LAYER_TAG + 1 + SHARD_TAG * self.shard)
 
     def sample(self, request_id: int, position: int) -> int:
         """The next token: the token oracle's token for ``position``."""
