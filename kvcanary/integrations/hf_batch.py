@@ -147,9 +147,12 @@ class BatchBuilder:
             return
         prev = torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1)
         ops.fill_entries(self.new_reads, slots, pos, prev, batch.input_ids)
-        for kv in g.kvs:
-            ops.verify(buf=g.bufs["head", kv], entries=self.new_reads, ring=c.ring, counters=c.counters,
-                       launch_tag=g.tag("head", kv), backend=c.config.backend)
+        # On the side stream, ordered after HEAD's write and after the entries filled here; the step's
+        # close joins it, so the next step's fill cannot overwrite entries still being read.
+        with c.launcher.side():
+            for kv in g.kvs:
+                ops.verify(buf=g.bufs["head", kv], entries=self.new_reads, ring=c.ring, counters=c.counters,
+                           launch_tag=g.tag("head", kv), backend=c.config.backend)
 
     def _arange(self, n: int) -> torch.Tensor:
         if self.iota.shape[0] < n:

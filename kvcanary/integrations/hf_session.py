@@ -75,6 +75,9 @@ class Session:
         canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
                         num_rows=2 * max_batch + 1, device=self.device)
         canary.sweep_provider = self._sweep_triples
+        # The adapter's only read of canary records inside a forward (verify_new_reads) runs on the
+        # canary's side stream after HEAD, so HEAD may run beside the model's forward.
+        canary.head_overlap = True
         # No graph capture or warm-up forward writes KV outside the hooked step: arm the chain assert now.
         canary.mark_ready()
         self.vocab = int(getattr(cache.config, "vocab_size", 0) or 0)
