@@ -606,6 +606,8 @@ def _rejected_state():
 @pytest.mark.parametrize("case", list(REJECTED_WRITES), ids=str)
 def test_rejected_write_changes_nothing(backend, case):
     changes, exc, message = REJECTED_WRITES[case]
+    if "offs" in changes and torch.device(DEVICE).type != "cpu":
+        pytest.skip("offset values are checked for host plans only (reading a device plan would sync)")
     st = _rejected_state()
     st["plan"].write_offsets[:3] = t(changes.get("offs", [0, 1, 2]))
     before = copy.deepcopy(st)

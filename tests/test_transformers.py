@@ -182,7 +182,9 @@ def test_clean_sliding_window_hybrid(hybrid):
     run = run_workload(hybrid, max_new_tokens=14, check_v=True, real_kv="all")
     assert run.violations == [] and run.tokens == base.tokens
     launches = run.stats["launches"]
-    assert launches["HEAD_K_SWA"] == launches["TAIL_V_SWA"] == launches["HEAD_K_FULL"] > 0
+    # HEAD_K_FULL also counts the new-token read verifies (skipped on CPU when read cells equal write cells)
+    assert launches["HEAD_K_SWA"] == launches["TAIL_V_SWA"] == launches["TAIL_K_FULL"] > 0
+    assert launches["HEAD_K_FULL"] >= launches["HEAD_K_SWA"]
     oracle = run_workload(hybrid, max_new_tokens=14, num_return_sequences=1, token_oracle=True)
     assert oracle.violations == []
 
