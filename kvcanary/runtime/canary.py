@@ -178,6 +178,7 @@ class Canary:
             check_batch(batch, self.device)  # the values are read below: their metadata first
             check_batch_values(batch, num_rows=self.num_rows, num_slots=self.pool.num_slots,
                                max_context=self.max_context)
+            self.launcher.checked = batch  # device_before need not check the same batch's metadata again
         self.launcher.join()
         if self.injector is not None:
             self.injector.before_forward(batch)
