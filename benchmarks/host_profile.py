@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-cprofile", action="store_true", help="host times only (no profiler overhead)")
+    ap.add_argument("--no-step-graphs", action="store_true", help="attach with step_graphs=False")
     a = ap.parse_args()
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
@@ -46,6 +47,8 @@ def main() -> None:
         bench_engine.run_once(model, wl, canary=c)
     from kvcanary.integrations import hf_session
 
+    if a.no_step_graphs:
+        hf_session.Session._step_graphs = lambda self: None
     prof = cProfile.Profile()
     originals = {n: getattr(hf_session.Session, n) for n in ("_before", "_after", "_before_update", "_after_update")}
 

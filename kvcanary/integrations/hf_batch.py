@@ -14,17 +14,35 @@ from __future__ import annotations
 
 import collections
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
-from kvcanary.runtime.monitor import KEEP_BATCHES
+from kvcanary.runtime.observer import NUM_SLOTS
 from kvcanary.runtime.report import MISSING_TOKEN
 
 log = logging.getLogger("kvcanary")
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
+
+
+class HostStep(NamedTuple):
+    """What the host half of a step computed (``BatchBuilder.host_part``)."""
+
+    io: object  # the engine's inputs and outputs of this step
+    reqs: list
+    bs: int
+    T: int  # new tokens
+    prefix: list[int]
+    extend: list[int]
+    rids: list[int]
+    packed: torch.Tensor  # the staged device buffer: rows, prefix, extend, ids, token cells, token batch index
+    n: int  # per-request values staged (4 x bs)
+    small: int  # values before each new token's batch index
+    width: int  # max prefix + extend
+    total: int  # prefix + new positions over the batch (the read index's expected length)
 
 
 class BatchBuilder:
@@ -47,7 +65,20 @@ class BatchBuilder:
         self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
 
     def build(self) -> ForwardBatch:
-        s, lay = self.s, self.s.layout
+        """This step's batch, its device work issued eagerly."""
+        h = self.host_part()
+        batch = self.assemble(h)
+        self.fill_read_table(batch, h)
+        if self.oracle:
+            self._oracle(batch, h.reqs, h.prefix, h.extend, h.rids)
+        if self.s.layout.swa_group is not None:
+            self._fill_swa_table(h.io, batch.prefix_lens, batch.extend_lens,
+                                 max(min(p, self.s.layout.window) for p in h.prefix), h.T, batch.out_cache_loc)
+        return batch
+
+    def host_part(self) -> HostStep:
+        """The host half of a step: per-request facts and token cells, staged to the device in one copy."""
+        s = self.s
         io = s.bp.inputs_and_outputs
         reqs = io.requests_in_batch
         bs = len(reqs)
@@ -56,39 +87,54 @@ class BatchBuilder:
         prefix = [fs.state.position_offset - q for fs, q in zip(reqs, extend)]
         rows = self._rows(names)
         rids = [s.request_id(n) for n in names]
-        T = sum(extend)
         small = rows + prefix + extend + rids
         n = len(small)
         if self.want_history:
             small += self._token_cells(reqs, rows, prefix, extend)
         # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
         packed = self.stage.send(small, np.repeat(np.arange(bs, dtype=np.int64), extend))
+        width = max((p + q for p, q in zip(prefix, extend)), default=0)
+        return HostStep(io, reqs, bs, sum(extend), prefix, extend, rids, packed, n, len(small), width,
+                        sum(prefix) + sum(extend))
+
+    def assemble(self, h: HostStep, width: int | None = None) -> ForwardBatch:
+        """The ForwardBatch of views into the staged buffer, the engine's inputs and a read table of
+        ``width`` columns (not yet filled: ``fill_read_table``)."""
+        lay, io, bs, T, packed = self.s.layout, h.io, h.bs, h.T, h.packed
         rows_t, prefix_t, extend_t, rids_t = (packed[i * bs:(i + 1) * bs] for i in range(4))
-        self.token_req = packed[len(small):]
+        token_req = packed[h.small:]
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
-        rtt = self._read_table(io, rows_t, prefix_t, extend_t, max(p + q for p, q in zip(prefix, extend)),
-                               sum(prefix) + T)
+        width = max(1, h.width if width is None else width)
         if io.use_block_table:
+            nb = min(-(-width // lay.block_size), io.block_table.shape[2])
+            rtt = torch.empty(self.num_rows, nb * lay.block_size, dtype=torch.int64, device=self.device)
             # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
-            out_cache_loc = rtt[rows_t[self.token_req], positions.to(torch.int64)]
+            out_cache_loc = torch.empty(T, dtype=torch.int64, device=self.device)
         else:
+            rtt = torch.empty(self.num_rows, width, dtype=torch.int64, device=self.device)
             out_cache_loc = io.write_index_storage[lay.full_group, :T]
         batch = ForwardBatch(req_pool_indices=rows_t, prefix_lens=prefix_t, extend_lens=extend_t,
                              input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              req_to_token=rtt, request_ids=rids_t,
                              mode=ForwardMode.DECODE if T == bs else ForwardMode.EXTEND)
+        batch.token_req = token_req  # each new token's batch index (verify_new_reads, the block-table path)
         if self.want_history:
-            k = (len(small) - n - bs) // 3
-            c0 = n + bs
+            k = (h.small - h.n - bs) // 3
+            c0 = h.n + bs
             batch.token_history = TokenAppend(packed[c0:c0 + k], packed[c0 + k:c0 + 2 * k],
-                                              packed[c0 + 2 * k:c0 + 3 * k], packed[n:n + bs])
-        if self.oracle:
-            self._oracle(batch, reqs, prefix, extend, rids)
-        if lay.swa_group is not None:
-            self._fill_swa_table(io, prefix_t, extend_t, max(min(p, lay.window) for p in prefix), T, out_cache_loc)
+                                              packed[c0 + 2 * k:c0 + 3 * k], packed[h.n:h.n + bs])
         return batch
 
-    def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int) -> torch.Tensor:
+    def fill_read_table(self, batch: ForwardBatch, h: HostStep) -> None:
+        """Fill the batch's read table (and on the flash path its write slots) for this step."""
+        rtt = batch.req_to_token
+        self._read_table(h.io, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, rtt.shape[1], h.total,
+                         out=rtt)
+        if h.io.use_block_table:
+            # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
+            batch.out_cache_loc.copy_(rtt[batch.req_pool_indices[batch.token_req], batch.positions.to(torch.int64)])
+
+    def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int, out=None) -> torch.Tensor:
         """req_to_token from the indices the forward's attention consumes, not from the block tables.
 
         Full-attention layers read ``read_index[g]`` (sdpa / eager: per request, the slots of
@@ -100,12 +146,13 @@ class BatchBuilder:
         if io.use_block_table:
             nb = min(-(-width // B), io.block_table.shape[2])
             blocks = io.block_table[g, :rows_t.shape[0], :nb].to(torch.int64)
-            rtt = torch.empty(self.num_rows, nb * B, dtype=torch.int64, device=self.device)
-            rtt.view(self.num_rows, nb, B)[rows_t] = torch.add(self.in_block[:B], blocks.unsqueeze(2), alpha=B)
+            rtt = torch.empty(self.num_rows, nb * B, dtype=torch.int64, device=self.device) if out is None else out
+            rtt.view(self.num_rows, -1, B)[rows_t, :nb] = torch.add(self.in_block[:B], blocks.unsqueeze(2), alpha=B)
             return rtt
-        rtt = torch.empty(self.num_rows, max(1, width), dtype=torch.int64, device=self.device)
+        rtt = torch.empty(self.num_rows, max(1, width), dtype=torch.int64, device=self.device) if out is None else out
         if io.max_kv_read == 0:
             return rtt  # nothing is read from the cache (fresh prefills only): no prefix to verify
+        width = rtt.shape[1]
         seen = prefix_t + extend_t
         # [bs, width] positions into the flat read index; cells past a request's length are never read.
         idx = (torch.cumsum(seen, 0) - seen).unsqueeze(1) + self._arange(width)
@@ -137,7 +184,7 @@ class BatchBuilder:
             return  # the fast path reads through the table the writes used; no read of the cache at all
         c = self.s.canary
         g = c.groups[0]
-        per = batch.req_pool_indices[self.token_req]
+        per = batch.req_pool_indices[batch.token_req]
         pos = batch.positions.to(torch.int64)
         rtt = batch.req_to_token
         slots = rtt[per, pos]
@@ -271,10 +318,12 @@ class Staging:
 
     Device buffers take turns over ``depth`` steps: a batch's tensors are views into one of them, and
     the monitor reads a remembered batch when its violations arrive steps later (reader attribution),
-    so a buffer must not be refilled while that batch may still be read.
+    so a buffer must not be refilled while that batch may still be read. A step's observation is
+    drained at the latest when its snapshot slot comes round again (``NUM_SLOTS`` steps later), so
+    ``NUM_SLOTS + 1`` turns suffice; fewer turns also mean fewer CUDA-graph captures (``hf_graph.py``).
     """
 
-    def __init__(self, device: torch.device, depth: int = KEEP_BATCHES + 2):
+    def __init__(self, device: torch.device, depth: int = NUM_SLOTS + 1):
         self.device, self.cuda, self.depth = device, device.type == "cuda", depth
         self.host = None
         self.ring: list[torch.Tensor] = []

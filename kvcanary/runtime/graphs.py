@@ -19,6 +19,8 @@ from collections import OrderedDict
 
 import torch
 
+from kvcanary.runtime.streams import stream_cache
+
 MAX_GRAPHS = 8  # captured sequences kept (least recently used dropped)
 
 
@@ -87,10 +89,12 @@ class CudaGraphs(FakeGraphs):
     def __init__(self, device: torch.device, max_graphs: int = MAX_GRAPHS):
         super().__init__(max_graphs)
         self.device = device
+        self.streams = stream_cache(device)
+        self.default = torch.cuda.default_stream(device)
 
     def run(self, key, body) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        if torch.cuda.is_current_stream_capturing() or stream == torch.cuda.default_stream(self.device):
+        stream = self.streams.current()
+        if torch.cuda.is_current_stream_capturing() or stream == self.default:
             body(eager)
             return
         super().run(key, body)
