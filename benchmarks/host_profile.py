@@ -70,6 +70,7 @@ def main() -> None:
         for n, f in originals.items():
             setattr(hf_session.Session, n, f)
     off = bench_engine.run_once(model, wl, canary=False)
+    print(f"violations {r['violations']}, tokens identical {r['outputs'] == off['outputs']}")
     print(f"steps {len(r['steps'])}: median step {1e3 * statistics.median(r['steps']):.2f} ms with, "
           f"{1e3 * statistics.median(off['steps']):.2f} ms without; canary host "
           + ", ".join(f"{k[:-2]} {1e6 * statistics.median(p[k] for p in r['parts']):.0f} us" for k in r["parts"][0]))

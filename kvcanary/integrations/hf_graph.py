@@ -31,10 +31,10 @@ EAGER_SIGHTINGS = 4
 
 
 class _Entry:
-    __slots__ = ("batch", "graph", "state")
+    __slots__ = ("batch", "graph", "state", "keep")
 
     def __init__(self, batch):
-        self.batch, self.graph, self.state = batch, None, None
+        self.batch, self.graph, self.state, self.keep = batch, None, None, None
 
 
 class StepGraphs:
@@ -56,7 +56,8 @@ class StepGraphs:
         """Build, check and launch the step's before-forward work; returns its ForwardBatch."""
         s, b, io = self.s, self.s.builder, h.io
         g = s.layout.full_group
-        width = -(-max(1, h.width) // WIDTH_STEP) * WIDTH_STEP
+        # never past the canary's table (a wider batch fails its size check as it would eagerly)
+        width = max(h.width, min(-(-max(1, h.width) // WIDTH_STEP) * WIDTH_STEP, s.canary.max_context))
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
                  io.input_ids.data_ptr(), io.position_ids.data_ptr(), io.read_index_storage[g].data_ptr(),
                  io.write_index_storage.data_ptr())
@@ -86,7 +87,7 @@ class StepGraphs:
                 # thread-local: the engine's other threads may keep issuing CUDA calls meanwhile
                 e.graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self._body(batch, h)
+                    self._body(e, h)
                 finally:
                     e.graph.capture_end()
                 e.state = launcher.state()
@@ -94,13 +95,15 @@ class StepGraphs:
                 self.captures += 1
             else:
                 self.seen[shape] = self.seen.get(shape, 0) + 1
-                self._body(batch, h)
+                self._body(e, h)
         # HEAD runs beside the forward; the step's close makes the engine stream wait for it
         launcher.pending = launcher.streams.record(side)
         return batch
 
-    def _body(self, batch, h) -> None:
-        s = self.s
+    def _body(self, e: _Entry, h) -> None:
+        s, batch = self.s, e.batch
+        # A graph keeps no tensor alive: the entry holds what the body reads that the builder may replace.
+        e.keep = s.builder.iota
         s.builder.fill_read_table(batch, h)
         s.canary.device_before(batch)
         s.builder.verify_new_reads(batch)
