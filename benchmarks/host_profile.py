@@ -30,13 +30,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--mode", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-cprofile", action="store_true", help="host times only (no profiler overhead)")
     ap.add_argument("--no-step-graphs", action="store_true", help="attach with step_graphs=False")
     a = ap.parse_args()
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
-    args = types.SimpleNamespace(batch=a.batch, context=a.context, mode="decode", steps=a.steps, skip=2,
+    args = types.SimpleNamespace(batch=a.batch, context=a.context, mode=a.mode, steps=a.steps, skip=2,
                                  chunk=4096 if cuda else 256, block_size=256 if cuda else 16,
                                  canary_option=[], rounds=1)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)

@@ -171,7 +171,7 @@ class BatchBuilder:
         rtt[rows_t] = torch.where(idx < have, got, self.s.layout.num_slots)
         return rtt
 
-    def verify_new_reads(self, batch: ForwardBatch) -> None:
+    def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:
         """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
 
         Full attention writes the new tokens, then reads positions [0, prefix + extend) through the
@@ -190,7 +190,7 @@ class BatchBuilder:
         slots = rtt[per, pos]
         # Where every read cell is the write cell the check holds by construction (the HEAD write just
         # stored those records); on the CPU that comparison costs no sync and saves the verify.
-        if self.device.type == "cpu" and torch.equal(slots, batch.out_cache_loc):
+        if shortcut and self.device.type == "cpu" and torch.equal(slots, batch.out_cache_loc):
             return
         prev = torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1)
         ops.fill_entries(self.new_reads, slots, pos, prev, batch.input_ids)

@@ -87,10 +87,15 @@ class Session:
         self.vocab = int(getattr(cache.config, "vocab_size", 0) or 0)
         return canary
 
-    def _step_graphs(self) -> StepGraphs | None:
+    def _step_graphs(self, graph_type=None) -> StepGraphs | None:
         """On CUDA (attach option ``step_graphs``, default on): the before hook's device work replayed
-        from a CUDA graph per batch shape, and the after hook's TAIL and snapshot likewise."""
-        if self.device.type != "cuda" or not self.handle.options.get("step_graphs", True):
+        from a CUDA graph per batch shape, and the after hook's TAIL and snapshot likewise. Tests pass
+        ``graph_type`` (a CPU stand-in) to take the same path on the CPU."""
+        if not self.handle.options.get("step_graphs", True):
+            return None
+        if graph_type is not None:
+            return StepGraphs(self, graph_type)
+        if self.device.type != "cuda":
             return None
         if not self.canary.launcher.streams.overlap:
             return None  # the whole-step graph runs on the side stream: overlap off keeps every launch eager
