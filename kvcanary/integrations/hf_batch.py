@@ -21,7 +21,7 @@ import torch
 
 from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
-from kvcanary.runtime.observer import NUM_SLOTS
+from kvcanary.runtime.monitor import KEEP_BATCHES
 from kvcanary.runtime.report import MISSING_TOKEN
 
 log = logging.getLogger("kvcanary")
@@ -318,12 +318,11 @@ class Staging:
 
     Device buffers take turns over ``depth`` steps: a batch's tensors are views into one of them, and
     the monitor reads a remembered batch when its violations arrive steps later (reader attribution),
-    so a buffer must not be refilled while that batch may still be read. A step's observation is
-    drained at the latest when its snapshot slot comes round again (``NUM_SLOTS`` steps later), so
-    ``NUM_SLOTS + 1`` turns suffice; fewer turns also mean fewer CUDA-graph captures (``hf_graph.py``).
+    so a buffer must not be refilled while that batch may still be read: ``KEEP_BATCHES`` turns and a spare (few
+    turns also mean few CUDA-graph captures, ``hf_graph.py``).
     """
 
-    def __init__(self, device: torch.device, depth: int = NUM_SLOTS + 1):
+    def __init__(self, device: torch.device, depth: int = KEEP_BATCHES + 1):
         self.device, self.cuda, self.depth = device, device.type == "cuda", depth
         self.host = None
         self.ring: list[torch.Tensor] = []
