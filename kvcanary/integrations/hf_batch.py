@@ -22,6 +22,7 @@ import torch
 from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.runtime.monitor import KEEP_BATCHES
+from kvcanary.runtime.streams import stream_cache
 from kvcanary.runtime.report import MISSING_TOKEN
 
 log = logging.getLogger("kvcanary")
@@ -82,20 +83,25 @@ class BatchBuilder:
         io = s.bp.inputs_and_outputs
         reqs = io.requests_in_batch
         bs = len(reqs)
-        names = [fs.state.request_id for fs in reqs]
-        extend = [fs.query_length for fs in reqs]
-        prefix = [fs.state.position_offset - q for fs, q in zip(reqs, extend)]
+        names, extend, prefix = [], [], []
+        for fs in reqs:
+            st, q = fs.state, fs.query_length
+            names.append(st.request_id)
+            extend.append(q)
+            prefix.append(st.position_offset - q)
         rows = self._rows(names)
-        rids = [s.request_id(n) for n in names]
-        small = rows + prefix + extend + rids
-        n = len(small)
+        ids = s.ids
+        rids = [ids.get(n) or s.request_id(n) for n in names]
+        parts = [rows + prefix + extend + rids]
+        n = 4 * bs
         if self.want_history:
-            small += self._token_cells(reqs, rows, prefix, extend)
+            parts += self._token_cells(reqs, names, rows, prefix, extend)
+        T = sum(extend)
         # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
-        packed = self.stage.send(small, np.repeat(np.arange(bs, dtype=np.int64), extend))
-        width = max((p + q for p, q in zip(prefix, extend)), default=0)
-        return HostStep(io, reqs, bs, sum(extend), prefix, extend, rids, packed, n, len(small), width,
-                        sum(prefix) + sum(extend))
+        parts.append(np.arange(bs, dtype=np.int64) if T == bs else np.repeat(np.arange(bs, dtype=np.int64), extend))
+        packed, small = self.stage.send(parts)
+        width = max(map(sum, zip(prefix, extend)), default=0)
+        return HostStep(io, reqs, bs, T, prefix, extend, rids, packed, n, small, width, sum(prefix) + T)
 
     def assemble(self, h: HostStep, width: int | None = None) -> ForwardBatch:
         """The ForwardBatch of views into the staged buffer, the engine's inputs and a read table of
@@ -224,31 +230,48 @@ class BatchBuilder:
             rows.append(row)
         return rows
 
-    def _token_cells(self, reqs, rows, prefix, extend) -> list[int]:
+    def _token_cells(self, reqs, names, rows, prefix, extend) -> list:
         """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens.
 
         Each request's cells are packed with its own row and columns, as many as its positions need:
         a history shorter than the positions (an engine bug) fills the missing cells with
         ``MISSING_TOKEN``, so the gap is reported against that request alone and never shifts
-        another request's cells.
+        another request's cells. Returns parts for ``Staging.send``: lists, or arrays for long runs.
         """
-        valid, cell_rows, cell_cols, cell_tokens = [], [], [], []
-        for fs, row, p, q in zip(reqs, rows, prefix, extend):
-            st, need = fs.state, p + q
-            name = st.request_id
-            have = self.sent[name]
-            if have < need:
-                init, gen = st.initial_tokens, st.generated_tokens
-                n0 = len(init)
-                toks = init[have:need] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
-                if len(toks) < need - have:
-                    toks += [MISSING_TOKEN] * (need - have - len(toks))
+        valid, cell_rows, cell_cols, cell_tokens, sent = [], [], [], [], self.sent
+        runs = []  # (row, have, need, tokens) of requests with many new cells (prefill chunks)
+        for fs, name, row, p, q in zip(reqs, names, rows, prefix, extend):
+            need = p + q
+            valid.append(need)
+            have = sent[name]
+            if have >= need:
+                continue
+            sent[name] = need
+            st = fs.state
+            n0 = len(st.initial_tokens)
+            if need - have == 1 and have >= n0:  # a decode step: one generated token
+                gen = st.generated_tokens
+                cell_rows.append(row)
+                cell_cols.append(have)
+                cell_tokens.append(gen[have - n0] if have - n0 < len(gen) else MISSING_TOKEN)
+                continue
+            init, gen = st.initial_tokens, st.generated_tokens
+            toks = init[have:need] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
+            if len(toks) < need - have:
+                toks += [MISSING_TOKEN] * (need - have - len(toks))
+            if need - have < 64:
                 cell_rows += [row] * (need - have)
                 cell_cols += range(have, need)
                 cell_tokens += toks
-                self.sent[name] = need
-            valid.append(need)
-        return valid + cell_rows + cell_cols + cell_tokens
+            else:
+                runs.append((row, have, need, toks))
+        if not runs:
+            return [valid + cell_rows + cell_cols + cell_tokens]
+        # long runs as arrays: a list of thousands of ints converts far slower than np.arange / np.full
+        r = [np.asarray(cell_rows, dtype=np.int64)] + [np.full(n - h, row, dtype=np.int64) for row, h, n, _ in runs]
+        c = [np.asarray(cell_cols, dtype=np.int64)] + [np.arange(h, n, dtype=np.int64) for _, h, n, _ in runs]
+        t = [np.asarray(cell_tokens, dtype=np.int64)] + [np.asarray(tk, dtype=np.int64) for _, _, _, tk in runs]
+        return [valid] + r + c + t
 
     def _oracle(self, batch, reqs, prefix, extend, rids) -> None:
         """Expected inputs (prompt, then oracle tokens) and the tokens the sampler will be forced to emit."""
@@ -328,11 +351,12 @@ class Staging:
         self.ring: list[torch.Tensor] = []
         self.turn = 0
         self.event = torch.cuda.Event() if self.cuda else None
+        self.stream = stream_cache(device) if self.cuda else None
 
-    def send(self, small: list[int], tail: np.ndarray | None = None) -> torch.Tensor:
-        """``small`` then ``tail`` (if any) in one device buffer."""
-        m = len(small)
-        n = m + (0 if tail is None else len(tail))
+    def send(self, parts: list) -> tuple[torch.Tensor, int]:
+        """``parts`` (lists of ints or int64 arrays) back to back in one device buffer; returns the
+        buffer and where the last part starts."""
+        n = sum(len(p) for p in parts)
         if self.event is not None:
             self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
         if self.host is None or self.host.shape[0] < n:
@@ -341,12 +365,13 @@ class Staging:
             self.host_np = self.host.numpy()
             # (remembered batches keep their old buffers alive)
             self.ring = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
-        self.host_np[:m] = small  # numpy converts a list of ints several times faster than torch
-        if tail is not None:
-            self.host_np[m:n] = tail
+        at = 0
+        for p in parts:
+            self.host_np[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
+            at += len(p)
         out = self.ring[self.turn][:n]
         self.turn = (self.turn + 1) % self.depth
         out.copy_(self.host[:n], non_blocking=self.cuda)
         if self.event is not None:
-            self.event.record()
-        return out
+            self.event.record(self.stream.current())
+        return out, n - len(parts[-1])
