@@ -349,6 +349,7 @@ class Staging:
         self.device, self.cuda, self.depth = device, device.type == "cuda", depth
         self.host = None
         self.ring: list[torch.Tensor] = []
+        self.static: torch.Tensor | None = None  # the one buffer a captured step reads (hf_graph.py)
         self.turn = 0
         self.event = torch.cuda.Event() if self.cuda else None
         self.stream = stream_cache(device) if self.cuda else None
@@ -365,6 +366,7 @@ class Staging:
             self.host_np = self.host.numpy()
             # (remembered batches keep their old buffers alive)
             self.ring = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
+            self.static = torch.empty(size, dtype=torch.int64, device=self.device)
         at = 0
         for p in parts:
             self.host_np[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
@@ -375,3 +377,10 @@ class Staging:
         if self.event is not None:
             self.event.record(self.stream.current())
         return out, n - len(parts[-1])
+
+    def to_static(self, packed: torch.Tensor) -> torch.Tensor:
+        """A copy of this step's staged values in the one buffer whose address never changes (while the
+        buffers do not grow): what a captured step reads, whichever turn the values arrived in."""
+        out = self.static[:packed.shape[0]]
+        out.copy_(packed)
+        return out

@@ -3,16 +3,18 @@
 Eagerly, a forward's before hook issues some forty device calls (read-table gather, staging,
 token-table append, plan, HEAD verify and write, the new tokens' read check), each costing the
 host 10-40 us on the H200's host. All of them read only buffers whose addresses do not change
-from one step to the next of the same shape: the engine's input storage, the builder's staged
-buffer (one of a few taking turns), a read table per entry, and the canary's own buffers. So the
-sequence is captured into a CUDA graph once a shape has run eagerly ``EAGER_SIGHTINGS`` times (the
-first run compiles Triton kernels and warms the allocator) and replayed afterwards: one host call.
+from one step to the next of the same shape: the engine's input storage, a static copy of the
+builder's staged values, a read table per shape, and the canary's own buffers. So the sequence is
+captured into a CUDA graph once a shape has run eagerly ``EAGER_SIGHTINGS`` times (the first run
+compiles Triton kernels and warms the allocator) and replayed afterwards: one host call. Two eager
+copies remain per step: the staged values into the static buffer, and the read table into the
+batch the monitor remembers (its reports read a step's batch up to ``KEEP_BATCHES`` steps later).
 
 The key is everything the captured calls depend on: batch size, new tokens, token cells, the read
-table's width rounded up (cells past a request's length are never read), which
-staged buffer, and the data pointers of the engine's tensors. Anything else — a read index
-shorter than the batch (an engine bug), the flash block-table path, a sliding-window group, the
-token oracle, fault injection — runs eagerly.
+table's width rounded up (cells past a request's length are never read), and the data pointers of
+the static buffer and the engine's tensors. Anything else — a read index shorter than the batch (an
+engine bug), the flash block-table path, a sliding-window group, the token oracle, fault injection —
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from kvcanary.runtime.streams import stream_cache
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
-MAX_ENTRIES = 32  # captured shapes kept (each takes one of the staged buffers' turns)
+MAX_ENTRIES = 32  # captured shapes kept
 # A shape is captured after this many eager runs (the first compiles Triton kernels and warms the
 # allocator; a capture costs about one eager run more, each replay saves one).
 EAGER_SIGHTINGS = 1
@@ -48,7 +50,8 @@ class StepGraphs:
         self.s = session
         self.graph_type = graph_type or torch.cuda.CUDAGraph
         self.entries: OrderedDict = OrderedDict()
-        self.seen: dict = {}  # eager runs per shape (without the staged buffer's turn)
+        self.seen: dict = {}  # eager runs per shape
+        self.reports: OrderedDict = OrderedDict()
         self.captures = self.replays = 0
 
     def usable(self, io) -> bool:
@@ -66,32 +69,52 @@ class StepGraphs:
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
                  io.input_ids.data_ptr(), io.position_ids.data_ptr(), io.read_index_storage[g].data_ptr(),
                  io.write_index_storage.data_ptr())
-        key = shape + (h.packed.data_ptr(),)
+        # the captured work reads the static copy of the staged values; the monitor keeps the turn's
+        # buffers (reports read a batch up to KEEP_BATCHES steps late) and a copy of the read table
+        work = h._replace(packed=b.stage.to_static(h.packed))
+        key = shape + (work.packed.data_ptr(),)
         e = self.entries.get(key)
         if e is None:
-            e = _Entry(b.assemble(h, width))
+            e = _Entry(b.assemble(work, width))
             self.entries[key] = e
             while len(self.entries) > MAX_ENTRIES:
                 self.entries.popitem(last=False)  # its graph and the buffers it writes go together
         else:
             self.entries.move_to_end(key)
-        batch, c = e.batch, s.canary
-        c.host_before(batch)  # checks, drains, opens the forward; joins the side stream's earlier work
+        report = self._report(h, width)
+        c = s.canary
+        c.host_before(e.batch)  # checks, drains, opens the forward; joins the side stream's earlier work
         launcher = c.launcher
         side = launcher.streams.side()
         if side is None:
-            self._run(e, shape, h)
-            return batch
+            self._run(e, shape, work)
+            report.req_to_token.copy_(e.batch.req_to_token)
+            return report
         streams = stream_cache(c.device)
         # the side stream starts after the engine prepared this step's inputs (they are read below)
         side.wait_event(launcher.streams.record(streams.current()))
         with streams.use(side):
-            self._run(e, shape, h)
+            self._run(e, shape, work)
+            report.req_to_token.copy_(e.batch.req_to_token)
         # HEAD runs beside the forward; the step's close makes the engine stream wait for it
         launcher.pending = launcher.streams.record(side)
+        return report
+
+    def _report(self, h, width: int):
+        """The batch the monitor remembers: views into this turn's staged buffer and its own read table."""
+        key = (h.packed.data_ptr(), h.bs, h.T, h.small, width, h.io.input_ids.data_ptr(),
+               h.io.write_index_storage.data_ptr())
+        batch = self.reports.get(key)
+        if batch is None:
+            batch = self.reports[key] = self.s.builder.assemble(h, width)
+            while len(self.reports) > MAX_ENTRIES:
+                self.reports.popitem(last=False)
+        else:
+            self.reports.move_to_end(key)
         return batch
 
     def _run(self, e: _Entry, shape: tuple, h) -> None:
+        """Replay the entry's graph, or capture it, or run its work eagerly (the first sightings)."""
         launcher = self.s.canary.launcher
         if e.graph is not None:
             e.graph.replay()
