@@ -1,85 +1,77 @@
-"""Where the canary's host time goes inside one transformers continuous-batching generation.
+"""Where the canary's host time goes inside transformers continuous batching: cProfile over its hooks.
 
-Runs the engine benchmark's workload once with the canary under cProfile (enabled only inside the
-canary's hooks) and prints the hottest functions. A development tool; the numbers the README reports
-come from ``kvcanary.bench.engine``.
+Runs ``kvcanary.bench.engine`` with the given arguments (one round, no torch profiler) and profiles
+only the canary's parts of each step (before/after the forward and its update bookkeeping), then
+prints the functions with the most own time. On a GPU the kernel launches show up as the builtins
+that enqueue them.
 
-    python benchmarks/host_profile.py --device cuda --size 1b --batch 64 --context 2048
+    python benchmarks/host_profile.py --device cuda --model-size 1b --batch 64 --context 2048
+    python benchmarks/host_profile.py --device cpu --model-size tiny --batch 64 --context 512 --steps 16 \
+        --stub-kernels --no-cprofile    # the canary's own Python per step, in the JSON it prints
+    python benchmarks/host_profile.py --device cuda --model-size 1b --batch 1 --no-step-graphs --no-cprofile
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
-import logging
+import os
 import pstats
-import statistics
-import types
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcanary.bench import engine as bench_engine
-from kvcanary.bench.workload import Workload, build_model
+from kvcanary.bench import engine as bench_engine  # noqa: E402
+
+from kvcanary.integrations import hf_session  # noqa: E402
+from kvcanary.runtime import launch  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--size", default="tiny")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--mode", choices=("decode", "prefill"), default="decode")
-    ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--no-cprofile", action="store_true", help="host times only (no profiler overhead)")
-    ap.add_argument("--no-step-graphs", action="store_true", help="attach with step_graphs=False")
-    a = ap.parse_args()
-    dev = torch.device(a.device)
-    cuda = dev.type == "cuda"
-    args = types.SimpleNamespace(batch=a.batch, context=a.context, mode=a.mode, steps=a.steps, skip=2,
-                                 chunk=4096 if cuda else 256, block_size=256 if cuda else 16,
-                                 canary_option=[], rounds=1)
-    logging.getLogger("kvcanary").setLevel(logging.ERROR)
-    model = build_model(a.size, dev, torch.bfloat16 if cuda else torch.float32, a.context + a.steps + 8,
-                        "varlen" if cuda else "sdpa")
-    wl = Workload(args, dev)
-    for c in (True, False, True):
-        bench_engine.run_once(model, wl, canary=c)
-    from kvcanary.integrations import hf_session
+class _NoKernels:
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
 
-    if a.no_step_graphs:
-        hf_session.Session._step_graphs = lambda self: None
+
+def main(argv: list[str]) -> None:
+    """Extra flags: --stub-kernels (the canary's own Python only: every op a no-op, so its health
+    check complains of missing launches), --no-cprofile (time without the profiler's overhead),
+    --no-step-graphs (the transformers adapter's steps all eager, as with attach(step_graphs=False))."""
+    flags = ("--stub-kernels", "--no-cprofile", "--no-step-graphs")
+    stub, plain, eager = (f in argv for f in flags)
+    argv = [a for a in argv if a not in flags]
+    if eager:
+        hf_session.Session._step_graphs = lambda self, graph_type=None: None
+    if stub:
+        orig_init = launch.ForwardLauncher.__init__
+
+        def init(self, canary):
+            orig_init(self, canary)
+            self.impl = _NoKernels()
+
+        launch.ForwardLauncher.__init__ = init
     prof = cProfile.Profile()
-    originals = {n: getattr(hf_session.Session, n) for n in ("_before", "_after", "_before_update", "_after_update")}
+    cls = hf_session.Session
 
-    def wrap(f):
-        def hooked(*x, **k):
+    def profiled(fn):
+        def run(self, *args):
             prof.enable()
             try:
-                return f(*x, **k)
+                return fn(self, *args)
             finally:
                 prof.disable()
-        return hooked
+        return run
 
-    if not a.no_cprofile:
-        for n, f in originals.items():
-            setattr(hf_session.Session, n, wrap(f))
-    try:
-        r = bench_engine.run_once(model, wl, canary=True)
-    finally:
-        for n, f in originals.items():
-            setattr(hf_session.Session, n, f)
-    off = bench_engine.run_once(model, wl, canary=False)
-    print(f"violations {r['violations']}, tokens identical {r['outputs'] == off['outputs']}")
-    print(f"steps {len(r['steps'])}: median step {1e3 * statistics.median(r['steps']):.2f} ms with, "
-          f"{1e3 * statistics.median(off['steps']):.2f} ms without; canary host "
-          + ", ".join(f"{k[:-2]} {1e6 * statistics.median(p[k] for p in r['parts']):.0f} us" for k in r["parts"][0]))
-    if not a.no_cprofile:
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
-        print(s.getvalue())
+    for name in () if plain else ("_before", "_after", "_before_update", "_after_update"):
+        setattr(cls, name, profiled(getattr(cls, name)))
+    bench_engine.main(argv + ["--rounds", "1", "--no-profile"])
+    if plain:
+        return
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).sort_stats(os.environ.get("HOST_PROFILE_SORT", "tottime"))
+    stats.print_stats(25)
+    print(out.getvalue(), file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
