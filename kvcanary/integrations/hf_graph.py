@@ -49,6 +49,10 @@ class StepGraphs:
     def __init__(self, session, graph_type=None):
         self.s = session
         self.graph_type = graph_type or torch.cuda.CUDAGraph
+        # One memory pool for every captured step: their temporaries (index grids, gathered slots) are
+        # dead when a replay ends and replays run one after another on one stream, so captures may
+        # reuse each other's memory; a pool per graph would hold 32 copies of the largest of them.
+        self.pool = torch.cuda.graph_pool_handle() if graph_type is None else None
         self.entries: OrderedDict = OrderedDict()
         self.seen: dict = {}  # eager runs per shape
         self.reports: OrderedDict = OrderedDict()
@@ -123,7 +127,7 @@ class StepGraphs:
         elif self.seen.get(shape, 0) >= EAGER_SIGHTINGS:
             graph = self.graph_type()
             # thread-local: the engine's other threads may keep issuing CUDA calls meanwhile
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 self._body(e, h)
             finally:
