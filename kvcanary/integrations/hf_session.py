@@ -309,7 +309,11 @@ class Session:
         current = cache.current()
         if current == stream:
             return nullcontext()
-        stream.wait_stream(current)
+        event = self.canary.launcher.streams.record(current)  # a reused event (wait_stream makes one per call)
+        if event is None:
+            stream.wait_stream(current)
+        else:
+            stream.wait_event(event)
         return cache.use(stream)
 
     def _range(self, name: str):

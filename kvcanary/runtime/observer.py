@@ -1,9 +1,9 @@
 """Host observations read one step late, so the hot path never waits for the device.
 
 At the end of a step the violation ring and a few small device tensors are
-snapshotted on the compute stream (device-to-device, then the ring's write index
-is reset), and a side stream copies the small ones into pinned host memory. The
-next step reads them once their event has completed. Only when a snapshot shows
+snapshotted on the stream the step's TAIL ran on (device-to-device, then the ring's
+write index is reset), and the small ones are copied into pinned host memory behind
+it. The next step reads them once their event has completed. Only when a snapshot shows
 violations are its rows copied to the host (a sync, on the rare path). On CPU
 everything is read at once.
 """
@@ -52,7 +52,7 @@ class HostObserver:
             self.layout[k] = (at, t.numel(), t.shape)
             at += t.numel()
         self.slots = [_Slot(ring, at, self.cuda) for _ in range(NUM_SLOTS if self.cuda else 1)]
-        self.side = torch.cuda.Stream(device=ring.rows.device) if self.cuda else None
+        self.streams = stream_cache(ring.rows.device) if self.cuda else None
         self.next = 0
         self.order: list[_Slot] = []
         self.graphs = EagerGraphs()  # the Canary hands over its launcher's
@@ -68,11 +68,10 @@ class HostObserver:
         self.order.append(slot)
         if not self.cuda:
             return done + self.collect(block=True)
-        streams = stream_cache(self.ring.rows.device)
-        self.side.wait_stream(streams.current())
-        with streams.use(self.side):
-            slot.host_small.copy_(slot.small, non_blocking=True)
-            slot.event.record(self.side)
+        # on the stream that just took the snapshot (the canary's side stream when it overlaps): after
+        # it, and a copy of a few words delays nothing else there
+        slot.host_small.copy_(slot.small, non_blocking=True)
+        slot.event.record(self.streams.current())
         return done
 
     def _copy(self, slot: _Slot, call) -> None:
