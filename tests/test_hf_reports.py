@@ -33,7 +33,8 @@ ROWS, PREFIX, EXTEND = [5, 2, 3], [6, 0, 9], [1, 3, 1]
 BLOCKS = [[3, 9], [4], [7, 2, 11]]
 
 
-def test_read_table_is_built_from_the_read_index_attention_consumes():
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "tensor-ops"])
+def test_read_table_is_built_from_the_read_index_attention_consumes(host):
     reads = [slots_of(bl, p + q) for bl, p, q in zip(BLOCKS, PREFIX, EXTEND)]
     reads[2][4] = 40  # the engine's read index disagrees with its block table at one cell
     flat = [s for r in reads for s in r]
@@ -43,12 +44,13 @@ def test_read_table_is_built_from_the_read_index_attention_consumes():
                          true_read_sizes=[len(flat)])
     b = builder()
     rtt = b._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND),
-                        max(p + q for p, q in zip(PREFIX, EXTEND)), len(flat))
+                        max(p + q for p, q in zip(PREFIX, EXTEND)), len(flat), host=host)
     for row, r in zip(ROWS, reads):
         assert rtt[row, :len(r)].tolist() == r  # the read index, cell for cell (40 included)
 
 
-def test_a_short_read_index_leaves_out_of_range_cells_that_fail_verification():
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "tensor-ops"])
+def test_a_short_read_index_leaves_out_of_range_cells_that_fail_verification(host):
     reads = [slots_of(bl, p + q) for bl, p, q in zip(BLOCKS, PREFIX, EXTEND)]
     flat = [s for r in reads for s in r][:-2]  # the last request misses its last two cells
     storage = torch.zeros((1, 64), dtype=torch.int64)
@@ -56,7 +58,8 @@ def test_a_short_read_index_leaves_out_of_range_cells_that_fail_verification():
     io = SimpleNamespace(use_block_table=False, max_kv_read=1, read_index_storage=storage,
                          true_read_sizes=[len(flat)])
     b = builder(num_slots=64)
-    rtt = b._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND), 10, len(flat) + 2)
+    rtt = b._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND), 10, len(flat) + 2,
+                        host=host)
     assert rtt[3, :10].tolist() == reads[2][:8] + [64, 64]
     assert rtt[5, :7].tolist() == reads[0]
 

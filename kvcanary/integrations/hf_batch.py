@@ -131,16 +131,18 @@ class BatchBuilder:
                                               packed[c0 + 2 * k:c0 + 3 * k], packed[h.n:h.n + bs])
         return batch
 
-    def fill_read_table(self, batch: ForwardBatch, h: HostStep) -> None:
-        """Fill the batch's read table (and on the flash path its write slots) for this step."""
+    def fill_read_table(self, batch: ForwardBatch, h: HostStep, captured: bool = False) -> None:
+        """Fill the batch's read table (and on the flash path its write slots) for this step; ``captured``:
+        tensor ops only (a captured step replays device work, not host code)."""
         rtt = batch.req_to_token
         self._read_table(h.io, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, rtt.shape[1], h.total,
-                         out=rtt)
+                         out=rtt, host=not captured)
         if h.io.use_block_table:
             # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
             batch.out_cache_loc.copy_(rtt[batch.req_pool_indices[batch.token_req], batch.positions.to(torch.int64)])
 
-    def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int, out=None) -> torch.Tensor:
+    def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int, out=None,
+                    host: bool = True) -> torch.Tensor:
         """req_to_token from the indices the forward's attention consumes, not from the block tables.
 
         Full-attention layers read ``read_index[g]`` (sdpa / eager: per request, the slots of
@@ -158,6 +160,8 @@ class BatchBuilder:
         rtt = torch.empty(self.num_rows, max(1, width), dtype=torch.int64, device=self.device) if out is None else out
         if io.max_kv_read == 0:
             return rtt  # nothing is read from the cache (fresh prefills only): no prefix to verify
+        if host and rtt.device.type == "cpu":
+            return self._read_table_host(io, rows_t, prefix_t, extend_t, total, rtt)
         width = rtt.shape[1]
         seen = prefix_t + extend_t
         # [bs, width] positions into the flat read index; cells past a request's length are never read.
@@ -177,6 +181,25 @@ class BatchBuilder:
         rtt[rows_t] = torch.where(idx < have, got, self.s.layout.num_slots)
         return rtt
 
+    def _read_table_host(self, io, rows_t, prefix_t, extend_t, total: int, rtt: torch.Tensor) -> torch.Tensor:
+        """``_read_table`` on CPU tensors through numpy: the same cells, a few microseconds instead of a
+        dozen tensor ops (each costs the host several microseconds at these sizes)."""
+        g = self.s.layout.full_group
+        seen = prefix_t.numpy() + extend_t.numpy()
+        idx = (np.cumsum(seen) - seen)[:, None] + np.arange(rtt.shape[1])
+        have = min(total, io.true_read_sizes[g])
+        read = io.read_index_storage[g].numpy()
+        out, rows = rtt.numpy(), rows_t.numpy()
+        if have == total:
+            out[rows] = read[np.minimum(idx, read.shape[0] - 1)]
+            return rtt
+        if not self.warned_read_size:
+            self.warned_read_size = True
+            log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
+                        io.true_read_sizes[g], total)
+        out[rows] = np.where(idx < have, read[np.minimum(idx, max(0, have - 1))], self.s.layout.num_slots)
+        return rtt
+
     def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:
         """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
 
@@ -190,14 +213,17 @@ class BatchBuilder:
             return  # the fast path reads through the table the writes used; no read of the cache at all
         c = self.s.canary
         g = c.groups[0]
+        rtt = batch.req_to_token
+        # Where every read cell is the write cell the check holds by construction (the HEAD write just
+        # stored those records); on the CPU that comparison costs no sync and saves the verify (not
+        # inside a captured step: its outcome would be baked into the capture).
+        if shortcut and self.device.type == "cpu":
+            per_np = batch.req_pool_indices.numpy()[batch.token_req.numpy()]
+            if np.array_equal(rtt.numpy()[per_np, batch.positions.numpy()], batch.out_cache_loc.numpy()):
+                return
         per = batch.req_pool_indices[batch.token_req]
         pos = batch.positions.to(torch.int64)
-        rtt = batch.req_to_token
         slots = rtt[per, pos]
-        # Where every read cell is the write cell the check holds by construction (the HEAD write just
-        # stored those records); on the CPU that comparison costs no sync and saves the verify.
-        if shortcut and self.device.type == "cpu" and torch.equal(slots, batch.out_cache_loc):
-            return
         prev = torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1)
         ops.fill_entries(self.new_reads, slots, pos, prev, batch.input_ids)
         # On the side stream, ordered after HEAD's write and after the entries filled here; the step's

@@ -143,6 +143,6 @@ class StepGraphs:
         s, batch = self.s, e.batch
         # A graph keeps no tensor alive: the entry holds what the body reads that the builder may replace.
         e.keep = s.builder.iota
-        s.builder.fill_read_table(batch, h)
+        s.builder.fill_read_table(batch, h, captured=True)
         s.canary.device_before(batch)
         s.builder.verify_new_reads(batch, shortcut=False)
