@@ -45,7 +45,7 @@ def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, ma
     n, total = batch.num_tokens, sum(ext)
     if total != n:
         raise v.fail_value(OP, "out_cache_loc", f"of length sum(extend_lens) = {total}", f"length {n}")
-    if n and int(batch.out_cache_loc.max()) >= num_slots:
+    if n and int(_host(batch.out_cache_loc).max()) >= num_slots:
         loc = batch.out_cache_loc
         i = int((loc >= num_slots).nonzero()[0, 0])
         raise v.fail_value(OP, "out_cache_loc", f"slots < num_slots ({num_slots}) (< 0 = no write)",
@@ -69,9 +69,16 @@ def _check_append(hist: TokenAppend, num_rows: int, max_context: int) -> None:
                         ("valid_lens", hist.valid_lens, max_context + 1)):
         if not t.shape[0]:
             continue
-        lo_got, hi_got = (int(x) for x in torch.aminmax(t))
+        values = _host(t)
+        lo_got, hi_got = int(values.min()), int(values.max())
         if lo_got < 0 or hi_got >= hi:
             raise v.fail_value(OP, f"token_history.{name}", f"values in [0, {hi})", f"[{lo_got}, {hi_got}]")
+
+
+def _host(t: torch.Tensor):
+    """The values as a numpy array: a view on the CPU (a tensor reduction there costs several times
+    more host time at these sizes), a copy (a sync) on an accelerator."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 def slots_tensor(op: str, name: str, slots: object, num_slots: int, device: torch.device,
