@@ -64,17 +64,32 @@ class BatchBuilder:
         self.warned_read_size = False
         self.new_reads = ops.Entries.allocate(session.canary.max_tokens, self.device)
         self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
+        self.cpu_batches: dict = {}  # CPU: a reused ForwardBatch per shape (_cpu_batch)
 
     def build(self) -> ForwardBatch:
         """This step's batch, its device work issued eagerly."""
         h = self.host_part()
-        batch = self.assemble(h)
+        batch = self._cpu_batch(h) if self.device.type == "cpu" else self.assemble(h)
         self.fill_read_table(batch, h)
         if self.oracle:
             self._oracle(batch, h.reqs, h.prefix, h.extend, h.rids)
         if self.s.layout.swa_group is not None:
             self._fill_swa_table(h.io, batch.prefix_lens, batch.extend_lens,
                                  max(min(p, self.s.layout.window) for p in h.prefix), h.T, batch.out_cache_loc)
+        return batch
+
+    def _cpu_batch(self, h: HostStep) -> ForwardBatch:
+        """On the CPU a step's observation is read when the step closes, so no report reads a batch
+        after the next one is built: a batch object (views and read table) is reused for every step
+        of the same shape instead of being assembled anew (a score of tensor views per step)."""
+        io = h.io
+        key = (h.bs, h.T, h.small, h.width, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
+               io.write_index_storage.data_ptr(), io.use_block_table)
+        batch = self.cpu_batches.get(key)
+        if batch is None:
+            batch = self.cpu_batches[key] = self.assemble(h)
+            if len(self.cpu_batches) > 64:
+                self.cpu_batches.pop(next(iter(self.cpu_batches)))
         return batch
 
     def host_part(self) -> HostStep:
@@ -393,13 +408,16 @@ class Staging:
             # (remembered batches keep their old buffers alive)
             self.ring = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
             self.static = torch.empty(size, dtype=torch.int64, device=self.device)
-        at = 0
-        for p in parts:
-            self.host_np[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
-            at += len(p)
         out = self.ring[self.turn][:n]
         self.turn = (self.turn + 1) % self.depth
-        out.copy_(self.host[:n], non_blocking=self.cuda)
+        # on the CPU the values go straight into the turn's buffer; on CUDA through pinned memory
+        dst = self.host_np if self.cuda else out.numpy()
+        at = 0
+        for p in parts:
+            dst[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
+            at += len(p)
+        if self.cuda:
+            out.copy_(self.host[:n], non_blocking=True)
         if self.event is not None:
             self.event.record(self.stream.current())
         return out, n - len(parts[-1])
