@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumulative, ...)")
     ap.add_argument("--no-cprofile", action="store_true", help="host times only (no profiler overhead)")
     a = ap.parse_args()
     dev = torch.device(a.device)
@@ -72,7 +73,7 @@ def main() -> None:
           + ", ".join(f"{k[:-2]} {1e6 * statistics.median(p[k] for p in r['parts']):.0f} us" for k in r["parts"][0]))
     if not a.no_cprofile:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+        pstats.Stats(prof, stream=s).sort_stats(a.sort).print_stats(a.top)
         print(s.getvalue())
 
 

@@ -155,9 +155,12 @@ def plan(rows, prefix, extend, rtt, table, has_table, tokens, valid, has_tokens,
 
 
 @jit
-def verify(words, slot, position, prev, expected, check_token, fp, rows, widx, counters, tag, n):
-    """Entries [0, n) (the caller has read enable and count and counted the launch)."""
+def verify(words, slot, position, prev, expected, enable, count, check_token, fp, rows, widx, counters, tag):
     num_slots = words.shape[0]
+    counters[tag, LAUNCHES] += 1  # a disabled launch still ran
+    if enable[0] == 0:
+        return
+    n = max(0, min(np.int64(count[0]), slot.shape[0]))
     counters[tag, ENTRIES] += n
     for e in range(n):
         s = slot[e]

@@ -13,6 +13,8 @@ empty arrays) so each kernel has one or two type specialisations rather than one
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -28,7 +30,7 @@ _EMPTY_TABLE = np.zeros((0, 0), dtype=np.int32)
 
 def _i64(t: torch.Tensor) -> np.ndarray:
     """A contiguous int64 numpy array of t: the tensor's own memory when it already is one (read-only use)."""
-    a = t.detach().numpy()
+    a = t.detach().numpy() if t.requires_grad else t.numpy()  # detach costs as much again; indices never need it
     if a.dtype != np.int64 or not a.flags.c_contiguous:
         a = np.ascontiguousarray(a, dtype=np.int64)
     return a
@@ -40,13 +42,62 @@ def _table(t: torch.Tensor) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def _writable(*tensors: torch.Tensor) -> bool:
-    """Outputs are written in place through numpy views: they must be contiguous (always so when allocated here)."""
-    return all(t.is_contiguous() for t in tensors)
+# numpy views of long-lived tensors (the canary's buffers, ring, counters, plan; the KV pages), by
+# (id, role). Converting a tensor costs about as much as a small kernel, and a forward makes dozens of
+# calls on the same buffers. An entry holds a weak reference, so a dead tensor's reused id misses; the
+# data pointer and shape catch a tensor whose memory moved (resize_, set_, a deep copy of the entry).
+_VIEWS: dict[str, dict[int, tuple]] = {"np": {}, "words": {}, "bytes": {}}
+_MAX_VIEWS = 1024
+
+
+def _cached(t: torch.Tensor, role: str, make):
+    views = _VIEWS[role]
+    hit = views.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == t.data_ptr() and hit[2] == t.shape:
+        return hit[3]
+    value = make(t)
+    if len(views) >= _MAX_VIEWS:
+        views.clear()  # a bound for callers that pass fresh buffers every time (a view keeps its memory alive)
+    views[id(t)] = (weakref.ref(t), t.data_ptr(), t.shape, value)
+    return value
+
+
+def _detached(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """The writable numpy view of a long-lived tensor (no copy)."""
+    return _cached(t, "np", _detached)
+
+
+def _np64(t: torch.Tensor) -> np.ndarray:
+    """``_i64`` of a long-lived tensor that is only read (plan entries): cached when it is the tensor's memory."""
+    a = _np(t)
+    return a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _np_table(t: torch.Tensor) -> np.ndarray:
+    """``_table`` of a long-lived table (the expected tokens): its cached view, copied only when strided."""
+    a = _np(t)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _as_words(buf: torch.Tensor) -> np.ndarray:
+    return buf.numpy().view(np.int64)
+
+
+def _words(buf: torch.Tensor) -> np.ndarray:
+    """A canary buffer (uint8 [num_slots, stride], contiguous) as int64 [num_slots, stride // 8] record words."""
+    return _cached(buf, "words", _as_words)
 
 
 def _storage_bytes(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
     """(whole storage as uint8, byte offset of t, row stride in bytes): any dtype, bf16 included, no copy."""
+    return _cached(t, "bytes", _as_bytes)
+
+
+def _as_bytes(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
     flat = torch.empty(0, dtype=torch.uint8)
     flat.set_(t.untyped_storage())
     return flat.numpy(), t.storage_offset() * t.element_size(), t.stride(0) * t.element_size()
@@ -70,7 +121,7 @@ def fingerprint(*, slots, sources, real_kv_mode) -> torch.Tensor:
 
 
 def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out) -> None:
-    if not _writable(pool_out):
+    if not pool_out.is_contiguous():  # written in place through a numpy view
         torch_ops.scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out)
         return
     k.scatter(_i64(flat_in), _i64(offsets), _i64(req_pool_indices), pool_out.numpy())
@@ -79,8 +130,10 @@ def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out) -> None:
 def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, window=0, full_to_swa=None,
          token_table=None, token_valid_lens=None, token_offset=0) -> None:
     e = out.entries
-    outs = (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, out.write_offsets, out.seed_slot)
-    if not _writable(*outs, e.enable) or any(t.dtype != torch.int64 for t in outs) or e.enable.dtype != torch.int32:
+    outs = [_np(t) for t in (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, out.write_offsets,
+                             out.seed_slot)]
+    enable = _np(e.enable)
+    if enable.dtype != np.int32 or not all(a.dtype == np.int64 and a.flags.c_contiguous for a in outs):
         # Hand-built plan buffers that numpy cannot write in place: the torch path gives the same bits.
         torch_ops.plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                        req_to_token=req_to_token, out=out, window=window, full_to_swa=full_to_swa,
@@ -90,24 +143,20 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
     # An absent translation table is an empty one of the table's dtype: no extra specialisation for it.
     table = np.zeros(0, dtype=rtt.dtype) if full_to_swa is None else _table(full_to_swa)
     has_tokens = token_table is not None
+    slot, position, prev, expected, count, requested, write_offsets, seed_slot = outs
     k.plan(_i64(req_pool_indices), _i64(prefix_lens), _i64(extend_lens), rtt, table, full_to_swa is not None,
-           _table(token_table) if has_tokens else _EMPTY_TABLE, _i64(token_valid_lens) if has_tokens else _EMPTY64,
-           has_tokens, int(token_offset), int(window), e.slot.numpy(), e.position.numpy(), e.prev.numpy(),
-           e.expected_token.numpy(), e.count.numpy(), e.enable.numpy(), e.requested.numpy(),
-           out.write_offsets.numpy(), out.seed_slot.numpy())
+           _np_table(token_table) if has_tokens else _EMPTY_TABLE, _i64(token_valid_lens) if has_tokens else _EMPTY64,
+           has_tokens, int(token_offset), int(window), slot, position, prev, expected, count, enable, requested,
+           write_offsets, seed_slot)
 
 
 def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0, check_token=True) -> None:
-    cnt = counters.numpy()
-    cnt[launch_tag, Counter.LAUNCHES] += 1  # a disabled launch still ran
-    # numpy reads of the two device counts: far cheaper than torch indexing on the CPU
-    if int(entries.enable.numpy()[0]) == 0:
-        return
-    n = max(0, min(int(entries.count.numpy()[0]), entries.capacity))
-    slot = _i64(entries.slot[:n])
-    k.verify(buf.numpy().view(np.int64), slot, _i64(entries.position[:n]), _i64(entries.prev[:n]),
-             _i64(entries.expected_token[:n]), bool(check_token), _fingerprints(slot, sources, int(real_kv_mode)),
-             ring.rows.numpy(), ring.write_index.numpy(), cnt, int(launch_tag), n)
+    enable, count, slot = _np(entries.enable), _np(entries.count), _np64(entries.slot)
+    # The entries' own count bounds the fingerprint pass; the kernel re-reads enable and count itself.
+    n = max(0, min(int(count[0]), slot.shape[0])) if enable[0] else 0
+    k.verify(_words(buf), slot, _np64(entries.position), _np64(entries.prev), _np64(entries.expected_token),
+             enable, count, bool(check_token), _fingerprints(slot[:n], sources, int(real_kv_mode)), _np(ring.rows),
+             _np(ring.write_index), _np(counters), int(launch_tag))
 
 
 def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_ids, positions, ring, counters,
@@ -116,11 +165,11 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
     locs = _i64(out_cache_loc)
     # Real-KV hashes of every entry's slot up front (one compiled pass per source); unused for skipped entries.
     fp = _fingerprints(locs, sources, int(real_kv_mode))
-    k.write(buf.numpy().view(np.int64), _i64(write_offsets), _i64(seed_slot), int(num_requests), locs,
-            _i64(input_ids), _i64(positions),
+    k.write(_words(buf), _np64(write_offsets), _np64(seed_slot), int(num_requests), locs, _i64(input_ids),
+            _i64(positions),
             _EMPTY64 if expected_input_ids is None else _i64(expected_input_ids), expected_input_ids is not None,
             _EMPTY64 if expected_positions is None else _i64(expected_positions), expected_positions is not None,
-            chain_check is not None and int(chain_check.numpy()[0]) != 0, buf.shape[1] >= ATTRIBUTION_STRIDE,
+            chain_check is not None and int(_np(chain_check)[0]) != 0, buf.shape[1] >= ATTRIBUTION_STRIDE,
             _EMPTY64 if writer_ids is None else _i64(writer_ids), writer_ids is not None,
-            -1 if step is None else int(step.numpy()[0]), fp, ring.rows.numpy(), ring.write_index.numpy(),
-            counters.numpy(), int(launch_tag))
+            -1 if step is None else int(_np(step)[0]), fp, _np(ring.rows), _np(ring.write_index), _np(counters),
+            int(launch_tag))
