@@ -6,9 +6,10 @@ set -euo pipefail
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-out/cpu_backends}
 mkdir -p "$OUT"
-for backend in torch numba; do
-  for batch in 4 16; do
-    for context in 64 256; do
+# Backends alternate per workload so both see the same load on a shared machine.
+for batch in 4 16; do
+  for context in 64 256; do
+    for backend in torch numba; do
       PYTHONPATH=$PWD "$PY" -m kvcanary.bench.engine --device cpu --model-size tiny --batch "$batch" \
         --context "$context" --no-profile --rounds "${ROUNDS:-4}" --canary-option "backend=$backend" \
         --json "$OUT/$backend-b$batch-c$context.json" > "$OUT/$backend-b$batch-c$context.log" 2>&1

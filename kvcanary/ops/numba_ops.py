@@ -13,6 +13,7 @@ empty arrays) so each kernel has one or two type specialisations rather than one
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 
 import numpy as np
@@ -28,26 +29,45 @@ _EMPTY64 = np.zeros(0, dtype=np.int64)
 _EMPTY_TABLE = np.zeros((0, 0), dtype=np.int32)
 
 
+_NP_DTYPES = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.uint8: np.dtype(np.uint8)}
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """numpy view of a contiguous int64/int32/uint8 CPU tensor, built from its data pointer.
+
+    Unlike ``Tensor.numpy()`` it neither marks the storage non-resizable (an engine may still resize
+    its buffers) nor holds a reference to the tensor: the caller keeps the tensor alive while the view
+    is used (an argument of the op, or a ``_cached`` entry checked before every use).
+    """
+    dtype, n = _NP_DTYPES[t.dtype], t.numel()
+    if n == 0:
+        return np.empty(tuple(t.shape), dtype=dtype)
+    a = np.frombuffer((ctypes.c_char * (n * dtype.itemsize)).from_address(t.data_ptr()), dtype=dtype)
+    return a if t.dim() == 1 else a.reshape(tuple(t.shape))
+
+
 def _i64(t: torch.Tensor) -> np.ndarray:
-    """A contiguous int64 numpy array of t: the tensor's own memory when it already is one (read-only use)."""
-    a = t.detach().numpy() if t.requires_grad else t.numpy()  # detach costs as much again; indices never need it
-    if a.dtype != np.int64 or not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a, dtype=np.int64)
-    return a
+    """A contiguous int64 array of t for reading: a view when t already is one, else a converted copy
+    (a fresh tensor that only the returned array owns)."""
+    if t.dtype == torch.int64 and t.is_contiguous():
+        return _raw(t)
+    return t.detach().to(torch.int64).contiguous().numpy()
 
 
 def _table(t: torch.Tensor) -> np.ndarray:
     """A 2-D index table in its own dtype (int32 or int64): converting a whole table per call would copy it."""
-    a = t.detach().numpy()
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    if t.dtype in _NP_DTYPES and t.is_contiguous():
+        return _raw(t)
+    return t.detach().to(torch.int64).contiguous().numpy()
 
 
-# numpy views of long-lived tensors (the canary's buffers, ring, counters, plan; the KV pages), by
-# (id, role). Converting a tensor costs about as much as a small kernel, and a forward makes dozens of
-# calls on the same buffers. An entry holds a weak reference, so a dead tensor's reused id misses; the
-# data pointer and shape catch a tensor whose memory moved (resize_, set_, a deep copy of the entry).
+# numpy views of long-lived tensors (the canary's buffers, ring, counters, plan; the KV pages), by role
+# and id. Building a view costs about as much as a small kernel, and a forward makes dozens of calls on
+# the same buffers. A view does not own its memory (``_raw``), so the cache must never outlive a
+# tensor: an entry goes when its tensor dies (weak reference callback), and the data pointer and shape
+# catch a tensor whose memory moved in place (resize_, set_) before a view is reused.
 _VIEWS: dict[str, dict[int, tuple]] = {"np": {}, "words": {}, "bytes": {}}
-_MAX_VIEWS = 1024
+_MAX_VIEWS = 4096  # a safety bound only: entries leave with their tensors
 
 
 def _cached(t: torch.Tensor, role: str, make):
@@ -57,34 +77,40 @@ def _cached(t: torch.Tensor, role: str, make):
         return hit[3]
     value = make(t)
     if len(views) >= _MAX_VIEWS:
-        views.clear()  # a bound for callers that pass fresh buffers every time (a view keeps its memory alive)
-    views[id(t)] = (weakref.ref(t), t.data_ptr(), t.shape, value)
+        views.clear()
+    key = id(t)
+
+    def forget(ref, views=views, key=key):
+        if views.get(key, (None,))[0] is ref:
+            del views[key]
+
+    views[key] = (weakref.ref(t, forget), t.data_ptr(), t.shape, value)
     return value
 
 
-def _detached(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
-
-
 def _np(t: torch.Tensor) -> np.ndarray:
-    """The writable numpy view of a long-lived tensor (no copy)."""
-    return _cached(t, "np", _detached)
+    """The writable numpy view of a long-lived contiguous tensor, or None when it cannot have one."""
+    return _cached(t, "np", _view_or_none)
+
+
+def _view_or_none(t: torch.Tensor):
+    return _raw(t) if t.dtype in _NP_DTYPES and t.is_contiguous() else None
 
 
 def _np64(t: torch.Tensor) -> np.ndarray:
-    """``_i64`` of a long-lived tensor that is only read (plan entries): cached when it is the tensor's memory."""
+    """``_i64`` of a long-lived tensor that is only read (plan entries): its cached view when it has one."""
     a = _np(t)
-    return a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.int64)
+    return a if a is not None and a.dtype == np.int64 else _i64(t)
 
 
 def _np_table(t: torch.Tensor) -> np.ndarray:
-    """``_table`` of a long-lived table (the expected tokens): its cached view, copied only when strided."""
+    """``_table`` of a long-lived table (the expected tokens): its cached view when it has one."""
     a = _np(t)
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    return a if a is not None else _table(t)
 
 
 def _as_words(buf: torch.Tensor) -> np.ndarray:
-    return buf.numpy().view(np.int64)
+    return _raw(buf).view(np.int64)  # validated: uint8, contiguous, stride a multiple of 8
 
 
 def _words(buf: torch.Tensor) -> np.ndarray:
@@ -98,9 +124,11 @@ def _storage_bytes(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
 
 
 def _as_bytes(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
-    flat = torch.empty(0, dtype=torch.uint8)
-    flat.set_(t.untyped_storage())
-    return flat.numpy(), t.storage_offset() * t.element_size(), t.stride(0) * t.element_size()
+    storage = t.untyped_storage()
+    n = storage.nbytes()
+    data = np.frombuffer((ctypes.c_char * n).from_address(storage.data_ptr()), dtype=np.uint8) if n else \
+        np.empty(0, dtype=np.uint8)
+    return data, t.storage_offset() * t.element_size(), t.stride(0) * t.element_size()
 
 
 def _fingerprints(slots: np.ndarray, sources, real_kv_mode: int) -> np.ndarray:
@@ -124,7 +152,7 @@ def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out) -> None:
     if not pool_out.is_contiguous():  # written in place through a numpy view
         torch_ops.scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out)
         return
-    k.scatter(_i64(flat_in), _i64(offsets), _i64(req_pool_indices), pool_out.numpy())
+    k.scatter(_i64(flat_in), _i64(offsets), _i64(req_pool_indices), _raw(pool_out))
 
 
 def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, window=0, full_to_swa=None,
@@ -133,7 +161,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
     outs = [_np(t) for t in (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, out.write_offsets,
                              out.seed_slot)]
     enable = _np(e.enable)
-    if enable.dtype != np.int32 or not all(a.dtype == np.int64 and a.flags.c_contiguous for a in outs):
+    if enable is None or enable.dtype != np.int32 or not all(a is not None and a.dtype == np.int64 for a in outs):
         # Hand-built plan buffers that numpy cannot write in place: the torch path gives the same bits.
         torch_ops.plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                        req_to_token=req_to_token, out=out, window=window, full_to_swa=full_to_swa,
