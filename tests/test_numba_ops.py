@@ -89,3 +89,16 @@ def test_strided_plan_buffers_fall_back_to_the_same_bits():
     for name in ("slot", "position", "prev", "expected_token", "count", "enable", "requested"):
         assert torch.equal(getattr(fast.entries, name), getattr(ref.entries, name)), name
     assert torch.equal(fast.write_offsets, ref.write_offsets) and torch.equal(fast.seed_slot, ref.seed_slot)
+
+
+@pytest.mark.parametrize("offset", [0, 4, 9], ids=lambda o: f"offset-{o}")
+@pytest.mark.parametrize("mode", [RealKvMode.PARTIAL, RealKvMode.ALL], ids=lambda m: m.name)
+def test_kv_pages_off_an_8_byte_boundary_hash_like_the_reference(offset, mode):
+    # Pages starting `offset` bytes into their storage: aligned ones are read as words, others byte by byte.
+    g = torch.Generator().manual_seed(offset)
+    raw = torch.randint(0, 256, (offset + 5 * 64,), dtype=torch.uint8, generator=g)
+    kv = raw[offset:].view(5, 64)  # 5 pages of 2 tokens x 32 bytes
+    src = ops.RealKvSource(kv, page_size=2, num_bytes_per_token=32, read_bytes=32)
+    slots = t([-1, 0, 1, 2, 5, 9, 10, 1 << 40])
+    want = ops.fingerprint(slots, (src, src), mode, backend="reference")
+    assert torch.equal(ops.fingerprint(slots, (src, src), mode, backend="numba"), want)

@@ -73,7 +73,8 @@ def mix_source(acc, slots, data, base, row_stride, page_size, nbpt, num_rows, nu
     """acc[i] = splitmix(acc[i] ^ hash of one source's bytes of slots[i]) (SPEC 3.4).
 
     ``data`` is the source's whole storage as bytes; a slot outside the source hashes as empty (0).
-    Words are assembled little-endian from single bytes: a row may start at any byte offset.
+    Words are assembled little-endian from single bytes: this is the path for a source whose first
+    row starts off an 8-byte boundary (``mix_source_words`` is the aligned one).
     """
     for i in range(slots.shape[0]):
         s = slots[i]
@@ -86,6 +87,20 @@ def mix_source(acc, slots, data, base, row_stride, page_size, nbpt, num_rows, nu
                 for b in range(8):
                     w |= np.uint64(data[off + k + b]) << np.uint64(8 * b)
                 h = splitmix(h ^ w)
+        acc[i] = np.int64(splitmix(np.uint64(acc[i]) ^ h))
+
+
+@jit
+def mix_source_words(acc, slots, words, base, row_stride, page_size, nbpt, num_rows, num_words):
+    """``mix_source`` on the storage as little-endian uint64 words, every offset counted in words."""
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        h = np.uint64(0)
+        if s >= 0 and s // page_size < num_rows:
+            row = s // page_size
+            off = base + row * row_stride + (s - row * page_size) * nbpt
+            for k in range(num_words):
+                h = splitmix(h ^ words[off + k])
         acc[i] = np.int64(splitmix(np.uint64(acc[i]) ^ h))
 
 

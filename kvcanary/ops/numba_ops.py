@@ -14,6 +14,7 @@ empty arrays) so each kernel has one or two type specialisations rather than one
 from __future__ import annotations
 
 import ctypes
+import sys
 import weakref
 
 import numpy as np
@@ -29,6 +30,9 @@ _EMPTY64 = np.zeros(0, dtype=np.int64)
 _EMPTY_TABLE = np.zeros((0, 0), dtype=np.int32)
 
 
+# One ctypes type spanning any address: numpy reads ``count`` items from it. A type sized per tensor
+# would cost ~15 us to create for every new size, and ctypes keeps each one for the process's life.
+_ADDRESS_SPACE = ctypes.c_char * (1 << 47)
 _NP_DTYPES = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.uint8: np.dtype(np.uint8)}
 
 
@@ -42,15 +46,16 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     dtype, n = _NP_DTYPES[t.dtype], t.numel()
     if n == 0:
         return np.empty(tuple(t.shape), dtype=dtype)
-    a = np.frombuffer((ctypes.c_char * (n * dtype.itemsize)).from_address(t.data_ptr()), dtype=dtype)
+    a = np.frombuffer(_ADDRESS_SPACE.from_address(t.data_ptr()), dtype=dtype, count=n)
     return a if t.dim() == 1 else a.reshape(tuple(t.shape))
 
 
 def _i64(t: torch.Tensor) -> np.ndarray:
     """A contiguous int64 array of t for reading: a view when t already is one, else a converted copy
     (a fresh tensor that only the returned array owns)."""
-    if t.dtype == torch.int64 and t.is_contiguous():
-        return _raw(t)
+    if t.dtype in _NP_DTYPES and t.is_contiguous():
+        a = _raw(t)
+        return a if a.dtype == np.int64 else a.astype(np.int64)
     return t.detach().to(torch.int64).contiguous().numpy()
 
 
@@ -118,17 +123,22 @@ def _words(buf: torch.Tensor) -> np.ndarray:
     return _cached(buf, "words", _as_words)
 
 
-def _storage_bytes(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
-    """(whole storage as uint8, byte offset of t, row stride in bytes): any dtype, bf16 included, no copy."""
+def _storage_bytes(t: torch.Tensor) -> tuple:
+    """(as words?, the whole storage as uint64 words or bytes, t's offset and row stride in those units,
+    the unit's bytes): any dtype, bf16 included, no copy."""
     return _cached(t, "bytes", _as_bytes)
 
 
-def _as_bytes(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
+def _as_bytes(t: torch.Tensor) -> tuple:
+    """The storage's bytes and where t's rows are in them, as uint64 words when t starts on an 8-byte
+    boundary (row strides and token sizes are multiples of 16, so every token does too)."""
     storage = t.untyped_storage()
-    n = storage.nbytes()
-    data = np.frombuffer((ctypes.c_char * n).from_address(storage.data_ptr()), dtype=np.uint8) if n else \
-        np.empty(0, dtype=np.uint8)
-    return data, t.storage_offset() * t.element_size(), t.stride(0) * t.element_size()
+    n, base, row_stride = storage.nbytes(), t.storage_offset() * t.element_size(), t.stride(0) * t.element_size()
+    words = sys.byteorder == "little" and base % 8 == 0 and storage.data_ptr() % 8 == 0
+    dtype, unit = (np.uint64, 8) if words else (np.uint8, 1)
+    data = np.frombuffer(_ADDRESS_SPACE.from_address(storage.data_ptr()), dtype=dtype, count=n // unit) if n else \
+        np.empty(0, dtype=dtype)
+    return words, data, base // unit, row_stride // unit, unit
 
 
 def _fingerprints(slots: np.ndarray, sources, real_kv_mode: int) -> np.ndarray:
@@ -138,9 +148,10 @@ def _fingerprints(slots: np.ndarray, sources, real_kv_mode: int) -> np.ndarray:
         return acc
     for src in sources:
         num_bytes = PARTIAL_READ_BYTES if real_kv_mode == RealKvMode.PARTIAL else src.read_bytes
-        data, base, row_stride = _storage_bytes(src.tensor)
-        k.mix_source(acc, slots, data, base, row_stride, src.page_size, src.num_bytes_per_token,
-                     src.tensor.shape[0], num_bytes)
+        words, data, base, row_stride, unit = _storage_bytes(src.tensor)
+        mix = k.mix_source_words if words else k.mix_source
+        mix(acc, slots, data, base, row_stride, src.page_size, src.num_bytes_per_token // unit, src.tensor.shape[0],
+            num_bytes // unit)
     return acc
 
 
