@@ -30,13 +30,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--mode", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumulative, ...)")
     ap.add_argument("--no-cprofile", action="store_true", help="host times only (no profiler overhead)")
+    ap.add_argument("--no-step-graphs", action="store_true", help="attach with step_graphs=False")
     a = ap.parse_args()
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
-    args = types.SimpleNamespace(batch=a.batch, context=a.context, mode="decode", steps=a.steps, skip=2,
+    args = types.SimpleNamespace(batch=a.batch, context=a.context, mode=a.mode, steps=a.steps, skip=2,
                                  chunk=4096 if cuda else 256, block_size=256 if cuda else 16,
                                  canary_option=[], rounds=1)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
@@ -47,6 +49,8 @@ def main() -> None:
         bench_engine.run_once(model, wl, canary=c)
     from kvcanary.integrations import hf_session
 
+    if a.no_step_graphs:
+        hf_session.Session._step_graphs = lambda self: None
     prof = cProfile.Profile()
     originals = {n: getattr(hf_session.Session, n) for n in ("_before", "_after", "_before_update", "_after_update")}
 
@@ -68,6 +72,7 @@ def main() -> None:
         for n, f in originals.items():
             setattr(hf_session.Session, n, f)
     off = bench_engine.run_once(model, wl, canary=False)
+    print(f"violations {r['violations']}, tokens identical {r['outputs'] == off['outputs']}")
     print(f"steps {len(r['steps'])}: median step {1e3 * statistics.median(r['steps']):.2f} ms with, "
           f"{1e3 * statistics.median(off['steps']):.2f} ms without; canary host "
           + ", ".join(f"{k[:-2]} {1e6 * statistics.median(p[k] for p in r['parts']):.0f} us" for k in r["parts"][0]))

@@ -81,17 +81,21 @@ def test_a_short_history_only_marks_its_own_request():
     good1 = fake_request("a", [10, 11, 12], [13, 14], 4, 1)
     short = fake_request("b", [20, 21], [22], 3, 1)  # positions [0, 4) fed, the history holds 3 tokens
     good2 = fake_request("c", [30, 31, 32, 33], [], 0, 4)
-    reqs = [good1, short, good2]
-    rows = b._rows([r.state.request_id for r in reqs])
-    cells = b._token_cells(reqs, rows, [r.prefix for r in reqs], [r.query_length for r in reqs])
+    long_short = fake_request("d", list(range(100, 180)), [], 0, 81)  # a prefill chunk, one token short
+    reqs = [good1, short, good2, long_short]
+    names = [r.state.request_id for r in reqs]
+    rows = b._rows(names)
+    parts = b._token_cells(reqs, names, rows, [r.prefix for r in reqs], [r.query_length for r in reqs])
+    cells = [int(x) for p in parts for x in p]
     bs = len(reqs)
     valid, rest = cells[:bs], cells[bs:]
     k = len(rest) // 3
     table = {(r, c): t for r, c, t in zip(rest[:k], rest[k:2 * k], rest[2 * k:])}
-    assert valid == [5, 4, 4] and len(rest) == 3 * k
+    assert valid == [5, 4, 4, 81] and len(rest) == 3 * k == 3 * (5 + 4 + 4 + 81)
     assert [table[rows[0], c] for c in range(5)] == [10, 11, 12, 13, 14]
     assert [table[rows[1], c] for c in range(4)] == [20, 21, 22, MISSING_TOKEN]
     assert [table[rows[2], c] for c in range(4)] == [30, 31, 32, 33]
+    assert [table[rows[3], c] for c in range(81)] == list(range(100, 180)) + [MISSING_TOKEN]
 
 
 def row(tag=0, slot=9, position=4, stored=7, expected=-1, chain=CHAIN_HEAD, aux=CHAIN_HEAD, bits=0):

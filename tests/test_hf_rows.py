@@ -43,10 +43,10 @@ def test_staged_batches_stay_intact_while_the_monitor_may_read_them():
     # outgrows the buffers must not disturb them either.
     stage = Staging(torch.device("cpu"))
     sent = [[step * 100 + i for i in range(3 + step)] for step in range(KEEP_BATCHES)]
-    views = [stage.send(small) for small in sent]
-    views.append(stage.send(list(range(5000))))  # larger than the first buffers: a new ring
+    views = [stage.send([small])[0] for small in sent]
+    views.append(stage.send([list(range(5000))])[0])  # larger than the first buffers: a new ring
     sent.append(list(range(5000)))
     for small, view in zip(sent, views):
         assert view.tolist() == small
-    later = [stage.send([-step] * 4) for step in range(KEEP_BATCHES)]
+    later = [stage.send([[-step] * 4])[0] for step in range(KEEP_BATCHES)]
     assert views[-1].tolist() == sent[-1] and [v.tolist() for v in later] == [[-s] * 4 for s in range(KEEP_BATCHES)]

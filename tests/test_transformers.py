@@ -378,7 +378,7 @@ def test_hook_exception_surfaces_to_the_caller(llama, monkeypatch):
     def broken(self):
         raise ZeroDivisionError("adapter bug")
 
-    monkeypatch.setattr(hf_batch.BatchBuilder, "build", broken)
+    monkeypatch.setattr(hf_batch.BatchBuilder, "host_part", broken)  # both the eager and the graphed step call it
     handle = attach(llama)
     with pytest.raises(ZeroDivisionError, match="adapter bug"):
         run_plain(llama)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,10 +22,28 @@ import torch
 from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.runtime.monitor import KEEP_BATCHES
+from kvcanary.runtime.streams import stream_cache
 from kvcanary.runtime.report import MISSING_TOKEN
 
 log = logging.getLogger("kvcanary")
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
+
+
+class HostStep(NamedTuple):
+    """What the host half of a step computed (``BatchBuilder.host_part``)."""
+
+    io: object  # the engine's inputs and outputs of this step
+    reqs: list
+    bs: int
+    T: int  # new tokens
+    prefix: list[int]
+    extend: list[int]
+    rids: list[int]
+    packed: torch.Tensor  # the staged device buffer: rows, prefix, extend, ids, token cells, token batch index
+    n: int  # per-request values staged (4 x bs)
+    small: int  # values before each new token's batch index
+    width: int  # max prefix + extend
+    total: int  # prefix + new positions over the batch (the read index's expected length)
 
 
 class BatchBuilder:
@@ -47,48 +66,81 @@ class BatchBuilder:
         self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
 
     def build(self) -> ForwardBatch:
-        s, lay = self.s, self.s.layout
+        """This step's batch, its device work issued eagerly."""
+        h = self.host_part()
+        batch = self.assemble(h)
+        self.fill_read_table(batch, h)
+        if self.oracle:
+            self._oracle(batch, h.reqs, h.prefix, h.extend, h.rids)
+        if self.s.layout.swa_group is not None:
+            self._fill_swa_table(h.io, batch.prefix_lens, batch.extend_lens,
+                                 max(min(p, self.s.layout.window) for p in h.prefix), h.T, batch.out_cache_loc)
+        return batch
+
+    def host_part(self) -> HostStep:
+        """The host half of a step: per-request facts and token cells, staged to the device in one copy."""
+        s = self.s
         io = s.bp.inputs_and_outputs
         reqs = io.requests_in_batch
         bs = len(reqs)
-        names = [fs.state.request_id for fs in reqs]
-        extend = [fs.query_length for fs in reqs]
-        prefix = [fs.state.position_offset - q for fs, q in zip(reqs, extend)]
+        names, extend, prefix = [], [], []
+        for fs in reqs:
+            st, q = fs.state, fs.query_length
+            names.append(st.request_id)
+            extend.append(q)
+            prefix.append(st.position_offset - q)
         rows = self._rows(names)
-        rids = [s.request_id(n) for n in names]
-        T = sum(extend)
-        small = rows + prefix + extend + rids
-        n = len(small)
+        ids = s.ids
+        rids = [ids.get(n) or s.request_id(n) for n in names]
+        parts = [rows + prefix + extend + rids]
+        n = 4 * bs
         if self.want_history:
-            small += self._token_cells(reqs, rows, prefix, extend)
+            parts += self._token_cells(reqs, names, rows, prefix, extend)
+        T = sum(extend)
         # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
-        packed = self.stage.send(small, np.repeat(np.arange(bs, dtype=np.int64), extend))
+        parts.append(np.arange(bs, dtype=np.int64) if T == bs else np.repeat(np.arange(bs, dtype=np.int64), extend))
+        packed, small = self.stage.send(parts)
+        width = max(map(sum, zip(prefix, extend)), default=0)
+        return HostStep(io, reqs, bs, T, prefix, extend, rids, packed, n, small, width, sum(prefix) + T)
+
+    def assemble(self, h: HostStep, width: int | None = None) -> ForwardBatch:
+        """The ForwardBatch of views into the staged buffer, the engine's inputs and a read table of
+        ``width`` columns (not yet filled: ``fill_read_table``)."""
+        lay, io, bs, T, packed = self.s.layout, h.io, h.bs, h.T, h.packed
         rows_t, prefix_t, extend_t, rids_t = (packed[i * bs:(i + 1) * bs] for i in range(4))
-        self.token_req = packed[len(small):]
+        token_req = packed[h.small:]
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
-        rtt = self._read_table(io, rows_t, prefix_t, extend_t, max(p + q for p, q in zip(prefix, extend)),
-                               sum(prefix) + T)
+        width = max(1, h.width if width is None else width)
         if io.use_block_table:
+            nb = min(-(-width // lay.block_size), io.block_table.shape[2])
+            rtt = torch.empty(self.num_rows, nb * lay.block_size, dtype=torch.int64, device=self.device)
             # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
-            out_cache_loc = rtt[rows_t[self.token_req], positions.to(torch.int64)]
+            out_cache_loc = torch.empty(T, dtype=torch.int64, device=self.device)
         else:
+            rtt = torch.empty(self.num_rows, width, dtype=torch.int64, device=self.device)
             out_cache_loc = io.write_index_storage[lay.full_group, :T]
         batch = ForwardBatch(req_pool_indices=rows_t, prefix_lens=prefix_t, extend_lens=extend_t,
                              input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                              req_to_token=rtt, request_ids=rids_t,
                              mode=ForwardMode.DECODE if T == bs else ForwardMode.EXTEND)
+        batch.token_req = token_req  # each new token's batch index (verify_new_reads, the block-table path)
         if self.want_history:
-            k = (len(small) - n - bs) // 3
-            c0 = n + bs
+            k = (h.small - h.n - bs) // 3
+            c0 = h.n + bs
             batch.token_history = TokenAppend(packed[c0:c0 + k], packed[c0 + k:c0 + 2 * k],
-                                              packed[c0 + 2 * k:c0 + 3 * k], packed[n:n + bs])
-        if self.oracle:
-            self._oracle(batch, reqs, prefix, extend, rids)
-        if lay.swa_group is not None:
-            self._fill_swa_table(io, prefix_t, extend_t, max(min(p, lay.window) for p in prefix), T, out_cache_loc)
+                                              packed[c0 + 2 * k:c0 + 3 * k], packed[h.n:h.n + bs])
         return batch
 
-    def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int) -> torch.Tensor:
+    def fill_read_table(self, batch: ForwardBatch, h: HostStep) -> None:
+        """Fill the batch's read table (and on the flash path its write slots) for this step."""
+        rtt = batch.req_to_token
+        self._read_table(h.io, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, rtt.shape[1], h.total,
+                         out=rtt)
+        if h.io.use_block_table:
+            # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
+            batch.out_cache_loc.copy_(rtt[batch.req_pool_indices[batch.token_req], batch.positions.to(torch.int64)])
+
+    def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int, out=None) -> torch.Tensor:
         """req_to_token from the indices the forward's attention consumes, not from the block tables.
 
         Full-attention layers read ``read_index[g]`` (sdpa / eager: per request, the slots of
@@ -100,12 +152,13 @@ class BatchBuilder:
         if io.use_block_table:
             nb = min(-(-width // B), io.block_table.shape[2])
             blocks = io.block_table[g, :rows_t.shape[0], :nb].to(torch.int64)
-            rtt = torch.empty(self.num_rows, nb * B, dtype=torch.int64, device=self.device)
-            rtt.view(self.num_rows, nb, B)[rows_t] = torch.add(self.in_block[:B], blocks.unsqueeze(2), alpha=B)
+            rtt = torch.empty(self.num_rows, nb * B, dtype=torch.int64, device=self.device) if out is None else out
+            rtt.view(self.num_rows, -1, B)[rows_t, :nb] = torch.add(self.in_block[:B], blocks.unsqueeze(2), alpha=B)
             return rtt
-        rtt = torch.empty(self.num_rows, max(1, width), dtype=torch.int64, device=self.device)
+        rtt = torch.empty(self.num_rows, max(1, width), dtype=torch.int64, device=self.device) if out is None else out
         if io.max_kv_read == 0:
             return rtt  # nothing is read from the cache (fresh prefills only): no prefix to verify
+        width = rtt.shape[1]
         seen = prefix_t + extend_t
         # [bs, width] positions into the flat read index; cells past a request's length are never read.
         idx = (torch.cumsum(seen, 0) - seen).unsqueeze(1) + self._arange(width)
@@ -124,7 +177,7 @@ class BatchBuilder:
         rtt[rows_t] = torch.where(idx < have, got, self.s.layout.num_slots)
         return rtt
 
-    def verify_new_reads(self, batch: ForwardBatch) -> None:
+    def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:
         """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
 
         Full attention writes the new tokens, then reads positions [0, prefix + extend) through the
@@ -137,13 +190,13 @@ class BatchBuilder:
             return  # the fast path reads through the table the writes used; no read of the cache at all
         c = self.s.canary
         g = c.groups[0]
-        per = batch.req_pool_indices[self.token_req]
+        per = batch.req_pool_indices[batch.token_req]
         pos = batch.positions.to(torch.int64)
         rtt = batch.req_to_token
         slots = rtt[per, pos]
         # Where every read cell is the write cell the check holds by construction (the HEAD write just
         # stored those records); on the CPU that comparison costs no sync and saves the verify.
-        if self.device.type == "cpu" and torch.equal(slots, batch.out_cache_loc):
+        if shortcut and self.device.type == "cpu" and torch.equal(slots, batch.out_cache_loc):
             return
         prev = torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1)
         ops.fill_entries(self.new_reads, slots, pos, prev, batch.input_ids)
@@ -177,31 +230,48 @@ class BatchBuilder:
             rows.append(row)
         return rows
 
-    def _token_cells(self, reqs, rows, prefix, extend) -> list[int]:
+    def _token_cells(self, reqs, names, rows, prefix, extend) -> list:
         """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens.
 
         Each request's cells are packed with its own row and columns, as many as its positions need:
         a history shorter than the positions (an engine bug) fills the missing cells with
         ``MISSING_TOKEN``, so the gap is reported against that request alone and never shifts
-        another request's cells.
+        another request's cells. Returns parts for ``Staging.send``: lists, or arrays for long runs.
         """
-        valid, cell_rows, cell_cols, cell_tokens = [], [], [], []
-        for fs, row, p, q in zip(reqs, rows, prefix, extend):
-            st, need = fs.state, p + q
-            name = st.request_id
-            have = self.sent[name]
-            if have < need:
-                init, gen = st.initial_tokens, st.generated_tokens
-                n0 = len(init)
-                toks = init[have:need] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
-                if len(toks) < need - have:
-                    toks += [MISSING_TOKEN] * (need - have - len(toks))
+        valid, cell_rows, cell_cols, cell_tokens, sent = [], [], [], [], self.sent
+        runs = []  # (row, have, need, tokens) of requests with many new cells (prefill chunks)
+        for fs, name, row, p, q in zip(reqs, names, rows, prefix, extend):
+            need = p + q
+            valid.append(need)
+            have = sent[name]
+            if have >= need:
+                continue
+            sent[name] = need
+            st = fs.state
+            n0 = len(st.initial_tokens)
+            if need - have == 1 and have >= n0:  # a decode step: one generated token
+                gen = st.generated_tokens
+                cell_rows.append(row)
+                cell_cols.append(have)
+                cell_tokens.append(gen[have - n0] if have - n0 < len(gen) else MISSING_TOKEN)
+                continue
+            init, gen = st.initial_tokens, st.generated_tokens
+            toks = init[have:need] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
+            if len(toks) < need - have:
+                toks += [MISSING_TOKEN] * (need - have - len(toks))
+            if need - have < 64:
                 cell_rows += [row] * (need - have)
                 cell_cols += range(have, need)
                 cell_tokens += toks
-                self.sent[name] = need
-            valid.append(need)
-        return valid + cell_rows + cell_cols + cell_tokens
+            else:
+                runs.append((row, have, need, toks))
+        if not runs:
+            return [valid + cell_rows + cell_cols + cell_tokens]
+        # long runs as arrays: a list of thousands of ints converts far slower than np.arange / np.full
+        r = [np.asarray(cell_rows, dtype=np.int64)] + [np.full(n - h, row, dtype=np.int64) for row, h, n, _ in runs]
+        c = [np.asarray(cell_cols, dtype=np.int64)] + [np.arange(h, n, dtype=np.int64) for _, h, n, _ in runs]
+        t = [np.asarray(cell_tokens, dtype=np.int64)] + [np.asarray(tk, dtype=np.int64) for _, _, _, tk in runs]
+        return [valid] + r + c + t
 
     def _oracle(self, batch, reqs, prefix, extend, rids) -> None:
         """Expected inputs (prompt, then oracle tokens) and the tokens the sampler will be forced to emit."""
@@ -271,20 +341,22 @@ class Staging:
 
     Device buffers take turns over ``depth`` steps: a batch's tensors are views into one of them, and
     the monitor reads a remembered batch when its violations arrive steps later (reader attribution),
-    so a buffer must not be refilled while that batch may still be read.
+    so a buffer must not be refilled while that batch may still be read: ``KEEP_BATCHES`` turns and a spare (few
+    turns also mean few CUDA-graph captures, ``hf_graph.py``).
     """
 
-    def __init__(self, device: torch.device, depth: int = KEEP_BATCHES + 2):
+    def __init__(self, device: torch.device, depth: int = KEEP_BATCHES + 1):
         self.device, self.cuda, self.depth = device, device.type == "cuda", depth
         self.host = None
         self.ring: list[torch.Tensor] = []
         self.turn = 0
         self.event = torch.cuda.Event() if self.cuda else None
+        self.stream = stream_cache(device) if self.cuda else None
 
-    def send(self, small: list[int], tail: np.ndarray | None = None) -> torch.Tensor:
-        """``small`` then ``tail`` (if any) in one device buffer."""
-        m = len(small)
-        n = m + (0 if tail is None else len(tail))
+    def send(self, parts: list) -> tuple[torch.Tensor, int]:
+        """``parts`` (lists of ints or int64 arrays) back to back in one device buffer; returns the
+        buffer and where the last part starts."""
+        n = sum(len(p) for p in parts)
         if self.event is not None:
             self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
         if self.host is None or self.host.shape[0] < n:
@@ -293,12 +365,13 @@ class Staging:
             self.host_np = self.host.numpy()
             # (remembered batches keep their old buffers alive)
             self.ring = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
-        self.host_np[:m] = small  # numpy converts a list of ints several times faster than torch
-        if tail is not None:
-            self.host_np[m:n] = tail
+        at = 0
+        for p in parts:
+            self.host_np[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
+            at += len(p)
         out = self.ring[self.turn][:n]
         self.turn = (self.turn + 1) % self.depth
         out.copy_(self.host[:n], non_blocking=self.cuda)
         if self.event is not None:
-            self.event.record()
-        return out
+            self.event.record(self.stream.current())
+        return out, n - len(parts[-1])

@@ -20,8 +20,11 @@ import torch
 
 from kvcanary.format import oracle_token
 from kvcanary.integrations.hf_batch import BatchBuilder
+from kvcanary.integrations.hf_graph import StepGraphs
 from kvcanary.integrations.hf_layout import EngineLayout, Patcher
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
+from kvcanary.runtime.graphs import CudaGraphs
+from kvcanary.runtime.streams import stream_cache
 
 log = logging.getLogger("kvcanary")
 
@@ -48,6 +51,7 @@ class Session:
         self.final_violations: list = []
         self.canary = self._build_canary()
         self.builder = BatchBuilder(self)
+        self.graphs = self._step_graphs()
         self.patcher = Patcher()
         self._install()
 
@@ -82,6 +86,23 @@ class Session:
         canary.mark_ready()
         self.vocab = int(getattr(cache.config, "vocab_size", 0) or 0)
         return canary
+
+    def _step_graphs(self, graph_type=None) -> StepGraphs | None:
+        """On CUDA (attach option ``step_graphs``, default on): the before hook's device work replayed
+        from a CUDA graph per batch shape, and the after hook's TAIL and snapshot likewise. Tests pass
+        ``graph_type`` (a CPU stand-in) to take the same path on the CPU."""
+        if not self.handle.options.get("step_graphs", True):
+            return None
+        if graph_type is not None:
+            return StepGraphs(self, graph_type)
+        if self.device.type != "cuda":
+            return None
+        if not self.canary.launcher.streams.overlap:
+            return None  # the whole-step graph runs on the side stream: overlap off keeps every launch eager
+        graphs = CudaGraphs(self.device, max_graphs=32)
+        self.canary.launcher.graphs = graphs
+        self.canary.monitor.observer.graphs = graphs
+        return StepGraphs(self)
 
     def _install(self) -> None:
         bp, p = self.bp, self.patcher
@@ -160,10 +181,14 @@ class Session:
     def _before(self) -> None:
         t0 = time.perf_counter()
         with self.lock, self._range("kvcanary_before"), self._engine_stream():
-            self._batch = self.builder.build()
-            self.canary.before_forward(self._batch)
-            if self.canary.enabled:
-                self.builder.verify_new_reads(self._batch)
+            io = self.bp.inputs_and_outputs
+            if self.graphs is not None and self.canary.enabled and self.graphs.usable(io):
+                self._batch = self.graphs.before(self.builder.host_part())
+            else:
+                self._batch = self.builder.build()
+                self.canary.before_forward(self._batch)
+                if self.canary.enabled:
+                    self.builder.verify_new_reads(self._batch)
         self._before_s = time.perf_counter() - t0
 
     def _after(self) -> None:
@@ -181,7 +206,12 @@ class Session:
         """Table index of each block (the positions it holds, for later sweeps), recorded once per
         block; and the blocks this step's tokens landed in: the only ones the update may remap."""
         io, lay = self.bp.inputs_and_outputs, self.layout
-        tables = self.bp.cache.group_cache_managers[lay.full_group].block_table
+        cm = self.bp.cache.group_cache_managers[lay.full_group]
+        if not getattr(cm, "uses_block_sharing", True):
+            # Without block sharing a freed block is never kept for reuse (no sweep reads its positions)
+            # and no table entry is remapped: nothing to record, at no per-request cost.
+            return {}
+        tables = cm.block_table
         B, snap = lay.block_size, {}
         for fs in io.requests_in_batch:
             st = fs.state
@@ -275,8 +305,12 @@ class Session:
         stream = self.bp.inputs_and_outputs.compute_stream
         if stream is None:
             return nullcontext()
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        return torch.cuda.stream(stream)
+        cache = stream_cache(stream.device)
+        current = cache.current()
+        if current == stream:
+            return nullcontext()
+        stream.wait_stream(current)
+        return cache.use(stream)
 
     def _range(self, name: str):
         # Ranges only while a profiler records: a range costs microseconds, and timing is on in benchmarks.

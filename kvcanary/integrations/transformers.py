@@ -25,7 +25,8 @@ from kvcanary.runtime import CanaryConfig, Violation
 
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
-INTEGRATION_OPTIONS = ("token_oracle", "token_history", "timing", "max_context", "allow_unsupported_version")
+INTEGRATION_OPTIONS = ("token_oracle", "token_history", "timing", "max_context", "allow_unsupported_version",
+                       "step_graphs")
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
 
 
@@ -44,6 +45,8 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
             ``kvcanary_after``) for benchmarks.
         max_context: columns of the canary's tables (default: the cache's pages, the longest a request can be).
         allow_unsupported_version: skip the transformers version gate.
+        step_graphs: on CUDA, replay each batch shape's canary launches from CUDA graphs (default True;
+            same results, a fraction of the host time: docs/transformers.md).
 
     Returns:
         a ``TransformersHandle``; ``handle.detach()`` restores the engine.

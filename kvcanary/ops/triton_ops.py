@@ -112,9 +112,7 @@ class _Launcher:
         self.cache: dict = {}
 
     def __call__(self, grid: tuple, num_warps: int = 4, **kw) -> None:
-        from triton import knobs
-
-        if not self.enabled or knobs.runtime.launch_enter_hook:
+        if not self.enabled or _launch_hooked():
             self.fn[grid](**kw, num_warps=num_warps)
             return
         args = [kw[n] for n in self.names]
@@ -127,13 +125,32 @@ class _Launcher:
             return
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        stream = torch.cuda.current_stream(device).cuda_stream
+        # the raw handle: torch.cuda.current_stream builds a Python Stream object (microseconds per call)
+        stream = _raw_stream(device)
         try:
             kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
         except (AttributeError, TypeError):
             # A Triton whose compiled-kernel interface differs: its own launch path from now on.
             _Launcher.enabled = False
             self.fn[grid](**kw, num_warps=num_warps)
+
+
+def _launch_hooked() -> bool:
+    """A launch-enter hook is installed (a profiler): launches must go through Triton, which calls it.
+
+    Triton 3.6 keeps an empty ``HookChain`` there by default, which is truthy: look at its calls."""
+    from triton import knobs
+
+    hook = knobs.runtime.launch_enter_hook
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
+def _raw_stream(device: int) -> int:
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return get(device) if get is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 _launchers: dict = {}

@@ -19,6 +19,8 @@ from collections import OrderedDict
 
 import torch
 
+from kvcanary.runtime.streams import stream_cache
+
 MAX_GRAPHS = 8  # captured sequences kept (least recently used dropped)
 
 
@@ -87,10 +89,12 @@ class CudaGraphs(FakeGraphs):
     def __init__(self, device: torch.device, max_graphs: int = MAX_GRAPHS):
         super().__init__(max_graphs)
         self.device = device
+        self.streams = stream_cache(device)
+        self.default = torch.cuda.default_stream(device)
 
     def run(self, key, body) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        if torch.cuda.is_current_stream_capturing() or stream == torch.cuda.default_stream(self.device):
+        stream = self.streams.current()
+        if torch.cuda.is_current_stream_capturing() or stream == self.default:
             body(eager)
             return
         super().run(key, body)
@@ -110,3 +114,75 @@ def graphs_for(device: torch.device, enabled: bool):
     if enabled and device.type == "cuda":
         return CudaGraphs(device)
     return EagerGraphs()
+
+
+class DispatchGraph:
+    """CPU stand-in for ``torch.cuda.CUDAGraph`` (tests of whole-step capture, ``integrations/hf_graph.py``).
+
+    Between ``capture_begin`` and ``capture_end`` every aten op and every Triton launch runs and is
+    recorded with the tensors it read and the tensors it returned; ``replay`` runs them again and
+    writes each op's new result into the tensor returned at capture, as a CUDA graph rewrites the
+    same memory. Host values read during the capture are baked in, as in a real graph: work that
+    depends on anything but the recorded tensors' contents gives different results on replay, and a
+    host read of a tensor value (``.item()``, ``.tolist()``) inside the capture raises. The first
+    ``replay`` after a capture does nothing: the capture already ran the work (a CUDA capture runs
+    nothing, its first replay everything).
+    """
+
+    def __init__(self):
+        self.calls: list = []
+        self.fresh = False
+        self._mode = None
+        self._launch = None
+
+    def capture_begin(self, **_) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from kvcanary.ops import triton_ops
+
+        graph = self
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+                            torch.ops.aten.is_nonzero.default):
+                    raise RuntimeError("kv-canary: a host read of a device value inside a captured step")
+                out = func(*args, **(kwargs or {}))
+                graph.calls.append((func, args, kwargs or {}, out))
+                return out
+
+        launch = self._launch = triton_ops._launch
+
+        def recorded_launch(fn, grid, **kw):
+            self.calls.append((launch, (fn, grid), kw, None))
+            with torch.utils._python_dispatch._disable_current_modes():
+                launch(fn, grid, **kw)
+
+        triton_ops._launch = recorded_launch
+        self._mode = Record()
+        self._mode.__enter__()
+
+    def capture_end(self) -> None:
+        from kvcanary.ops import triton_ops
+
+        self._mode.__exit__(None, None, None)
+        triton_ops._launch = self._launch
+        self.fresh = True
+
+    def replay(self) -> None:
+        if self.fresh:
+            self.fresh = False
+            return
+        for fn, args, kw, out in self.calls:
+            res = fn(*args, **kw)
+            for old, new in zip(_tensors(out), _tensors(res)):
+                if old.data_ptr() != new.data_ptr() or old.stride() != new.stride():
+                    old.copy_(new)
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    return []

@@ -129,6 +129,14 @@ class ForwardLauncher:
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t.record_stream(side)
 
+    def state(self) -> tuple:
+        """What ``before`` leaves for ``after``: saved with a captured ``before`` and restored on its replays."""
+        return self.inputs, self.key, self.staged_now
+
+    def restore(self, state: tuple) -> None:
+        self.inputs, self.key, self.staged_now = state
+        self.checked = None
+
     # -- the forward -----------------------------------------------------------------------------
     def before(self, batch) -> None:
         """Expected-token refill, plan per group, HEAD verify of the prefix, HEAD write of the new tokens."""

@@ -17,11 +17,13 @@ from kvcanary.format import (
     to_unsigned,
 )
 from kvcanary.runtime.batch import batch_lists, verified_cells
-from kvcanary.runtime.observer import HostObserver, Observation
+from kvcanary.runtime.observer import NUM_SLOTS, HostObserver, Observation
 from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation
 
 log = logging.getLogger("kvcanary")
-KEEP_BATCHES = 6  # batches remembered for reader attribution of late observations
+# Batches remembered for reader attribution of late observations: a step's observation is drained at
+# the latest when its snapshot slot comes round again, NUM_SLOTS snapshots later.
+KEEP_BATCHES = NUM_SLOTS + 1
 
 
 class Monitor:

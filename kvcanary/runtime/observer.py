@@ -16,6 +16,7 @@ import torch
 
 from kvcanary.ops.types import ViolationRing
 from kvcanary.runtime.graphs import EagerGraphs
+from kvcanary.runtime.streams import stream_cache
 
 NUM_SLOTS = 3  # snapshots in flight before the oldest must be waited for
 
@@ -67,9 +68,9 @@ class HostObserver:
         self.order.append(slot)
         if not self.cuda:
             return done + self.collect(block=True)
-        main = torch.cuda.current_stream(self.ring.rows.device)
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
+        streams = stream_cache(self.ring.rows.device)
+        self.side.wait_stream(streams.current())
+        with streams.use(self.side):
             slot.host_small.copy_(slot.small, non_blocking=True)
             slot.event.record(self.side)
         return done

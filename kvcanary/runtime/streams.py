@@ -54,26 +54,87 @@ class InlineStreams:
         pass
 
 
+class _StreamCache:
+    """The current CUDA stream as a ``torch.cuda.Stream``, found by its raw handle.
+
+    ``torch.cuda.current_stream`` and the ``torch.cuda.stream`` context build Python objects and look
+    up the device on every call (several microseconds each, several calls per forward); the raw
+    handle is one C call, and the streams the canary meets are few and long-lived.
+    """
+
+    def __init__(self, device: torch.device):
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.by_handle: dict[int, torch.cuda.Stream] = {}
+        self._raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._set = getattr(torch._C, "_cuda_setStream", None)
+
+    def current(self) -> torch.cuda.Stream:
+        if self._raw is None:
+            return torch.cuda.current_stream(self.index)
+        handle = self._raw(self.index)
+        s = self.by_handle.get(handle)
+        if s is None:
+            s = torch.cuda.current_stream(self.index)
+            if len(self.by_handle) < 64:  # an engine making a stream per step must not grow this forever
+                self.by_handle[s.cuda_stream] = s
+        return s
+
+    def set(self, stream: torch.cuda.Stream) -> None:
+        if self._set is None:
+            torch.cuda.set_stream(stream)
+        else:
+            self._set(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
+
+    @contextmanager
+    def use(self, stream: torch.cuda.Stream):
+        prev = self.current()
+        if prev == stream:
+            yield
+            return
+        self.set(stream)
+        try:
+            yield
+        finally:
+            self.set(prev)
+
+
+_caches: dict[int, _StreamCache] = {}
+
+
+def stream_cache(device: torch.device) -> _StreamCache:
+    """The process's stream cache for a CUDA device (one per device index)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    c = _caches.get(index)
+    if c is None:
+        c = _caches[index] = _StreamCache(torch.device("cuda", index))
+    return c
+
+
 class CudaStreams(InlineStreams):
     """A real side stream and events on a CUDA device; inline while the current stream captures a graph."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._side = torch.cuda.Stream(device=device)
+        self._cache = stream_cache(device)
         # One event per stream, re-recorded: a wait is enqueued with the event's state at the call, and a
         # later record on the same stream only marks a later point of it (a stronger wait, never a weaker one).
         self._events: dict[int, torch.cuda.Event] = {}
 
     @property
     def overlap(self) -> bool:
-        # Waiting on an event recorded outside a capture is not capturable: the captured sequence stays serial.
-        return not torch.cuda.is_current_stream_capturing()
+        # Waiting on an event recorded outside a capture is not capturable: a sequence captured on another
+        # stream stays serial. A capture on the side stream itself (a whole step's work, replayed there)
+        # keeps the overlap's staging: its launches already run on the side stream.
+        if not torch.cuda.is_current_stream_capturing():
+            return True
+        return self.current() == self._side
 
     def side(self):
         return self._side
 
     def current(self):
-        return torch.cuda.current_stream(self.device)
+        return self._cache.current()
 
     def record(self, stream):
         ev = self._events.get(stream.cuda_stream)
@@ -87,7 +148,7 @@ class CudaStreams(InlineStreams):
             stream.wait_event(event)
 
     def use(self, stream):
-        return torch.cuda.stream(stream)
+        return self._cache.use(stream)
 
     def synchronize(self, stream=None) -> None:
         (stream or self.current()).synchronize()
