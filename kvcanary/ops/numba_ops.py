@@ -20,7 +20,7 @@ import weakref
 import numpy as np
 import torch
 
-from kvcanary.format import ATTRIBUTION_STRIDE, PARTIAL_READ_BYTES, Counter, RealKvMode
+from kvcanary.format import ATTRIBUTION_STRIDE, PARTIAL_READ_BYTES, RealKvMode
 from kvcanary.ops import numba_kernels as k
 from kvcanary.ops import torch_ops
 
@@ -172,8 +172,11 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
     outs = [_np(t) for t in (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, out.write_offsets,
                              out.seed_slot)]
     enable = _np(e.enable)
-    if enable is None or enable.dtype != np.int32 or not all(a is not None and a.dtype == np.int64 for a in outs):
-        # Hand-built plan buffers that numpy cannot write in place: the torch path gives the same bits.
+    cap = e.slot.shape[0]
+    if (enable is None or enable.dtype != np.int32 or not all(a is not None and a.dtype == np.int64 for a in outs)
+            or any(a.shape[0] != cap for a in outs[1:4])):
+        # Hand-built plan buffers that numpy cannot write in place, or entry fields of different lengths
+        # (the kernel does not bounds-check): the torch path, with the same bits or the same error.
         torch_ops.plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                        req_to_token=req_to_token, out=out, window=window, full_to_swa=full_to_swa,
                        token_table=token_table, token_valid_lens=token_valid_lens, token_offset=token_offset)
@@ -190,6 +193,12 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
 
 
 def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0, check_token=True) -> None:
+    cap = entries.slot.shape[0]
+    if any(t.shape[0] != cap for t in (entries.position, entries.prev, entries.expected_token)):
+        # Entry fields of different lengths: the kernel does not bounds-check; the torch path raises.
+        torch_ops.verify(buf=buf, entries=entries, ring=ring, counters=counters, launch_tag=launch_tag,
+                         sources=sources, real_kv_mode=real_kv_mode, check_token=check_token)
+        return
     enable, count, slot = _np(entries.enable), _np(entries.count), _np64(entries.slot)
     # The entries' own count bounds the fingerprint pass; the kernel re-reads enable and count itself.
     n = max(0, min(int(count[0]), slot.shape[0])) if enable[0] else 0
