@@ -150,7 +150,9 @@ def _fingerprints(slots: np.ndarray, sources, real_kv_mode: int) -> np.ndarray:
         num_bytes = PARTIAL_READ_BYTES if real_kv_mode == RealKvMode.PARTIAL else src.read_bytes
         words, data, base, row_stride, unit = _storage_bytes(src.tensor)
         mix = k.mix_source_words if words else k.mix_source
-        mix(acc, slots, data, base, row_stride, src.page_size, src.num_bytes_per_token // unit, src.tensor.shape[0],
+        ps = src.page_size
+        shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
+        mix(acc, slots, data, base, row_stride, ps, shift, src.num_bytes_per_token // unit, src.tensor.shape[0],
             num_bytes // unit)
     return acc
 
