@@ -3,7 +3,7 @@
 The vectorised torch path spends its time in hundreds of small tensor ops per forward (64-bit
 hashing emulated on int64 tensors, chains stepped one token at a time); here each op is one
 compiled loop over zero-copy numpy views of the CPU tensors (``numba_kernels.py``), so a
-forward's launches cost a few microseconds each plus the work itself.
+launch costs its Python (views, dispatch: 15-30 us on the dev CPU) plus the work itself.
 
 Compile cost: the kernels are compiled on first use and cached on disk (numba's ``cache=True``,
 next to this file or in the user's cache directory), so only a fresh install pays it, once.
