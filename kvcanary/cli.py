@@ -197,7 +197,7 @@ def _zoo(args: argparse.Namespace) -> int:
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, torch on cpu")
+    p.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, numba (when it imports) torch on cpu")
     p.add_argument("--small", action="store_true", help="the CPU-sized workloads")
     p.add_argument("--workloads", nargs="+", default=None, metavar="NAME",
                    help="op workloads to run (default: all of the size chosen; kvcanary.bench.ops)")

@@ -15,7 +15,9 @@ from kvcanary.format import CHAIN_HEAD, LaunchTag, RealKvMode, splitmix64, to_un
 
 
 def usable_backends(device: torch.device) -> list[str]:
-    out = ["reference", "torch"]
+    from kvcanary.ops import api
+
+    out = ["reference", "torch"] + (["numba"] if device.type == "cpu" and api.numba_available() else [])
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -18,7 +18,8 @@ HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = _triton_usable()
 # The device the op tests run on: the GPU when there is one, else the CPU.
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-FAST_BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+# numba runs CPU tensors only; without the package its cases skip with the reason (ops_harness.use_backend).
+FAST_BACKENDS = ["torch"] + (["numba"] if DEVICE.type == "cpu" else []) + (["triton"] if HAS_TRITON else [])
 
 
 def pytest_collection_modifyitems(config, items):

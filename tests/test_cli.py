@@ -32,7 +32,7 @@ def test_library_errors_become_exit_code_2(capsys):
 
 # -- every argument is checked before any work starts; failures are non-zero exit codes ------------------
 REJECTED = [
-    (["bench", "--providers", "nope"], "--providers must be among ['reference', 'torch', 'triton'], got 'nope'"),
+    (["bench", "--providers", "nope"], "--providers must be among ['reference', 'torch', 'numba', 'triton'], got 'nope'"),
     (["bench", "--out", "/nonexistent-folder/x.json"], "--out must be a path in an existing folder"),
     (["bench", "--plot", "/nonexistent-folder/x.png"], "--plot must be a path in an existing folder"),
     (["bench", "--canary-option", "real_kv=all"], "--canary-option applies to --engine runs only"),

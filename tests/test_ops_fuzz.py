@@ -23,7 +23,7 @@ from sim_engine import Config, Script, build_state, replay
 
 BACKENDS = FAST_BACKENDS + ["torch-static"]
 # The Triton interpreter is slow on CPU: fewer examples there.
-EXAMPLES = {"torch": 60, "torch-static": 40, "triton": 40}
+EXAMPLES = {"torch": 60, "torch-static": 40, "numba": 60, "triton": 40}
 
 
 def fuzz(backend: str, scale: float = 1.0):

@@ -96,7 +96,7 @@ CASES = [
     ("scatter-device", "scatter", dict(flat_in=t([5, 6, 7], device="meta")), ValueError,
      S + "flat_in must be on cpu, got meta"),
     ("scatter-backend", "scatter", dict(backend="cuda"), ValueError,
-     P + "backend must be one of ('auto', 'reference', 'torch', 'triton'), got 'cuda'"),
+     P + "backend must be one of ('auto', 'reference', 'torch', 'numba', 'triton'), got 'cuda'"),
 
     ("fingerprint-slots-int32", "fingerprint", dict(slots=t([1], I32)), TypeError,
      P + "fingerprint slots must be int64, got torch.int32"),
@@ -112,7 +112,7 @@ CASES = [
      dict(sources=[src(), src(tensor=torch.zeros(4, 32, dtype=torch.uint8, device="meta"))]), ValueError,
      P + "fingerprint sources[1].tensor must be on cpu, got meta"),
     ("fingerprint-backend", "fingerprint", dict(backend="Torch"), ValueError,
-     P + "backend must be one of ('auto', 'reference', 'torch', 'triton'), got 'Torch'"),
+     P + "backend must be one of ('auto', 'reference', 'torch', 'numba', 'triton'), got 'Torch'"),
 
     ("plan-rows-float", "plan", dict(req_pool_indices=torch.ones(2)), TypeError,
      P + "plan req_pool_indices must be int32 or int64, got torch.float32"),
@@ -150,7 +150,7 @@ CASES = [
     ("plan-out-device", "plan", dict(out=Plan.allocate(4, 2, device="meta")), ValueError,
      P + "plan out.entries.slot must be on cpu, got meta"),
     ("plan-backend", "plan", dict(backend=""), ValueError,
-     P + "backend must be one of ('auto', 'reference', 'torch', 'triton'), got ''"),
+     P + "backend must be one of ('auto', 'reference', 'torch', 'numba', 'triton'), got ''"),
 
     ("write-buf-int8", "write", dict(buf=torch.zeros(16, 48, dtype=torch.int8)), TypeError,
      P + "write buf must be uint8, got torch.int8"),
@@ -220,7 +220,7 @@ CASES = [
     ("write-locs-device", "write", dict(out_cache_loc=t([3], device="meta")), ValueError,
      P + "write out_cache_loc must be on cpu, got meta"),
     ("write-backend", "write", dict(backend="numpy"), ValueError,
-     P + "backend must be one of ('auto', 'reference', 'torch', 'triton'), got 'numpy'"),
+     P + "backend must be one of ('auto', 'reference', 'torch', 'numba', 'triton'), got 'numpy'"),
 
     ("verify-buf-stride", "verify", dict(buf=allocate_canary_buffer(16, 16)), ValueError,
      P + "verify buf must be a record stride >= 32 and a multiple of 8, got stride 16"),
@@ -239,7 +239,7 @@ CASES = [
     ("verify-entries-device", "verify", dict(entries=Entries.allocate(4, device="meta")), ValueError,
      P + "verify entries.slot must be on cpu, got meta"),
     ("verify-backend", "verify", dict(backend=None), ValueError,
-     P + "backend must be one of ('auto', 'reference', 'torch', 'triton'), got None"),
+     P + "backend must be one of ('auto', 'reference', 'torch', 'numba', 'triton'), got None"),
 
     ("fill-slots-float", "fill_entries", dict(slots=torch.ones(1)), TypeError,
      P + "fill_entries slots must be int32 or int64, got torch.float32"),
@@ -344,9 +344,32 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
     assert str(info.value) == "kv-canary: backend 'triton' on cpu tensors needs TRITON_INTERPRET=1, got it unset"
 
 
-def test_auto_backend_on_cpu_is_torch():
+def test_auto_backend_on_cpu_is_numba_when_it_imports(monkeypatch):
+    monkeypatch.setattr(api, "numba_available", lambda: True)
+    assert api.resolve_backend("auto", torch.device("cpu")) == "numba"
+    monkeypatch.setattr(api, "numba_available", lambda: False)
     assert api.resolve_backend("auto", torch.device("cpu")) == "torch"
     assert api.resolve_backend("reference", torch.device("cpu")) == "reference"
+
+
+def test_auto_backend_on_cuda_never_numba(monkeypatch):
+    monkeypatch.setattr(api, "numba_available", lambda: True)
+    monkeypatch.setattr(api, "triton_available", lambda: False)
+    assert api.resolve_backend("auto", torch.device("cuda")) == "torch"
+
+
+def test_numba_unavailable(monkeypatch):
+    monkeypatch.setattr(api, "numba_available", lambda: False)
+    with pytest.raises(ValueError) as info:
+        ops.fingerprint(t([1]), (), backend="numba")
+    assert str(info.value).startswith("kv-canary: backend must be importable, got 'numba' without the numba package")
+
+
+def test_numba_rejects_other_devices(monkeypatch):
+    monkeypatch.setattr(api, "numba_available", lambda: True)
+    with pytest.raises(ValueError) as info:
+        api.resolve_backend("numba", torch.device("cuda"))
+    assert str(info.value) == "kv-canary: backend 'numba' must run on cpu tensors, got cuda"
 
 
 def test_rejected_write_leaves_ring_and_buffer_alone():

@@ -1,6 +1,6 @@
 """Throughput of the canary ops: verify and write entries/s and effective GB/s.
 
-Workloads are declared once in WORKLOADS; providers (torch, triton) are a separate axis.
+Workloads are declared once in WORKLOADS; providers (torch, numba, triton) are a separate axis.
 Bytes-moved model (per entry, what a kernel must touch at minimum):
   verify: entry (slot, position, prev, expected_token: 32 B) + the slot's record fields 0-3 (32 B)
           + the predecessor's record fields 0-2 (24 B) + real-KV bytes read (16 B in PARTIAL, 0 in NONE)
@@ -24,6 +24,7 @@ import time
 import torch
 
 from kvcanary import ops
+from kvcanary.ops import api
 from kvcanary.format import LaunchTag, RealKvMode
 
 # name: (batch, prefix per request, new tokens per request)
@@ -249,7 +250,7 @@ def plot(results: dict, path: str) -> None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, torch on cpu")
+    ap.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, numba (when it imports) torch on cpu")
     ap.add_argument("--small", action="store_true", help="the CPU-sized workloads")
     ap.add_argument("--workloads", nargs="+", default=None, help="op workloads to run (default: all)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
@@ -260,7 +261,8 @@ def bench_main(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"kv-canary: bench device must be available, got {device} without a CUDA GPU")
-    providers = args.providers or (["triton", "torch"] if device.type == "cuda" else ["torch"])
+    cpu_fast = ["numba"] if device.type == "cpu" and api.numba_available() else []
+    providers = args.providers or (["triton", "torch"] if device.type == "cuda" else cpu_fast + ["torch"])
     workloads = CPU_WORKLOADS if (args.small or device.type == "cpu") else WORKLOADS
     if getattr(args, "workloads", None):
         known = {**WORKLOADS, **CPU_WORKLOADS}

@@ -1,9 +1,10 @@
 """Public ops: docstring, validation and defaults, then dispatch to one implementation.
 
-Every op has three implementations with one keyword signature: ``reference``
-(scalar oracle), ``torch`` (vectorised, the CPU default) and ``triton`` (the
-CUDA default; on CPU only under ``TRITON_INTERPRET=1``). ``backend="auto"``
-picks Triton on CUDA when it imports, torch otherwise.
+Every op has four implementations with one keyword signature: ``reference``
+(scalar oracle), ``torch`` (vectorised, any device), ``numba`` (compiled loops,
+CPU tensors only; the CPU default when numba imports) and ``triton`` (the CUDA
+default; on CPU only under ``TRITON_INTERPRET=1``). ``backend="auto"`` picks
+Triton on CUDA when it imports, numba on the CPU when it imports, torch otherwise.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from kvcanary.format import ATTRIBUTION_STRIDE, RealKvMode
 from kvcanary.ops import validate as v
 from kvcanary.ops.types import Entries, Plan, ViolationRing
 
-BACKENDS = ("auto", "reference", "torch", "triton")
+BACKENDS = ("auto", "reference", "torch", "numba", "triton")
 _MODULES = {"reference": "kvcanary.ops.reference", "torch": "kvcanary.ops.torch_ops",
-            "triton": "kvcanary.ops.triton_ops"}
+            "numba": "kvcanary.ops.numba_ops", "triton": "kvcanary.ops.triton_ops"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,12 +33,31 @@ def triton_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def numba_available() -> bool:
+    """numba imports (``pip install 'kv-canary[cpu]'``); the import, not just the package, since a
+    numba built for another numpy fails only when imported."""
+    try:
+        importlib.import_module("numba")
+    except Exception:  # noqa: BLE001 - any failure to import means the backend is unusable
+        return False
+    return True
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The concrete implementation name ``backend`` selects for tensors on ``device``."""
     if backend not in BACKENDS:
         raise ValueError(f"kv-canary: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "numba" if device.type == "cpu" and numba_available() else "torch"
+    if backend == "numba":
+        if not numba_available():
+            raise ValueError("kv-canary: backend must be importable, got 'numba' without the numba package "
+                             "(pip install 'kv-canary[cpu]')")
+        if device.type != "cpu":
+            raise ValueError(f"kv-canary: backend 'numba' must run on cpu tensors, got {device.type}")
     if backend == "triton":
         if not triton_available():
             raise ValueError("kv-canary: backend must be importable, got 'triton' without the triton package "

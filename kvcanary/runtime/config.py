@@ -40,7 +40,8 @@ class CanaryConfig:
 
     Attributes:
         mode: "none" (nothing runs), "log" (warn and keep serving), "raise" (error after the drain).
-        backend: op implementation, "auto" | "reference" | "torch" | "triton".
+        backend: op implementation, "auto" | "reference" | "torch" | "numba" | "triton" ("auto": Triton on
+            CUDA, numba on the CPU when it imports, else torch).
         check_v: also keep V buffers (and V real-KV hashes) besides K.
         real_kv: real-KV fingerprint at TAIL and sweep: "none" | "partial" (16 bytes) | "all".
         token_check: verify stored tokens against request token histories when the engine gives them.
