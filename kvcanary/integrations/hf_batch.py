@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -84,13 +85,23 @@ class BatchBuilder:
         of the same shape instead of being assembled anew (a score of tensor views per step)."""
         io = h.io
         key = (h.bs, h.T, h.small, h.width, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
-               io.write_index_storage.data_ptr(), io.use_block_table)
+               io.write_index_storage.data_ptr(), io.read_index_storage.data_ptr(), io.use_block_table)
         batch = self.cpu_batches.get(key)
         if batch is None:
             batch = self.cpu_batches[key] = self.assemble(h)
+            # numpy views of its tensors, made once: a tensor call costs tens of microseconds inside the
+            # engine's step (cold caches after the forward), a numpy read of a view far less
+            batch.host_views = self._views(batch, io)
             if len(self.cpu_batches) > 64:
                 self.cpu_batches.pop(next(iter(self.cpu_batches)))
         return batch
+
+    def _views(self, batch: ForwardBatch, io) -> SimpleNamespace:
+        return SimpleNamespace(rows=batch.req_pool_indices.numpy(), prefix=batch.prefix_lens.numpy(),
+                               extend=batch.extend_lens.numpy(), token_req=batch.token_req.numpy(),
+                               positions=batch.positions.numpy(), loc=batch.out_cache_loc.numpy(),
+                               rtt=batch.req_to_token.numpy(),
+                               read=io.read_index_storage[self.s.layout.full_group].numpy())
 
     def host_part(self) -> HostStep:
         """The host half of a step: per-request facts and token cells, staged to the device in one copy."""
@@ -150,6 +161,10 @@ class BatchBuilder:
         """Fill the batch's read table (and on the flash path its write slots) for this step; ``captured``:
         tensor ops only (a captured step replays device work, not host code)."""
         rtt = batch.req_to_token
+        views = getattr(batch, "host_views", None)
+        if views is not None and not captured and not h.io.use_block_table and h.io.max_kv_read:
+            self._fill_host(views, h.io, h.total)
+            return
         self._read_table(h.io, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, rtt.shape[1], h.total,
                          out=rtt, host=not captured)
         if h.io.use_block_table:
@@ -199,21 +214,26 @@ class BatchBuilder:
     def _read_table_host(self, io, rows_t, prefix_t, extend_t, total: int, rtt: torch.Tensor) -> torch.Tensor:
         """``_read_table`` on CPU tensors through numpy: the same cells, a few microseconds instead of a
         dozen tensor ops (each costs the host several microseconds at these sizes)."""
+        views = SimpleNamespace(rows=rows_t.numpy(), prefix=prefix_t.numpy(), extend=extend_t.numpy(),
+                                rtt=rtt.numpy(), read=io.read_index_storage[self.s.layout.full_group].numpy())
+        self._fill_host(views, io, total)
+        return rtt
+
+    def _fill_host(self, v, io, total: int) -> None:
+        """The numpy read table from numpy views (``_cpu_batch`` keeps a reused batch's views)."""
         g = self.s.layout.full_group
-        seen = prefix_t.numpy() + extend_t.numpy()
-        idx = (np.cumsum(seen) - seen)[:, None] + np.arange(rtt.shape[1])
+        seen = v.prefix + v.extend
+        idx = (np.cumsum(seen) - seen)[:, None] + np.arange(v.rtt.shape[1])
         have = min(total, io.true_read_sizes[g])
-        read = io.read_index_storage[g].numpy()
-        out, rows = rtt.numpy(), rows_t.numpy()
+        read, out, rows = v.read, v.rtt, v.rows
         if have == total:
             out[rows] = read[np.minimum(idx, read.shape[0] - 1)]
-            return rtt
+            return
         if not self.warned_read_size:
             self.warned_read_size = True
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
         out[rows] = np.where(idx < have, read[np.minimum(idx, max(0, have - 1))], self.s.layout.num_slots)
-        return rtt
 
     def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:
         """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
@@ -233,8 +253,8 @@ class BatchBuilder:
         # stored those records); on the CPU that comparison costs no sync and saves the verify (not
         # inside a captured step: its outcome would be baked into the capture).
         if shortcut and self.device.type == "cpu":
-            per_np = batch.req_pool_indices.numpy()[batch.token_req.numpy()]
-            if np.array_equal(rtt.numpy()[per_np, batch.positions.numpy()], batch.out_cache_loc.numpy()):
+            v = getattr(batch, "host_views", None) or self._views(batch, io)
+            if np.array_equal(v.rtt[v.rows[v.token_req], v.positions], v.loc):
                 return
         per = batch.req_pool_indices[batch.token_req]
         pos = batch.positions.to(torch.int64)

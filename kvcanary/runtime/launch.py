@@ -90,6 +90,7 @@ class ForwardLauncher:
         # captured HEAD / TAIL sequences per shape (graphs.py); tests swap in FakeGraphs
         self.graphs = graphs_for(canary.device, getattr(canary.config, "launch_graphs", False))
         self.pending = None  # side-stream work the engine stream has not waited for yet
+        self.token_np = None  # CPU: numpy view of the canary's token table (_refill_tokens)
         n, groups = canary.max_tokens, len(canary.groups)
         # staged inputs: ids, positions, expected ids, expected positions, one slot list per group; writer ids
         self.staged = torch.zeros((4 + groups) * n + canary.max_batch, dtype=torch.int64, device=canary.device)
@@ -246,7 +247,13 @@ class ForwardLauncher:
         self.streams.note("tokens", reads=("engine_inputs",), writes=("token_table",))
         if isinstance(hist, TokenAppend):
             if hist.cell_rows.shape[0]:
-                c.token_table.index_put_((hist.cell_rows, hist.cell_cols), hist.cell_tokens.to(torch.int32))
+                if c.device.type == "cpu":
+                    # numpy: inside the engine's step each tensor call costs tens of microseconds
+                    if self.token_np is None:
+                        self.token_np = c.token_table.numpy()
+                    self.token_np[hist.cell_rows.numpy(), hist.cell_cols.numpy()] = hist.cell_tokens.numpy()
+                else:
+                    c.token_table.index_put_((hist.cell_rows, hist.cell_cols), hist.cell_tokens.to(torch.int32))
             return c.token_table, hist.valid_lens
         flat, offsets = hist.flat.to(torch.int64), hist.offsets.to(torch.int64)
         if batch.batch_size and flat.shape[0]:
