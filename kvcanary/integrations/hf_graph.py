@@ -53,6 +53,8 @@ class StepGraphs:
         # dead when a replay ends and replays run one after another on one stream, so captures may
         # reuse each other's memory; a pool per graph would hold 32 copies of the largest of them.
         self.pool = torch.cuda.graph_pool_handle() if graph_type is None else None
+        # a stand-in graph on the CPU replays tensor ops only: the launcher's numpy shortcuts stay off
+        session.canary.launcher.host_ops = graph_type is None
         self.entries: OrderedDict = OrderedDict()
         self.seen: dict = {}  # eager runs per shape
         self.reports: OrderedDict = OrderedDict()

@@ -91,6 +91,9 @@ class ForwardLauncher:
         self.graphs = graphs_for(canary.device, getattr(canary.config, "launch_graphs", False))
         self.pending = None  # side-stream work the engine stream has not waited for yet
         self.token_np = None  # CPU: numpy view of the canary's token table (_refill_tokens)
+        # CPU: numpy in place of small tensor ops; off while the work is recorded for replay (tests'
+        # CPU stand-in of a CUDA graph records tensor ops only)
+        self.host_ops = True
         n, groups = canary.max_tokens, len(canary.groups)
         # staged inputs: ids, positions, expected ids, expected positions, one slot list per group; writer ids
         self.staged = torch.zeros((4 + groups) * n + canary.max_batch, dtype=torch.int64, device=canary.device)
@@ -247,7 +250,7 @@ class ForwardLauncher:
         self.streams.note("tokens", reads=("engine_inputs",), writes=("token_table",))
         if isinstance(hist, TokenAppend):
             if hist.cell_rows.shape[0]:
-                if c.device.type == "cpu":
+                if c.device.type == "cpu" and self.host_ops:
                     # numpy: inside the engine's step each tensor call costs tens of microseconds
                     if self.token_np is None:
                         self.token_np = c.token_table.numpy()
