@@ -132,3 +132,24 @@ def test_fingerprint_vector_aligned_and_misaligned(device):
         src = RealKvSource(raw[offset:offset + 32].view(1, 32), 1, 16, 16)
         got = ops.fingerprint(torch.tensor([0, 1, -1], device=device), [src], RealKvMode.PARTIAL, backend="triton")
         assert got.tolist() == [want, 0, 0], offset
+
+
+def test_direct_launch_steps_aside_only_for_a_real_launch_hook():
+    # Triton 3.6+ keeps an empty hook chain in launch_enter_hook by default: that is no hook (the direct
+    # launcher may run); a chain with a hook in it, or a plain callable, is one (a profiler must see launches).
+    knobs = pytest.importorskip("triton.knobs")
+    from kvcanary.ops import triton_ops
+
+    orig = knobs.runtime.launch_enter_hook
+    try:
+        chain = knobs.HookChain()
+        knobs.runtime.launch_enter_hook = chain
+        assert not triton_ops._launch_hooked()
+        chain.add(lambda *args: None)
+        assert triton_ops._launch_hooked()
+        knobs.runtime.launch_enter_hook = None
+        assert not triton_ops._launch_hooked()
+        knobs.runtime.launch_enter_hook = lambda *args: None
+        assert triton_ops._launch_hooked()
+    finally:
+        knobs.runtime.launch_enter_hook = orig
