@@ -329,11 +329,13 @@ def test_real_kv_source_accepted(tensor, page_size, nbpt):
     assert s.num_slots == tensor.shape[0] * page_size
 
 
-def test_triton_unavailable(monkeypatch):
-    monkeypatch.setattr(api, "triton_available", lambda: False)
+@pytest.mark.parametrize("backend", ["triton", "numba"])
+def test_backend_package_unavailable(monkeypatch, backend):
+    monkeypatch.setattr(api, f"{backend}_available", lambda: False)
     with pytest.raises(ValueError) as info:
-        ops.fingerprint(t([1]), (), backend="triton")
-    assert str(info.value).startswith("kv-canary: backend must be importable, got 'triton' without the triton package")
+        ops.fingerprint(t([1]), (), backend=backend)
+    assert str(info.value).startswith(f"kv-canary: backend must be importable, got '{backend}' without the {backend} "
+                                      "package")
 
 
 def test_triton_on_cpu_needs_interpreter(monkeypatch):
@@ -356,13 +358,6 @@ def test_auto_backend_on_cuda_never_numba(monkeypatch):
     monkeypatch.setattr(api, "numba_available", lambda: True)
     monkeypatch.setattr(api, "triton_available", lambda: False)
     assert api.resolve_backend("auto", torch.device("cuda")) == "torch"
-
-
-def test_numba_unavailable(monkeypatch):
-    monkeypatch.setattr(api, "numba_available", lambda: False)
-    with pytest.raises(ValueError) as info:
-        ops.fingerprint(t([1]), (), backend="numba")
-    assert str(info.value).startswith("kv-canary: backend must be importable, got 'numba' without the numba package")
 
 
 def test_numba_rejects_other_devices(monkeypatch):
