@@ -1,0 +1,86 @@
+"""The host half of a transformers step: what ``BatchBuilder.host_part`` (``hf_batch.py``) computed
+(``HostStep``), and the staging of its values (``Staging``: one pinned buffer, one asynchronous copy
+into a device buffer whose views become the batch's tensors).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kvcanary.runtime.monitor import KEEP_BATCHES
+from kvcanary.runtime.streams import stream_cache
+
+__all__ = ["HostStep", "Staging"]
+
+
+class HostStep(NamedTuple):
+    """What the host half of a step computed (``BatchBuilder.host_part``)."""
+
+    io: object  # the engine's inputs and outputs of this step
+    reqs: list
+    bs: int
+    T: int  # new tokens
+    prefix: list[int]
+    extend: list[int]
+    rids: list[int]
+    packed: torch.Tensor  # the staged device buffer: rows, prefix, extend, ids, token cells, token batch index
+    n: int  # per-request values staged (4 x bs)
+    small: int  # values before each new token's batch index
+    width: int  # max prefix + extend
+    total: int  # prefix + new positions over the batch (the read index's expected length)
+
+
+class Staging:
+    """The step's small host arrays in one pinned buffer and one asynchronous copy into a device buffer
+    (pageable copies would block the host on every step).
+
+    Device buffers take turns over ``depth`` steps: a batch's tensors are views into one of them, and
+    the monitor reads a remembered batch when its violations arrive steps later (reader attribution),
+    so a buffer must not be refilled while that batch may still be read: ``KEEP_BATCHES`` turns and a spare (few
+    turns also mean few CUDA-graph captures, ``hf_graph.py``).
+    """
+
+    def __init__(self, device: torch.device, depth: int = KEEP_BATCHES + 1):
+        self.device, self.cuda, self.depth = device, device.type == "cuda", depth
+        self.host = None
+        self.ring: list[torch.Tensor] = []
+        self.static: torch.Tensor | None = None  # the one buffer a captured step reads (hf_graph.py)
+        self.turn = 0
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.stream = stream_cache(device) if self.cuda else None
+
+    def send(self, parts: list) -> tuple[torch.Tensor, int]:
+        """``parts`` (lists of ints or int64 arrays) back to back in one device buffer; returns the
+        buffer and where the last part starts."""
+        n = sum(len(p) for p in parts)
+        if self.event is not None:
+            self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
+        if self.host is None or self.host.shape[0] < n:
+            size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 1024)
+            self.host = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
+            self.host_np = self.host.numpy()
+            # (remembered batches keep their old buffers alive)
+            self.ring = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
+            self.static = torch.empty(size, dtype=torch.int64, device=self.device)
+        out = self.ring[self.turn][:n]
+        self.turn = (self.turn + 1) % self.depth
+        # on the CPU the values go straight into the turn's buffer; on CUDA through pinned memory
+        dst = self.host_np if self.cuda else out.numpy()
+        at = 0
+        for p in parts:
+            dst[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
+            at += len(p)
+        if self.cuda:
+            out.copy_(self.host[:n], non_blocking=True)
+        if self.event is not None:
+            self.event.record(self.stream.current())
+        return out, n - len(parts[-1])
+
+    def to_static(self, packed: torch.Tensor) -> torch.Tensor:
+        """A copy of this step's staged values in the one buffer whose address never changes (while the
+        buffers do not grow): what a captured step reads, whichever turn the values arrived in."""
+        out = self.static[:packed.shape[0]]
+        out.copy_(packed)
+        return out
