@@ -20,7 +20,7 @@ from kvcanary import ops
 from kvcanary.ops import validate as v
 from kvcanary.format import RealKvMode, launch_tag
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec
-from kvcanary.runtime.checks import check_batch_values, slots_tensor
+from kvcanary.runtime.checks import canary_device, check_batch_sizes, check_batch_values, slots_tensor
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.inject import Injector
 from kvcanary.runtime.launch import ForwardLauncher, check_batch
@@ -84,7 +84,7 @@ class Canary:
                     f"kv-canary: Canary {name} must be an int >= 1, got {value!r}")
         if on_violation is not None and not callable(on_violation):
             raise TypeError(f"kv-canary: Canary on_violation must be a callable or None, got {on_violation!r}")
-        self.device = _device(device)
+        self.device = canary_device(device)
         self.config = cfg = config if config is not None else CanaryConfig.from_env()
         self.pool = pool
         self.max_batch, self.max_tokens, self.max_context, self.num_rows = max_batch, max_tokens, max_context, num_rows
@@ -376,29 +376,4 @@ class Canary:
                                f"got {call} with no forward open at step {self.step}")
 
     def _check_sizes(self, batch: ForwardBatch) -> None:
-        v.check_ndim("forward batch", "req_to_token", batch.req_to_token, 2)
-        if batch.batch_size > self.max_batch:
-            raise ValueError(f"kv-canary: forward batch size must be <= max_batch ({self.max_batch}), got "
-                             f"{batch.batch_size}; raise Canary(max_batch=...)")
-        if batch.num_tokens > self.max_tokens:
-            raise ValueError(f"kv-canary: forward tokens must be <= max_tokens ({self.max_tokens}), got "
-                             f"{batch.num_tokens}; raise Canary(max_tokens=...)")
-        if batch.req_to_token.shape[1] > self.max_context:
-            raise ValueError(f"kv-canary: req_to_token columns must be <= max_context ({self.max_context}), got "
-                             f"{batch.req_to_token.shape[1]}; raise Canary(max_context=...)")
-
-
-def _device(device: object) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"kv-canary: Canary device must be a torch device such as 'cpu' or 'cuda:0', "
-                         f"got {device!r}") from None
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (dev.index or 0) >= count:
-            raise ValueError(f"kv-canary: Canary device must be an available device, got {device!r} with "
-                             f"{count} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise ValueError(f"kv-canary: Canary device must be 'cpu' or a CUDA device, got {device!r}")
-    return dev
+        check_batch_sizes(batch, max_batch=self.max_batch, max_tokens=self.max_tokens, max_context=self.max_context)

@@ -90,3 +90,34 @@ def slots_tensor(op: str, name: str, slots: object, num_slots: int, device: torc
         if lo < 0 or hi >= num_slots:
             raise v.fail_value(op, name, f"slots in [0, {num_slots})", f"[{lo}, {hi}]")
     return slots.to(device=device, dtype=torch.int64)
+
+
+def check_batch_sizes(batch: ForwardBatch, *, max_batch: int, max_tokens: int, max_context: int) -> None:
+    """ValueError for a forward larger than the Canary's static buffers (metadata only, no sync)."""
+    v.check_ndim(OP, "req_to_token", batch.req_to_token, 2)
+    if batch.batch_size > max_batch:
+        raise ValueError(f"kv-canary: forward batch size must be <= max_batch ({max_batch}), got "
+                         f"{batch.batch_size}; raise Canary(max_batch=...)")
+    if batch.num_tokens > max_tokens:
+        raise ValueError(f"kv-canary: forward tokens must be <= max_tokens ({max_tokens}), got "
+                         f"{batch.num_tokens}; raise Canary(max_tokens=...)")
+    if batch.req_to_token.shape[1] > max_context:
+        raise ValueError(f"kv-canary: req_to_token columns must be <= max_context ({max_context}), got "
+                         f"{batch.req_to_token.shape[1]}; raise Canary(max_context=...)")
+
+
+def canary_device(device: object) -> torch.device:
+    """The Canary's device argument as a torch.device that exists here, else ValueError."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"kv-canary: Canary device must be a torch device such as 'cpu' or 'cuda:0', "
+                         f"got {device!r}") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(f"kv-canary: Canary device must be an available device, got {device!r} with "
+                             f"{count} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"kv-canary: Canary device must be 'cpu' or a CUDA device, got {device!r}")
+    return dev
