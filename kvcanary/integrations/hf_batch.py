@@ -142,18 +142,14 @@ class BatchBuilder:
         """Fill the batch's read table (and on the flash path its write slots) for this step; ``captured``:
         tensor ops only (a captured step replays device work, not host code)."""
         rtt = batch.req_to_token
-        views = getattr(batch, "host_views", None)
-        if views is not None and not captured and not h.io.use_block_table and h.io.max_kv_read:
-            self._fill_host(views, h.io, h.total)
-            return
         self._read_table(h.io, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, rtt.shape[1], h.total,
-                         out=rtt, host=not captured)
+                         out=rtt, host=not captured, views=getattr(batch, "host_views", None))
         if h.io.use_block_table:
             # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
             batch.out_cache_loc.copy_(rtt[batch.req_pool_indices[batch.token_req], batch.positions.to(torch.int64)])
 
     def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int, out=None,
-                    host: bool = True) -> torch.Tensor:
+                    host: bool = True, views: SimpleNamespace | None = None) -> torch.Tensor:
         """req_to_token from the indices the forward's attention consumes, not from the block tables.
 
         Full-attention layers read ``read_index[g]`` (sdpa / eager: per request, the slots of
@@ -172,7 +168,12 @@ class BatchBuilder:
         if io.max_kv_read == 0:
             return rtt  # nothing is read from the cache (fresh prefills only): no prefix to verify
         if host and rtt.device.type == "cpu":
-            return self._read_table_host(io, rows_t, prefix_t, extend_t, total, rtt)
+            # numpy: the same cells, without a dozen tensor ops (each costs the host microseconds here)
+            if views is None:
+                views = SimpleNamespace(rows=rows_t.numpy(), prefix=prefix_t.numpy(), extend=extend_t.numpy(),
+                                        rtt=rtt.numpy(), read=io.read_index_storage[g].numpy())
+            self._fill_host(views, io, total)
+            return rtt
         width = rtt.shape[1]
         seen = prefix_t + extend_t
         # [bs, width] positions into the flat read index; cells past a request's length are never read.
@@ -190,14 +191,6 @@ class BatchBuilder:
         # a short read index is reported against the request that misses slots.
         got = read.index_select(0, idx.view(-1).clamp(max=max(0, have - 1))).view(idx.shape)
         rtt[rows_t] = torch.where(idx < have, got, self.s.layout.num_slots)
-        return rtt
-
-    def _read_table_host(self, io, rows_t, prefix_t, extend_t, total: int, rtt: torch.Tensor) -> torch.Tensor:
-        """``_read_table`` on CPU tensors through numpy: the same cells, a few microseconds instead of a
-        dozen tensor ops (each costs the host several microseconds at these sizes)."""
-        views = SimpleNamespace(rows=rows_t.numpy(), prefix=prefix_t.numpy(), extend=extend_t.numpy(),
-                                rtt=rtt.numpy(), read=io.read_index_storage[self.s.layout.full_group].numpy())
-        self._fill_host(views, io, total)
         return rtt
 
     def _fill_host(self, v, io, total: int) -> None:

@@ -20,6 +20,7 @@ runs eagerly.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 
@@ -92,18 +93,18 @@ class StepGraphs:
         c.host_before(e.batch)  # checks, drains, opens the forward; joins the side stream's earlier work
         launcher = c.launcher
         side = launcher.streams.side()
-        if side is None:
+        on_side = nullcontext()
+        if side is not None:
+            streams = stream_cache(c.device)
+            # the side stream starts after the engine prepared this step's inputs (they are read below)
+            side.wait_event(launcher.streams.record(streams.current()))
+            on_side = streams.use(side)
+        with on_side:
             self._run(e, shape, work)
             report.req_to_token.copy_(e.batch.req_to_token)
-            return report
-        streams = stream_cache(c.device)
-        # the side stream starts after the engine prepared this step's inputs (they are read below)
-        side.wait_event(launcher.streams.record(streams.current()))
-        with streams.use(side):
-            self._run(e, shape, work)
-            report.req_to_token.copy_(e.batch.req_to_token)
-        # HEAD runs beside the forward; the step's close makes the engine stream wait for it
-        launcher.pending = launcher.streams.record(side)
+        if side is not None:
+            # HEAD runs beside the forward; the step's close makes the engine stream wait for it
+            launcher.pending = launcher.streams.record(side)
         return report
 
     def _report(self, h, width: int):
@@ -138,6 +139,8 @@ class StepGraphs:
             graph.replay()  # a capture records the calls without running them
             self.captures += 1
         else:
+            if len(self.seen) > 8 * MAX_ENTRIES:  # shapes once seen and gone (prefill widths): forget them
+                self.seen.clear()
             self.seen[shape] = self.seen.get(shape, 0) + 1
             self._body(e, h)
 

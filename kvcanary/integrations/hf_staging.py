@@ -38,13 +38,15 @@ class Staging:
 
     Device buffers take turns over ``depth`` steps: a batch's tensors are views into one of them, and
     the monitor reads a remembered batch when its violations arrive steps later (reader attribution),
-    so a buffer must not be refilled while that batch may still be read: ``KEEP_BATCHES`` turns and a spare (few
-    turns also mean few CUDA-graph captures, ``hf_graph.py``).
+    so a buffer must not be refilled while that batch may still be read: ``KEEP_BATCHES`` turns and
+    a spare (few turns also mean few CUDA-graph captures, ``hf_graph.py``). On the CPU the values go
+    straight into the turn's buffer.
     """
 
     def __init__(self, device: torch.device, depth: int = KEEP_BATCHES + 1):
         self.device, self.cuda, self.depth = device, device.type == "cuda", depth
-        self.host = None
+        self.size = 0
+        self.host = self.host_np = None  # CUDA: the pinned buffer the values are written into
         self.ring: list[torch.Tensor] = []
         self.static: torch.Tensor | None = None  # the one buffer a captured step reads (hf_graph.py)
         self.turn = 0
@@ -55,18 +57,18 @@ class Staging:
         """``parts`` (lists of ints or int64 arrays) back to back in one device buffer; returns the
         buffer and where the last part starts."""
         n = sum(len(p) for p in parts)
-        if self.event is not None:
+        if self.cuda:
             self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
-        if self.host is None or self.host.shape[0] < n:
-            size = max(n, 2 * (0 if self.host is None else self.host.shape[0]), 1024)
-            self.host = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
-            self.host_np = self.host.numpy()
+        if self.size < n:
+            self.size = max(n, 2 * self.size, 1024)
+            if self.cuda:
+                self.host = torch.empty(self.size, dtype=torch.int64, pin_memory=True)
+                self.host_np = self.host.numpy()
             # (remembered batches keep their old buffers alive)
-            self.ring = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
-            self.static = torch.empty(size, dtype=torch.int64, device=self.device)
+            self.ring = [torch.empty(self.size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
+            self.static = torch.empty(self.size, dtype=torch.int64, device=self.device)
         out = self.ring[self.turn][:n]
         self.turn = (self.turn + 1) % self.depth
-        # on the CPU the values go straight into the turn's buffer; on CUDA through pinned memory
         dst = self.host_np if self.cuda else out.numpy()
         at = 0
         for p in parts:
@@ -74,7 +76,6 @@ class Staging:
             at += len(p)
         if self.cuda:
             out.copy_(self.host[:n], non_blocking=True)
-        if self.event is not None:
             self.event.record(self.stream.current())
         return out, n - len(parts[-1])
 
