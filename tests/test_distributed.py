@@ -167,3 +167,17 @@ def test_bad_arguments_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="interval must be an int >= 0"):
         ConsistencyCheck(None, interval=-1)
     assert 0 < free_port() < 65536
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.bfloat16, torch.float32, torch.int64, torch.uint8])
+def test_kv_travels_as_bytes_that_fill_the_typed_tensor(dtype):
+    # NCCL refuses int16 tensors; the transfer sends every KV tensor as its bytes instead.
+    from kvcanary.distributed.transfer import wire_bytes
+
+    g = torch.Generator().manual_seed(3)
+    sent = torch.randint(-100, 100, (3, 4, 5), generator=g).to(dtype)
+    wire = wire_bytes(sent)
+    assert wire.dtype == torch.uint8 and wire.numel() == sent.numel() * sent.element_size()
+    arrived = torch.empty_like(sent)
+    wire_bytes(arrived).copy_(wire)  # what a receive into the view does
+    assert torch.equal(arrived, sent)

@@ -101,6 +101,15 @@ def land_records(canary, packet: RecordPacket, slots: torch.Tensor, group: str =
 
 
 # -- sending over torch.distributed -----------------------------------------------------------------
+def wire_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view of the same storage.
+
+    KV travels as bytes because NCCL has no 16-bit integer type (int16 pages would be refused) and
+    bytes are what the real-KV hash covers anyway; a receive into the view fills the typed tensor.
+    """
+    return t.reshape(-1).view(torch.uint8)
+
+
 def send_transfer(packet: RecordPacket, kv: Sequence[torch.Tensor], dst: int, device: torch.device | str = "cpu",
                   group=None) -> None:
     """Send a packet and the request's KV tensors to rank ``dst`` (blocking point-to-point sends).
@@ -122,7 +131,7 @@ def send_transfer(packet: RecordPacket, kv: Sequence[torch.Tensor], dst: int, de
     dist.send(packet.tokens.to(dev), dst, group=group)
     dist.send(planes.contiguous().to(dev), dst, group=group)
     for t in kv:
-        dist.send(t.contiguous().to(dev), dst, group=group)
+        dist.send(wire_bytes(t.contiguous().to(dev)), dst, group=group)
 
 
 def recv_transfer(src: int, device: torch.device | str = "cpu", group=None) -> tuple[RecordPacket, list[torch.Tensor]]:
@@ -146,7 +155,7 @@ def recv_transfer(src: int, device: torch.device | str = "cpu", group=None) -> t
     kv = []
     for code, ndim, *dims in desc:
         t = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=dev)
-        dist.recv(t, src, group=group)
+        dist.recv(wire_bytes(t), src, group=group)
         kv.append(t)
     return RecordPacket(rid, start, tokens, planes), kv
 
