@@ -9,6 +9,8 @@ that enqueue them.
     python benchmarks/host_profile.py --device cpu --model-size tiny --batch 64 --context 512 --steps 16 \
         --stub-kernels --no-cprofile    # the canary's own Python per step, in the JSON it prints
     python benchmarks/host_profile.py --device cuda --model-size 1b --batch 1 --no-step-graphs --no-cprofile
+    python benchmarks/host_profile.py --device cuda --model-size 1b --batch 64 --timers
+        # inclusive wall time per call of each hook part (median of the later calls), no cProfile
 """
 
 from __future__ import annotations
@@ -33,12 +35,65 @@ class _NoKernels:
         return lambda *args, **kwargs: None
 
 
+_TIMED = {
+    "kvcanary.integrations.hf_session:Session": ("_before", "_after", "_before_update", "_after_update",
+                                                 "_engine_stream"),
+    "kvcanary.integrations.hf_batch:BatchBuilder": ("host_part", "_rows", "_token_cells", "forget_finished"),
+    "kvcanary.integrations.hf_staging:Staging": ("send", "to_static"),
+    "kvcanary.integrations.hf_graph:StepGraphs": ("before", "_report", "_run"),
+    "kvcanary.runtime.canary:Canary": ("host_before", "after_forward", "device_after", "host_after"),
+    "kvcanary.runtime.launch:ForwardLauncher": ("join", "side"),
+    "kvcanary.runtime.monitor:Monitor": ("poll",),
+}
+_CALLS: dict[str, list[float]] = {}
+
+
+def _install_timers() -> None:
+    """Wrap each part above with a wall-clock timer (about 0.3 us per call of its own)."""
+    import importlib
+    import time
+
+    for where, names in _TIMED.items():
+        mod, cls = where.split(":")
+        owner = getattr(importlib.import_module(mod), cls)
+        for name in names:
+            fn = getattr(owner, name)
+            label = f"{cls}.{name}"
+            calls = _CALLS.setdefault(label, [])
+
+            def timed(*args, _fn=fn, _calls=calls, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    _calls.append(time.perf_counter() - t0)
+            setattr(owner, name, timed)
+
+
+def _print_timers() -> None:
+    """Median inclusive microseconds per call over the last third of the calls (the canary round's
+    steady state), and the calls per ``Session._before``."""
+    import statistics
+
+    steps = max(1, len(_CALLS.get("Session._before", ())))
+    print(f"{'part':34s} {'calls/step':>10s} {'median us':>10s} {'mean us':>10s}", file=sys.stderr)
+    for label, calls in _CALLS.items():
+        if not calls:
+            continue
+        tail = calls[-max(1, len(calls) // 3):]
+        print(f"{label:34s} {len(calls) / steps:10.2f} {statistics.median(tail) * 1e6:10.1f} "
+              f"{statistics.fmean(tail) * 1e6:10.1f}", file=sys.stderr)
+
+
 def main(argv: list[str]) -> None:
     """Extra flags: --stub-kernels (the canary's own Python only: every op a no-op, so its health
     check complains of missing launches), --no-cprofile (time without the profiler's overhead),
     --no-step-graphs (the transformers adapter's steps all eager, as with attach(step_graphs=False))."""
-    flags = ("--stub-kernels", "--no-cprofile", "--no-step-graphs")
-    stub, plain, eager = (f in argv for f in flags)
+    flags = ("--stub-kernels", "--no-cprofile", "--no-step-graphs", "--timers")
+    stub, plain, eager, timers = (f in argv for f in flags)
+    plain = plain or timers
+    if timers:
+        _install_timers()
     argv = [a for a in argv if a not in flags]
     if eager:
         hf_session.Session._step_graphs = lambda self, graph_type=None: None
@@ -65,6 +120,8 @@ def main(argv: list[str]) -> None:
     for name in () if plain else ("_before", "_after", "_before_update", "_after_update"):
         setattr(cls, name, profiled(getattr(cls, name)))
     bench_engine.main(argv + ["--rounds", "1", "--no-profile"])
+    if timers:
+        _print_timers()
     if plain:
         return
     out = io.StringIO()

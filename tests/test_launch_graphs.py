@@ -46,6 +46,26 @@ def test_replayed_launches_match_eager_bit_for_bit(bug_step, swa):
     assert bool(eager[1]) == (bug_step is not None)
 
 
+@pytest.mark.parametrize("bug_step", [None, 5], ids=["clean", "kv-flip-on-replay"])
+@pytest.mark.parametrize("swa", [False, True], ids=["full", "swa"])
+def test_tail_and_snapshot_replay_as_one_sequence(bug_step, swa):
+    # one graphs object for launches and snapshots (as the transformers adapter hands over): each
+    # step's TAIL waits for its snapshot and both run under one key
+    kw = dict(swa_window=3, swa_slots=40) if swa else {}
+    eager = decode_run(InlineStreams(), EagerGraphs(), bug_step, **kw)
+    graphs = FakeGraphs()
+    keys = []
+    run = graphs.run
+    graphs.run = lambda key, body: (keys.append(key), run(key, body))
+    replayed = decode_run(RecordingStreams(), graphs, bug_step, graphs, **kw)
+    assert graphs.captures == 2 and graphs.replays == 2 * 6  # HEAD, and TAIL + snapshot
+    assert keys[-1][0] == "tail" and keys[-1][-2:] == ("snapshot", 0)
+    assert not any(k[0] == "snapshot" for k in keys)  # never a snapshot of its own after a forward
+    assert all(torch.equal(a, b) for a, b in zip(eager[0], replayed[0]))
+    assert eager[1] == replayed[1] and torch.equal(eager[2], replayed[2]) and torch.equal(eager[3], replayed[3])
+    assert bool(eager[1]) == (bug_step is not None)
+
+
 def test_a_captured_per_forward_tensor_is_caught():
     """Planted: launches read the engine's batch tensors instead of the staged copies. Replays then
     reuse the captured step's inputs, and the records differ from the eager run."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from operator import add, attrgetter, getitem, sub
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +27,10 @@ from kvcanary.runtime.report import MISSING_TOKEN
 
 log = logging.getLogger("kvcanary")
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
+# attributes of a FutureRequestState read per request, in C loops (host_part)
+_NAME, _QUERY, _OFFSET = attrgetter("state.request_id"), attrgetter("query_length"), attrgetter("state.position_offset")
+_PROMPT, _GENERATED = attrgetter("state.initial_tokens"), attrgetter("state.generated_tokens")
+_STATUS = attrgetter("state.status")
 
 
 class BatchBuilder:
@@ -47,6 +52,10 @@ class BatchBuilder:
         self.new_reads = ops.Entries.allocate(session.canary.max_tokens, self.device)
         self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
         self.cpu_batches: dict = {}  # CPU: a reused ForwardBatch per shape (_cpu_batch)
+        self.last_names: list | None = None  # the last batch's requests, rows and ids (host_part)
+        self.last_rows: list[int] = []
+        self.last_rids: list[int] = []
+        self.iota_np = np.arange(256, dtype=np.int64)
 
     def build(self) -> ForwardBatch:
         """This step's batch, its device work issued eagerly."""
@@ -85,30 +94,40 @@ class BatchBuilder:
                                read=io.read_index_storage[self.s.layout.full_group].numpy())
 
     def host_part(self) -> HostStep:
-        """The host half of a step: per-request facts and token cells, staged to the device in one copy."""
+        """The host half of a step: per-request facts and token cells, staged to the device in one copy.
+
+        Per-request attributes are read with ``map`` over ``attrgetter`` (C loops, no Python frame per
+        request), and a batch of the same requests as the last step reuses its rows and ids.
+        """
         s = self.s
         io = s.bp.inputs_and_outputs
         reqs = io.requests_in_batch
         bs = len(reqs)
-        names, extend, prefix = [], [], []
-        for fs in reqs:
-            st, q = fs.state, fs.query_length
-            names.append(st.request_id)
-            extend.append(q)
-            prefix.append(st.position_offset - q)
-        rows = self._rows(names)
-        ids = s.ids
-        rids = [ids.get(n) or s.request_id(n) for n in names]
+        names = list(map(_NAME, reqs))
+        extend = list(map(_QUERY, reqs))
+        prefix = list(map(sub, map(_OFFSET, reqs), extend))
+        if names == self.last_names:
+            rows, rids = self.last_rows, self.last_rids
+        else:
+            rows = self._rows(names)
+            ids = s.ids
+            rids = [ids.get(n) or s.request_id(n) for n in names]
+            self.last_names, self.last_rows, self.last_rids = names, rows, rids
         parts = [rows + prefix + extend + rids]
         n = 4 * bs
-        if self.want_history:
-            parts += self._token_cells(reqs, names, rows, prefix, extend)
         T = sum(extend)
+        if self.want_history:
+            parts += self._token_cells(reqs, names, rows, prefix, extend, T == bs)
         # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
-        parts.append(np.arange(bs, dtype=np.int64) if T == bs else np.repeat(np.arange(bs, dtype=np.int64), extend))
+        parts.append(self._iota_np(bs) if T == bs else np.repeat(self._iota_np(bs), extend))
         packed, small = self.stage.send(parts)
-        width = max(map(sum, zip(prefix, extend)), default=0)
+        width = max(map(add, prefix, extend), default=0)
         return HostStep(io, reqs, bs, T, prefix, extend, rids, packed, n, small, width, sum(prefix) + T)
+
+    def _iota_np(self, n: int) -> np.ndarray:
+        if self.iota_np.shape[0] < n:
+            self.iota_np = np.arange(max(n, 2 * self.iota_np.shape[0]), dtype=np.int64)
+        return self.iota_np[:n]
 
     def assemble(self, h: HostStep, width: int | None = None) -> ForwardBatch:
         """The ForwardBatch of views into the staged buffer, the engine's inputs and a read table of
@@ -265,7 +284,7 @@ class BatchBuilder:
             rows.append(row)
         return rows
 
-    def _token_cells(self, reqs, names, rows, prefix, extend) -> list:
+    def _token_cells(self, reqs, names, rows, prefix, extend, decode: bool = False) -> list:
         """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens.
 
         Each request's cells are packed with its own row and columns, as many as its positions need:
@@ -273,6 +292,10 @@ class BatchBuilder:
         ``MISSING_TOKEN``, so the gap is reported against that request alone and never shifts
         another request's cells. Returns parts for ``Staging.send``: lists, or arrays for long runs.
         """
+        if decode:
+            cells = self._decode_cells(reqs, names, rows, prefix)
+            if cells is not None:
+                return cells
         valid, cell_rows, cell_cols, cell_tokens, sent = [], [], [], [], self.sent
         runs = []  # (row, have, need, tokens) of requests with many new cells (prefill chunks)
         for fs, name, row, p, q in zip(reqs, names, rows, prefix, extend):
@@ -307,6 +330,24 @@ class BatchBuilder:
         c = [np.asarray(cell_cols, dtype=np.int64)] + [np.arange(h, n, dtype=np.int64) for _, h, n, _ in runs]
         t = [np.asarray(cell_tokens, dtype=np.int64)] + [np.asarray(tk, dtype=np.int64) for _, _, _, tk in runs]
         return [valid] + r + c + t
+
+    def _decode_cells(self, reqs, names, rows, prefix) -> list | None:
+        """The common decode step in C loops: every request one new position, its row holding all
+        before it, past its prompt, its history long enough. None: take the general path (which
+        handles every exception to this, a short history included)."""
+        sent = self.sent
+        if list(map(sent.__getitem__, names)) != prefix:
+            return None
+        at = list(map(sub, prefix, map(len, map(_PROMPT, reqs))))  # index into the generated tokens
+        if min(at, default=0) < 0:
+            return None
+        try:
+            tokens = list(map(getitem, map(_GENERATED, reqs), at))
+        except IndexError:
+            return None
+        need = [p + 1 for p in prefix]
+        sent.update(zip(names, need))
+        return [need + rows + prefix + tokens]
 
     def _oracle(self, batch, reqs, prefix, extend, rids) -> None:
         """Expected inputs (prompt, then oracle tokens) and the tokens the sampler will be forced to emit."""
@@ -359,7 +400,10 @@ class BatchBuilder:
     def forget_finished(self) -> list[str]:
         """Release the rows of requests that finished this step; returns their names."""
         done = []
-        for fs in self.s.bp.inputs_and_outputs.requests_in_batch:
+        reqs = self.s.bp.inputs_and_outputs.requests_in_batch
+        if _STATUS_FINISHED not in map(_STATUS, reqs):  # most steps: one C loop
+            return done
+        for fs in reqs:
             if fs.state.status == _STATUS_FINISHED:
                 name = fs.state.request_id
                 row = self.row_of.pop(name, None)
@@ -367,4 +411,6 @@ class BatchBuilder:
                     self.free.append(row)
                 self.sent.pop(name, None)
                 done.append(name)
+        if done:
+            self.last_names = None  # a freed row may go to another request
         return done

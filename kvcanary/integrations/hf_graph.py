@@ -6,13 +6,17 @@ host 10-40 us on the H200's host. All of them read only buffers whose addresses 
 from one step to the next of the same shape: the engine's input storage, a static copy of the
 builder's staged values, a read table per shape, and the canary's own buffers. So the sequence is
 captured into a CUDA graph once a shape has run eagerly ``EAGER_SIGHTINGS`` times (the first run
-compiles Triton kernels and warms the allocator) and replayed afterwards: one host call. Two eager
-copies remain per step: the staged values into the static buffer, and the read table into the
-batch the monitor remembers (its reports read a step's batch up to ``KEEP_BATCHES`` steps later).
+compiles Triton kernels and warms the allocator) and replayed afterwards: one host call.
+
+The staged values arrive in one of ``Staging``'s turn buffers, and the turn is part of the key: each
+turn has its own batch and graph, which read that turn's buffer and fill that batch's read table.
+That batch is also the one the monitor remembers for reports (up to ``KEEP_BATCHES`` steps late), and
+the same turn comes back only after ``KEEP_BATCHES + 1`` steps, so no copy of the staged values or
+the read table is made per step: a steady decode batch costs ``KEEP_BATCHES + 1`` captures, once.
 
 The key is everything the captured calls depend on: batch size, new tokens, token cells, the read
 table's width rounded up (cells past a request's length are never read), and the data pointers of
-the static buffer and the engine's tensors. Anything else — a read index shorter than the batch (an
+the turn's buffer and the engine's tensors. Anything else — a read index shorter than the batch (an
 engine bug), the flash block-table path, a sliding-window group, the token oracle, fault injection —
 runs eagerly.
 """
@@ -20,14 +24,12 @@ runs eagerly.
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import nullcontext
-
 import torch
 
 from kvcanary.runtime.streams import stream_cache
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
-MAX_ENTRIES = 32  # captured shapes kept
+MAX_ENTRIES = 40  # captured (shape, turn) entries kept: a few shapes, each in every staging turn
 # A shape is captured after this many eager runs (the first compiles Triton kernels and warms the
 # allocator; a capture costs about one eager run more, each replay saves one).
 EAGER_SIGHTINGS = 1
@@ -57,8 +59,7 @@ class StepGraphs:
         # a stand-in graph on the CPU replays tensor ops only: the launcher's numpy shortcuts stay off
         session.canary.launcher.host_ops = graph_type is None
         self.entries: OrderedDict = OrderedDict()
-        self.seen: dict = {}  # eager runs per shape
-        self.reports: OrderedDict = OrderedDict()
+        self.seen: dict = {}  # eager runs per shape (any turn)
         self.captures = self.replays = 0
 
     def usable(self, io) -> bool:
@@ -76,49 +77,30 @@ class StepGraphs:
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
                  io.input_ids.data_ptr(), io.position_ids.data_ptr(), io.read_index_storage[g].data_ptr(),
                  io.write_index_storage.data_ptr())
-        # the captured work reads the static copy of the staged values; the monitor keeps the turn's
-        # buffers (reports read a batch up to KEEP_BATCHES steps late) and a copy of the read table
-        work = h._replace(packed=b.stage.to_static(h.packed))
-        key = shape + (work.packed.data_ptr(),)
+        key = shape + (h.packed.data_ptr(),)  # the turn's buffer: its own batch, graph and read table
         e = self.entries.get(key)
         if e is None:
-            e = _Entry(b.assemble(work, width))
+            e = _Entry(b.assemble(h, width))
             self.entries[key] = e
             while len(self.entries) > MAX_ENTRIES:
-                self.entries.popitem(last=False)  # its graph and the buffers it writes go together
+                self.entries.popitem(last=False)  # its graph goes; a remembered batch keeps its tensors
         else:
             self.entries.move_to_end(key)
-        report = self._report(h, width)
         c = s.canary
         c.host_before(e.batch)  # checks, drains, opens the forward; joins the side stream's earlier work
         launcher = c.launcher
         side = launcher.streams.side()
-        on_side = nullcontext()
-        if side is not None:
-            streams = stream_cache(c.device)
-            # the side stream starts after the engine prepared this step's inputs (they are read below)
-            side.wait_event(launcher.streams.record(streams.current()))
-            on_side = streams.use(side)
-        with on_side:
-            self._run(e, shape, work)
-            report.req_to_token.copy_(e.batch.req_to_token)
-        if side is not None:
-            # HEAD runs beside the forward; the step's close makes the engine stream wait for it
-            launcher.pending = launcher.streams.record(side)
-        return report
-
-    def _report(self, h, width: int):
-        """The batch the monitor remembers: views into this turn's staged buffer and its own read table."""
-        key = (h.packed.data_ptr(), h.bs, h.T, h.small, width, h.io.input_ids.data_ptr(),
-               h.io.write_index_storage.data_ptr())
-        batch = self.reports.get(key)
-        if batch is None:
-            batch = self.reports[key] = self.s.builder.assemble(h, width)
-            while len(self.reports) > MAX_ENTRIES:
-                self.reports.popitem(last=False)
-        else:
-            self.reports.move_to_end(key)
-        return batch
+        if side is None:
+            self._run(e, shape, h)
+            return e.batch
+        streams = stream_cache(c.device)
+        # the side stream starts after the engine prepared this step's inputs (they are read below)
+        side.wait_event(launcher.streams.record(streams.current()))
+        with streams.use(side):
+            self._run(e, shape, h)
+        # HEAD runs beside the forward; the step's close makes the engine stream wait for it
+        launcher.pending = launcher.streams.record(side)
+        return e.batch
 
     def _run(self, e: _Entry, shape: tuple, h) -> None:
         """Replay the entry's graph, or capture it, or run its work eagerly (the first sightings)."""

@@ -47,6 +47,7 @@ class Session:
         self.saved: dict[str, list] = {}
         self.timings: list[dict] = []  # per step with timing=True: batch, tokens, host seconds of each part
         self.closed = False
+        self._compute = None  # (the engine's compute stream, its raw handle, its stream cache): _engine_stream
         self.final_stats: dict | None = None
         self.final_violations: list = []
         self.canary = self._build_canary()
@@ -305,9 +306,12 @@ class Session:
         stream = self.bp.inputs_and_outputs.compute_stream
         if stream is None:
             return nullcontext()
-        cache = stream_cache(stream.device)
+        known = self._compute
+        if known is None or known[0] is not stream:  # (stream.device builds a torch.device per call)
+            known = self._compute = (stream, stream.cuda_stream, stream_cache(stream.device))
+        _, handle, cache = known
         current = cache.current()
-        if current == stream:
+        if current.cuda_stream == handle:
             return nullcontext()
         event = self.canary.launcher.streams.record(current)  # a reused event (wait_stream makes one per call)
         if event is None:

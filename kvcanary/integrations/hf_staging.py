@@ -48,7 +48,7 @@ class Staging:
         self.size = 0
         self.host = self.host_np = None  # CUDA: the pinned buffer the values are written into
         self.ring: list[torch.Tensor] = []
-        self.static: torch.Tensor | None = None  # the one buffer a captured step reads (hf_graph.py)
+        self.views: dict = {}  # (turn, size) -> the device slice, the pinned slice, the numpy destination
         self.turn = 0
         self.event = torch.cuda.Event() if self.cuda else None
         self.stream = stream_cache(device) if self.cuda else None
@@ -66,22 +66,21 @@ class Staging:
                 self.host_np = self.host.numpy()
             # (remembered batches keep their old buffers alive)
             self.ring = [torch.empty(self.size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
-            self.static = torch.empty(self.size, dtype=torch.int64, device=self.device)
-        out = self.ring[self.turn][:n]
+            self.views = {}
+        views = self.views.get((self.turn, n))
+        if views is None:
+            if len(self.views) > 256:  # sizes come and go (prefill chunks): never grow without bound
+                self.views.clear()
+            out = self.ring[self.turn][:n]
+            views = self.views[self.turn, n] = (out, self.host[:n] if self.cuda else None,
+                                                self.host_np if self.cuda else out.numpy())
+        out, host, dst = views  # slices made once per (turn, size): each costs the host a tensor call
         self.turn = (self.turn + 1) % self.depth
-        dst = self.host_np if self.cuda else out.numpy()
         at = 0
         for p in parts:
             dst[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
             at += len(p)
         if self.cuda:
-            out.copy_(self.host[:n], non_blocking=True)
+            out.copy_(host, non_blocking=True)
             self.event.record(self.stream.current())
         return out, n - len(parts[-1])
-
-    def to_static(self, packed: torch.Tensor) -> torch.Tensor:
-        """A copy of this step's staged values in the one buffer whose address never changes (while the
-        buffers do not grow): what a captured step reads, whichever turn the values arrived in."""
-        out = self.static[:packed.shape[0]]
-        out.copy_(packed)
-        return out

@@ -153,11 +153,18 @@ class Canary:
         self._check_open("after_forward")
         # one hand-over to the side stream for TAIL and the step's close; the engine joins after both
         t0 = time.perf_counter()
-        with self.launcher.side():
-            self.device_after(batch)
-            t1 = time.perf_counter()
-            self.host_after(batch)
-        self.launcher.join()
+        launcher = self.launcher
+        with launcher.side():
+            # TAIL replays with the snapshot (host_after) as one graph, where both use the same graphs
+            launcher.defer_tail = self.monitor.observer.graphs is launcher.graphs
+            try:
+                self.device_after(batch)
+                t1 = time.perf_counter()
+                self.host_after(batch)
+            finally:
+                launcher.defer_tail = False
+                launcher.flush_tail()  # (host_after raised before the snapshot took it)
+        launcher.join()
         if self.host_times is not None:
             self._add_times(time.perf_counter() - t1, t1 - t0)
 
@@ -214,10 +221,13 @@ class Canary:
         self.monitor.note_forward(batch)
         try:
             with self.launcher.side():
+                every = self.config.sweep_interval
+                sweep = every and self.sweep_provider is not None and self.step % every == 0
+                if self.injector is not None or sweep:
+                    self.launcher.flush_tail()  # their work follows TAIL's
                 if self.injector is not None:
                     self.injector.after_forward(batch)
-                every = self.config.sweep_interval
-                if every and self.sweep_provider is not None and self.step % every == 0:
+                if sweep:
                     triples = self.sweep_provider()
                     if triples is not None:
                         self.sweep(*triples)
@@ -225,7 +235,7 @@ class Canary:
                     self.injector.end_step(batch)
                 self._sweeps_unsnapshotted = False
                 self.launcher.streams.note("snapshot", reads=("ring", "counters", "plan"), writes=("ring",))
-                self.monitor.close_step()
+                self.monitor.close_step(before=self.launcher.take_tail())
         finally:
             self.launcher.join()
 

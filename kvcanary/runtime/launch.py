@@ -22,7 +22,7 @@ from kvcanary.format import ATTRIBUTION_STRIDE, RealKvMode
 from kvcanary.ops import api
 from kvcanary.ops import validate as v
 from kvcanary.runtime.batch import TokenAppend
-from kvcanary.runtime.graphs import eager, graphs_for
+from kvcanary.runtime.graphs import EagerGraphs, eager, graphs_for
 from kvcanary.runtime.streams import streams_for
 
 OP = "forward batch"
@@ -90,6 +90,10 @@ class ForwardLauncher:
         # captured HEAD / TAIL sequences per shape (graphs.py); tests swap in FakeGraphs
         self.graphs = graphs_for(canary.device, getattr(canary.config, "launch_graphs", False))
         self.pending = None  # side-stream work the engine stream has not waited for yet
+        # after_forward sets defer_tail: TAIL's captured sequence then waits (deferred) for the step's
+        # snapshot and both replay as one graph (one host call fewer per step; Canary.host_after)
+        self.defer_tail = False
+        self.deferred = None
         self.token_np = None  # CPU: numpy view of the canary's token table (_refill_tokens)
         # CPU: numpy in place of small tensor ops; off while the work is recorded for replay (tests'
         # CPU stand-in of a CUDA graph records tensor ops only)
@@ -180,9 +184,23 @@ class ForwardLauncher:
                           writes=(f"{phase}_bufs",) + (() if head else ("step",)), atomic=("ring", "counters"))
         if self.staged_now:
             # only static buffers are read: the sequence can be captured and replayed
+            if not head and self.defer_tail and type(self.graphs) is not EagerGraphs:
+                self.deferred = ((phase,) + self.key, body)
+                return
             self.graphs.run((phase,) + self.key, body)
         else:
             body(eager)
+
+    def take_tail(self):
+        """The deferred TAIL sequence as (key, body) for a combined replay, or None; it is no longer pending."""
+        deferred, self.deferred = self.deferred, None
+        return deferred
+
+    def flush_tail(self) -> None:
+        """Run a deferred TAIL sequence now (before other side-stream work that must follow it)."""
+        deferred = self.take_tail()
+        if deferred is not None:
+            self.graphs.run(*deferred)
 
     def _head(self, call) -> None:
         c, impl = self.c, self.impl

@@ -56,11 +56,12 @@ class Monitor:
     def note_sweep(self, group: str) -> None:
         self.sweeps[group] += 1
 
-    def close_step(self, health: bool = True) -> None:
+    def close_step(self, health: bool = True, before=None) -> None:
         """Snapshot the step for the one-step-late drain; ``health=False`` only takes the ring (a flush
-        after sweeps outside a forward)."""
+        after sweeps outside a forward); ``before``: a deferred launch sequence (key, body) that runs
+        first, in the same captured graph (``HostObserver.snapshot``)."""
         meta = {"forwards": self.forwards, "sweeps": dict(self.sweeps)}
-        self._process(self.observer.snapshot(self.canary.step, meta))
+        self._process(self.observer.snapshot(self.canary.step, meta, before))
         if not health:
             return
         cfg, step = self.canary.config, self.canary.step

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvcanary.ops.types import ViolationRing
-from kvcanary.runtime.graphs import EagerGraphs
+from kvcanary.runtime.graphs import EagerGraphs, eager
 from kvcanary.runtime.streams import stream_cache
 
 NUM_SLOTS = 3  # snapshots in flight before the oldest must be waited for
@@ -37,6 +37,7 @@ class _Slot:
         # the ring's write index, then every watched tensor flattened: one gather, one host copy
         self.small = torch.zeros(size, dtype=torch.int64, device=ring.rows.device)
         self.host_small = torch.zeros(size, dtype=torch.int64, pin_memory=True) if cuda else None
+        self.host_np = self.host_small.numpy() if cuda else None  # read without a tensor call
         self.event = torch.cuda.Event() if cuda else None
         self.pending: tuple[int, dict] | None = None
 
@@ -59,15 +60,30 @@ class HostObserver:
         self.graphs = EagerGraphs()  # the Canary hands over its launcher's
         self._host_parts = None  # CPU: numpy views of parts (_read_now)
 
-    def snapshot(self, step: int, host_meta: dict) -> list[Observation]:
-        """Close a step; returns observations that had to be waited for (or all of them on CPU)."""
+    def snapshot(self, step: int, host_meta: dict, before=None) -> list[Observation]:
+        """Close a step; returns observations that had to be waited for (or all of them on CPU).
+
+        ``before``: a deferred launch sequence ``(key, body)`` (the step's TAIL) to run first; where
+        graphs are on, it and the snapshot are captured and replayed as one sequence.
+        """
         if not self.cuda and type(self.graphs) is EagerGraphs:  # (tests replay the snapshot through FakeGraphs)
+            if before is not None:
+                before[1](eager)
             return [self._read_now(step, host_meta)]
         slot = self.slots[self.next]
         self.next = (self.next + 1) % len(self.slots)
         done = self._finish(slot) if slot.pending is not None else []
         # static buffers only: replayed as one captured sequence where graphs are on (runtime/graphs.py)
-        self.graphs.run(("snapshot", self.slots.index(slot)), lambda call: self._copy(slot, call))
+        key = ("snapshot", self.slots.index(slot))
+        if before is None:
+            self.graphs.run(key, lambda call: self._copy(slot, call))
+        else:
+            key0, body = before
+
+            def both(call):
+                body(call)
+                self._copy(slot, call)
+            self.graphs.run(key0 + key, both)
         slot.pending = (step, dict(host_meta))
         self.order.append(slot)
         if not self.cuda:
@@ -103,17 +119,19 @@ class HostObserver:
         out = []
         while self.order:
             slot = self.order[0]
-            if self.cuda and not block and not slot.event.query():
+            landed = self.cuda and slot.event.query()
+            if self.cuda and not block and not landed:
                 break
-            out.extend(self._finish(slot))
+            out.extend(self._finish(slot, landed))
         return out
 
-    def _finish(self, slot: _Slot) -> list[Observation]:
+    def _finish(self, slot: _Slot, landed: bool = False) -> list[Observation]:
         if slot.pending is None:
             return []
         if slot.event is not None:
-            slot.event.synchronize()
-            small = slot.host_small.tolist()
+            if not landed:
+                slot.event.synchronize()
+            small = slot.host_np.tolist()
         else:
             small = slot.small.tolist()
         count = small[0]

@@ -85,17 +85,32 @@ class _StreamCache:
         else:
             self._set(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
 
-    @contextmanager
-    def use(self, stream: torch.cuda.Stream):
-        prev = self.current()
-        if prev == stream:
-            yield
-            return
-        self.set(stream)
-        try:
-            yield
-        finally:
-            self.set(prev)
+    def use(self, stream: torch.cuda.Stream) -> "_Switch":
+        """A context that makes ``stream`` current and restores the previous one (a no-op when it
+        already is)."""
+        return _Switch(self, stream)
+
+
+class _Switch:
+    """``_StreamCache.use``: a plain class (a generator-based context costs the host more per step),
+    comparing raw handles (``Stream.__eq__`` is Python)."""
+
+    __slots__ = ("cache", "stream", "prev")
+
+    def __init__(self, cache: _StreamCache, stream: torch.cuda.Stream):
+        self.cache, self.stream, self.prev = cache, stream, None
+
+    def __enter__(self) -> None:
+        prev = self.cache.current()
+        if prev.cuda_stream != self.stream.cuda_stream:
+            self.prev = prev
+            self.cache.set(self.stream)
+
+    def __exit__(self, *exc) -> bool:
+        if self.prev is not None:
+            self.cache.set(self.prev)
+            self.prev = None
+        return False
 
 
 _caches: dict[int, _StreamCache] = {}
