@@ -39,11 +39,12 @@ _TIMED = {
     "kvcanary.integrations.hf_session:Session": ("_before", "_after", "_before_update", "_after_update",
                                                  "_engine_stream"),
     "kvcanary.integrations.hf_batch:BatchBuilder": ("host_part", "_rows", "_token_cells", "forget_finished"),
-    "kvcanary.integrations.hf_staging:Staging": ("send", "to_static"),
-    "kvcanary.integrations.hf_graph:StepGraphs": ("before", "_report", "_run"),
+    "kvcanary.integrations.hf_staging:Staging": ("send",),
+    "kvcanary.integrations.hf_graph:StepGraphs": ("before", "_run"),
     "kvcanary.runtime.canary:Canary": ("host_before", "after_forward", "device_after", "host_after"),
     "kvcanary.runtime.launch:ForwardLauncher": ("join", "side"),
-    "kvcanary.runtime.monitor:Monitor": ("poll",),
+    "kvcanary.runtime.monitor:Monitor": ("poll", "close_step"),
+    "kvcanary.runtime.graphs:CudaGraphs": ("run",),
 }
 _CALLS: dict[str, list[float]] = {}
 

@@ -56,7 +56,7 @@ def test_tail_and_snapshot_replay_as_one_sequence(bug_step, swa):
     graphs = FakeGraphs()
     keys = []
     run = graphs.run
-    graphs.run = lambda key, body: (keys.append(key), run(key, body))
+    graphs.run = lambda key, body, seen_as=None: (keys.append(key), run(key, body, seen_as))
     replayed = decode_run(RecordingStreams(), graphs, bug_step, graphs, **kw)
     assert graphs.captures == 2 and graphs.replays == 2 * 6  # HEAD, and TAIL + snapshot
     assert keys[-1][0] == "tail" and keys[-1][-2:] == ("snapshot", 0)
@@ -94,3 +94,19 @@ def test_shapes_beyond_the_cache_are_dropped_oldest_first():
     # "a" was seen before: its next sighting is captured again, and "b" (least recent) goes
     assert list(graphs.cache) == ["c", "a"] and graphs.captures == 4
     assert ran == ["a", "a", "b", "b", "c", "c", "a"]
+
+
+def test_a_capture_pauses_the_cyclic_collector():
+    # a collection inside a capture may destroy an unreachable CUDA graph, which invalidates the capture
+    import gc
+
+    from kvcanary.runtime.graphs import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        with gc_paused():
+            raise ValueError
+    assert gc.isenabled()

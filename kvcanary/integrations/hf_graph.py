@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 import torch
 
+from kvcanary.runtime.graphs import gc_paused
 from kvcanary.runtime.streams import stream_cache
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
@@ -111,12 +112,13 @@ class StepGraphs:
             self.replays += 1
         elif self.seen.get(shape, 0) >= EAGER_SIGHTINGS:
             graph = self.graph_type()
-            # thread-local: the engine's other threads may keep issuing CUDA calls meanwhile
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                self._body(e, h)
-            finally:
-                graph.capture_end()
+            with gc_paused():
+                # thread-local: the engine's other threads may keep issuing CUDA calls meanwhile
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    self._body(e, h)
+                finally:
+                    graph.capture_end()
             e.graph, e.state = graph, launcher.state()
             graph.replay()  # a capture records the calls without running them
             self.captures += 1

@@ -15,13 +15,29 @@ of the engine's batch) then reads stale data on replay, and results differ from 
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 
 from kvcanary.runtime.streams import stream_cache
 
 MAX_GRAPHS = 8  # captured sequences kept (least recently used dropped)
+
+
+@contextmanager
+def gc_paused():
+    """Python's cyclic collector paused around a CUDA-graph capture: a collection inside it can free
+    an unreachable CUDA graph (an old session's), and destroying a graph while a stream captures is
+    an error that invalidates the capture (seen as a flaky failure in a GPU suite run)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def eager(fn, *args, **kw) -> None:
@@ -46,7 +62,7 @@ class EagerGraphs:
     def __init__(self):
         self.captures = self.replays = 0
 
-    def run(self, key, body) -> None:
+    def run(self, key, body, seen_as=None) -> None:
         body(eager)
 
 
@@ -59,11 +75,14 @@ class FakeGraphs(EagerGraphs):
         self.seen: set = set()
         self.max_graphs = max_graphs
 
-    def run(self, key, body) -> None:
+    def run(self, key, body, seen_as=None) -> None:
+        """``seen_as``: the key whose first sighting runs eagerly, when not ``key`` itself (a sequence
+        keyed per snapshot slot has compiled its kernels once any slot ran it)."""
         g = self.cache.get(key)
         if g is None:
-            if key not in self.seen:
-                self.seen.add(key)
+            seen = key if seen_as is None else seen_as
+            if seen not in self.seen:
+                self.seen.add(seen)
                 body(eager)
                 return
             g = self._capture(body)
@@ -92,21 +111,22 @@ class CudaGraphs(FakeGraphs):
         self.streams = stream_cache(device)
         self.default = torch.cuda.default_stream(device)
 
-    def run(self, key, body) -> None:
+    def run(self, key, body, seen_as=None) -> None:
         stream = self.streams.current()
         if torch.cuda.is_current_stream_capturing() or stream == self.default:
             body(eager)
             return
-        super().run(key, body)
+        super().run(key, body, seen_as)
 
     def _capture(self, body):
         g = torch.cuda.CUDAGraph()
-        # thread-local: the engine's other threads may keep issuing CUDA calls during the capture
-        g.capture_begin(capture_error_mode="thread_local")
-        try:
-            body(eager)
-        finally:
-            g.capture_end()
+        with gc_paused():
+            # thread-local: the engine's other threads may keep issuing CUDA calls during the capture
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                body(eager)
+            finally:
+                g.capture_end()
         return g
 
 

@@ -83,7 +83,7 @@ class HostObserver:
             def both(call):
                 body(call)
                 self._copy(slot, call)
-            self.graphs.run(key0 + key, both)
+            self.graphs.run(key0 + key, both, seen_as=key0)
         slot.pending = (step, dict(host_meta))
         self.order.append(slot)
         if not self.cuda:
