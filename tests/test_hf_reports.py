@@ -1,6 +1,5 @@
 """The transformers adapter's per-step arrays (read table, token cells) and the readable report, without a model."""
 
-import collections
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +15,7 @@ B = 4  # block size
 def builder(num_rows=7, num_slots=64) -> BatchBuilder:
     b = BatchBuilder.__new__(BatchBuilder)  # the array code only, without an engine session
     b.num_rows, b.device = num_rows, torch.device("cpu")
-    b.row_of, b.sent, b.free = collections.OrderedDict(), {}, list(range(num_rows - 1, 0, -1))
+    b.init_rows(num_rows)
     b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, block_size=B, num_slots=num_slots))
     b.in_block = torch.arange(B)
     b.iota = torch.arange(4)
@@ -99,6 +98,39 @@ def test_a_short_history_only_marks_its_own_request():
     assert [table[rows[1], c] for c in range(4)] == [20, 21, 22, MISSING_TOKEN]
     assert [table[rows[2], c] for c in range(4)] == [30, 31, 32, 33]
     assert [table[rows[3], c] for c in range(81)] == list(range(100, 180)) + [MISSING_TOKEN]
+
+
+def cells_of(parts) -> list[int]:
+    return [int(x) for p in parts for x in p]
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["steady", "one-history-short"])
+def test_the_decode_fast_path_packs_what_the_general_path_packs(short):
+    # a decode step of requests whose rows hold every earlier token: C loops only, unless some
+    # request breaks the pattern (a short history here), which the general path then handles
+    def step_requests():
+        return [fake_request("a", [10, 11, 12], [13, 14], 4, 1),
+                fake_request("b", [20, 21], [22, 23, 24][:2 if short else 3], 4, 1),
+                fake_request("c", [30, 31, 32, 33], [34], 4, 1)]
+
+    results = []
+    for decode in (True, False):
+        b = builder()
+        reqs = step_requests()
+        names = [r.state.request_id for r in reqs]
+        rows = b._rows(names)
+        for name in names:
+            b.sent[name] = 4  # positions [0, 4) already in the rows
+        calls = []
+        fast = b._decode_cells
+        b._decode_cells = lambda *a: calls.append(fast(*a)) or calls[-1]
+        parts = b._token_cells(reqs, names, rows, [4, 4, 4], [1, 1, 1], decode)
+        results.append((cells_of(parts), dict(b.sent)))
+        if decode:
+            assert (calls[0] is None) == short  # the fast path steps aside for the short history
+    assert results[0] == results[1]
+    tokens = results[0][0][-3:]
+    assert tokens == [14, MISSING_TOKEN if short else 24, 34]
 
 
 def row(tag=0, slot=9, position=4, stored=7, expected=-1, chain=CHAIN_HEAD, aux=CHAIN_HEAD, bits=0):

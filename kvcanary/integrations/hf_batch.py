@@ -12,9 +12,8 @@ forward really reads. Its token table row receives only the tokens it has not se
 
 from __future__ import annotations
 
-import collections
 import logging
-from operator import add, attrgetter, getitem, sub
+from operator import add, sub
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,26 +22,19 @@ import torch
 from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.integrations.hf_staging import HostStep, Staging
-from kvcanary.runtime.report import MISSING_TOKEN
+from kvcanary.integrations.hf_tokens import NAME, OFFSET, QUERY, TokenRows
 
 log = logging.getLogger("kvcanary")
-_STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
-# attributes of a FutureRequestState read per request, in C loops (host_part)
-_NAME, _QUERY, _OFFSET = attrgetter("state.request_id"), attrgetter("query_length"), attrgetter("state.position_offset")
-_PROMPT, _GENERATED = attrgetter("state.initial_tokens"), attrgetter("state.generated_tokens")
-_STATUS = attrgetter("state.status")
 
 
-class BatchBuilder:
+class BatchBuilder(TokenRows):
     def __init__(self, session):
         self.s = session
         self.device = session.device
         self.num_rows = session.canary.num_rows
         # Stable canary row per engine request (LRU among requests not in the batch when rows run out):
         # the canary's token table keeps a row's tokens, so only new ones cross to the device.
-        self.row_of: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self.sent: dict[str, int] = {}  # tokens of the request already in its token table row
-        self.free = list(range(self.num_rows - 1, 0, -1))
+        self.init_rows(self.num_rows)
         self.next_tokens: torch.Tensor | None = None  # token oracle: tokens _sample must emit this step
         self.want_history = session.handle.options.get("token_history", True) and session.config.token_check
         self.oracle = bool(session.handle.options.get("token_oracle"))
@@ -52,9 +44,6 @@ class BatchBuilder:
         self.new_reads = ops.Entries.allocate(session.canary.max_tokens, self.device)
         self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
         self.cpu_batches: dict = {}  # CPU: a reused ForwardBatch per shape (_cpu_batch)
-        self.last_names: list | None = None  # the last batch's requests, rows and ids (host_part)
-        self.last_rows: list[int] = []
-        self.last_rids: list[int] = []
         self.iota_np = np.arange(256, dtype=np.int64)
 
     def build(self) -> ForwardBatch:
@@ -103,9 +92,9 @@ class BatchBuilder:
         io = s.bp.inputs_and_outputs
         reqs = io.requests_in_batch
         bs = len(reqs)
-        names = list(map(_NAME, reqs))
-        extend = list(map(_QUERY, reqs))
-        prefix = list(map(sub, map(_OFFSET, reqs), extend))
+        names = list(map(NAME, reqs))
+        extend = list(map(QUERY, reqs))
+        prefix = list(map(sub, map(OFFSET, reqs), extend))
         if names == self.last_names:
             rows, rids = self.last_rows, self.last_rids
         else:
@@ -266,89 +255,6 @@ class BatchBuilder:
             self.iota = torch.arange(max(n, 2 * self.iota.shape[0]), dtype=torch.int64, device=self.device)
         return self.iota[:n]
 
-    def _rows(self, names: list[str]) -> list[int]:
-        """The stable row of each request of the batch, assigning rows to new ones."""
-        in_batch, rows = set(names), []
-        for name in names:
-            row = self.row_of.get(name)
-            if row is None:
-                if not self.free:
-                    # rows >= 2 x max batch: some request outside this batch always holds one
-                    old = next(r for r in self.row_of if r not in in_batch)
-                    self.free.append(self.row_of.pop(old))
-                    self.sent.pop(old, None)
-                row = self.row_of[name] = self.free.pop()
-                self.sent[name] = 0
-            else:
-                self.row_of.move_to_end(name)
-            rows.append(row)
-        return rows
-
-    def _token_cells(self, reqs, names, rows, prefix, extend, decode: bool = False) -> list:
-        """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens.
-
-        Each request's cells are packed with its own row and columns, as many as its positions need:
-        a history shorter than the positions (an engine bug) fills the missing cells with
-        ``MISSING_TOKEN``, so the gap is reported against that request alone and never shifts
-        another request's cells. Returns parts for ``Staging.send``: lists, or arrays for long runs.
-        """
-        if decode:
-            cells = self._decode_cells(reqs, names, rows, prefix)
-            if cells is not None:
-                return cells
-        valid, cell_rows, cell_cols, cell_tokens, sent = [], [], [], [], self.sent
-        runs = []  # (row, have, need, tokens) of requests with many new cells (prefill chunks)
-        for fs, name, row, p, q in zip(reqs, names, rows, prefix, extend):
-            need = p + q
-            valid.append(need)
-            have = sent[name]
-            if have >= need:
-                continue
-            sent[name] = need
-            st = fs.state
-            n0 = len(st.initial_tokens)
-            if need - have == 1 and have >= n0:  # a decode step: one generated token
-                gen = st.generated_tokens
-                cell_rows.append(row)
-                cell_cols.append(have)
-                cell_tokens.append(gen[have - n0] if have - n0 < len(gen) else MISSING_TOKEN)
-                continue
-            init, gen = st.initial_tokens, st.generated_tokens
-            toks = init[have:need] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
-            if len(toks) < need - have:
-                toks += [MISSING_TOKEN] * (need - have - len(toks))
-            if need - have < 64:
-                cell_rows += [row] * (need - have)
-                cell_cols += range(have, need)
-                cell_tokens += toks
-            else:
-                runs.append((row, have, need, toks))
-        if not runs:
-            return [valid + cell_rows + cell_cols + cell_tokens]
-        # long runs as arrays: a list of thousands of ints converts far slower than np.arange / np.full
-        r = [np.asarray(cell_rows, dtype=np.int64)] + [np.full(n - h, row, dtype=np.int64) for row, h, n, _ in runs]
-        c = [np.asarray(cell_cols, dtype=np.int64)] + [np.arange(h, n, dtype=np.int64) for _, h, n, _ in runs]
-        t = [np.asarray(cell_tokens, dtype=np.int64)] + [np.asarray(tk, dtype=np.int64) for _, _, _, tk in runs]
-        return [valid] + r + c + t
-
-    def _decode_cells(self, reqs, names, rows, prefix) -> list | None:
-        """The common decode step in C loops: every request one new position, its row holding all
-        before it, past its prompt, its history long enough. None: take the general path (which
-        handles every exception to this, a short history included)."""
-        sent = self.sent
-        if list(map(sent.__getitem__, names)) != prefix:
-            return None
-        at = list(map(sub, prefix, map(len, map(_PROMPT, reqs))))  # index into the generated tokens
-        if min(at, default=0) < 0:
-            return None
-        try:
-            tokens = list(map(getitem, map(_GENERATED, reqs), at))
-        except IndexError:
-            return None
-        need = [p + 1 for p in prefix]
-        sent.update(zip(names, need))
-        return [need + rows + prefix + tokens]
-
     def _oracle(self, batch, reqs, prefix, extend, rids) -> None:
         """Expected inputs (prompt, then oracle tokens) and the tokens the sampler will be forced to emit."""
         s = self.s
@@ -396,21 +302,3 @@ class BatchBuilder:
         if T:
             swa_w = io.write_index_storage[lay.swa_group, :T]
             table[out_cache_loc] = torch.where(swa_w == lay.write_trash, torch.zeros_like(swa_w), swa_w)
-
-    def forget_finished(self) -> list[str]:
-        """Release the rows of requests that finished this step; returns their names."""
-        done = []
-        reqs = self.s.bp.inputs_and_outputs.requests_in_batch
-        if _STATUS_FINISHED not in map(_STATUS, reqs):  # most steps: one C loop
-            return done
-        for fs in reqs:
-            if fs.state.status == _STATUS_FINISHED:
-                name = fs.state.request_id
-                row = self.row_of.pop(name, None)
-                if row is not None:
-                    self.free.append(row)
-                self.sent.pop(name, None)
-                done.append(name)
-        if done:
-            self.last_names = None  # a freed row may go to another request
-        return done

@@ -1,0 +1,137 @@
+"""The transformers adapter's per-request bookkeeping: each request's stable canary row, and the token
+table cells its row still lacks (the token history the canary checks records against).
+
+``TokenRows`` is a part of ``BatchBuilder`` (``hf_batch.py``): rows are kept while a request lives
+(least recently used among requests outside the batch when they run out), so only new tokens
+cross to the device; a decode step of the same requests takes C loops only (``_decode_cells``).
+"""
+
+from __future__ import annotations
+
+import collections
+from operator import attrgetter, getitem, sub
+
+import numpy as np
+
+from kvcanary.runtime.report import MISSING_TOKEN
+
+__all__ = ["TokenRows", "NAME", "QUERY", "OFFSET"]
+
+_STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
+# attributes of a FutureRequestState read per request, in C loops
+NAME, QUERY, OFFSET = attrgetter("state.request_id"), attrgetter("query_length"), attrgetter("state.position_offset")
+_PROMPT, _GENERATED = attrgetter("state.initial_tokens"), attrgetter("state.generated_tokens")
+_STATUS = attrgetter("state.status")
+
+
+class TokenRows:
+    """Rows and token cells of the requests of a batch (state set up by ``init_rows``)."""
+
+    def init_rows(self, num_rows: int) -> None:
+        self.row_of: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.sent: dict[str, int] = {}  # tokens of the request already in its token table row
+        self.free = list(range(num_rows - 1, 0, -1))
+        self.last_names: list | None = None  # the last batch's requests, rows and ids (host_part)
+        self.last_rows: list[int] = []
+        self.last_rids: list[int] = []
+
+    def _rows(self, names: list[str]) -> list[int]:
+        """The stable row of each request of the batch, assigning rows to new ones."""
+        in_batch, rows = set(names), []
+        for name in names:
+            row = self.row_of.get(name)
+            if row is None:
+                if not self.free:
+                    # rows >= 2 x max batch: some request outside this batch always holds one
+                    old = next(r for r in self.row_of if r not in in_batch)
+                    self.free.append(self.row_of.pop(old))
+                    self.sent.pop(old, None)
+                row = self.row_of[name] = self.free.pop()
+                self.sent[name] = 0
+            else:
+                self.row_of.move_to_end(name)
+            rows.append(row)
+        return rows
+
+    def _token_cells(self, reqs, names, rows, prefix, extend, decode: bool = False) -> list:
+        """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens.
+
+        Each request's cells are packed with its own row and columns, as many as its positions need:
+        a history shorter than the positions (an engine bug) fills the missing cells with
+        ``MISSING_TOKEN``, so the gap is reported against that request alone and never shifts
+        another request's cells. Returns parts for ``Staging.send``: lists, or arrays for long runs.
+        """
+        if decode:
+            cells = self._decode_cells(reqs, names, rows, prefix)
+            if cells is not None:
+                return cells
+        valid, cell_rows, cell_cols, cell_tokens, sent = [], [], [], [], self.sent
+        runs = []  # (row, have, need, tokens) of requests with many new cells (prefill chunks)
+        for fs, name, row, p, q in zip(reqs, names, rows, prefix, extend):
+            need = p + q
+            valid.append(need)
+            have = sent[name]
+            if have >= need:
+                continue
+            sent[name] = need
+            st = fs.state
+            n0 = len(st.initial_tokens)
+            if need - have == 1 and have >= n0:  # a decode step: one generated token
+                gen = st.generated_tokens
+                cell_rows.append(row)
+                cell_cols.append(have)
+                cell_tokens.append(gen[have - n0] if have - n0 < len(gen) else MISSING_TOKEN)
+                continue
+            init, gen = st.initial_tokens, st.generated_tokens
+            toks = init[have:need] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
+            if len(toks) < need - have:
+                toks += [MISSING_TOKEN] * (need - have - len(toks))
+            if need - have < 64:
+                cell_rows += [row] * (need - have)
+                cell_cols += range(have, need)
+                cell_tokens += toks
+            else:
+                runs.append((row, have, need, toks))
+        if not runs:
+            return [valid + cell_rows + cell_cols + cell_tokens]
+        # long runs as arrays: a list of thousands of ints converts far slower than np.arange / np.full
+        r = [np.asarray(cell_rows, dtype=np.int64)] + [np.full(n - h, row, dtype=np.int64) for row, h, n, _ in runs]
+        c = [np.asarray(cell_cols, dtype=np.int64)] + [np.arange(h, n, dtype=np.int64) for _, h, n, _ in runs]
+        t = [np.asarray(cell_tokens, dtype=np.int64)] + [np.asarray(tk, dtype=np.int64) for _, _, _, tk in runs]
+        return [valid] + r + c + t
+
+    def _decode_cells(self, reqs, names, rows, prefix) -> list | None:
+        """The common decode step in C loops: every request one new position, its row holding all
+        before it, past its prompt, its history long enough. None: take the general path (which
+        handles every exception to this, a short history included)."""
+        sent = self.sent
+        if list(map(sent.__getitem__, names)) != prefix:
+            return None
+        at = list(map(sub, prefix, map(len, map(_PROMPT, reqs))))  # index into the generated tokens
+        if min(at, default=0) < 0:
+            return None
+        try:
+            tokens = list(map(getitem, map(_GENERATED, reqs), at))
+        except IndexError:
+            return None
+        need = [p + 1 for p in prefix]
+        sent.update(zip(names, need))
+        return [need + rows + prefix + tokens]
+
+    def forget_finished(self) -> list[str]:
+        """Release the rows of requests that finished this step; returns their names."""
+        done = []
+        reqs = self.s.bp.inputs_and_outputs.requests_in_batch
+        if _STATUS_FINISHED not in map(_STATUS, reqs):  # most steps: one C loop
+            return done
+        for fs in reqs:
+            if fs.state.status == _STATUS_FINISHED:
+                name = fs.state.request_id
+                row = self.row_of.pop(name, None)
+                if row is not None:
+                    self.free.append(row)
+                self.sent.pop(name, None)
+                done.append(name)
+        if done:
+            self.last_names = None  # a freed row may go to another request
+        return done
