@@ -27,6 +27,15 @@ from kvcanary.integrations.hf_tokens import NAME, OFFSET, QUERY, TokenRows
 log = logging.getLogger("kvcanary")
 
 
+CPU_WIDTH_STEP = 64  # the CPU's reused batches: read-table columns rounded up to a power of two from this
+
+
+def table_width(width: int, max_context: int, floor: int) -> int:
+    """``width`` rounded up to a power of two of at least ``floor``, never past ``max_context`` (a wider
+    batch fails the canary's size check as it is)."""
+    return max(width, min(max(floor, 1 << (max(1, width) - 1).bit_length()), max_context))
+
+
 class BatchBuilder(TokenRows):
     def __init__(self, session):
         self.s = session
@@ -63,11 +72,14 @@ class BatchBuilder(TokenRows):
         after the next one is built: a batch object (views and read table) is reused for every step
         of the same shape instead of being assembled anew (a score of tensor views per step)."""
         io = h.io
-        key = (h.bs, h.T, h.small, h.width, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
+        # the read table's width rounded up: decode steps grow it by one column each, and cells past a
+        # request's length are never read, so one batch serves many steps
+        width = table_width(h.width, self.s.canary.max_context, CPU_WIDTH_STEP)
+        key = (h.bs, h.T, h.small, width, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
                io.write_index_storage.data_ptr(), io.read_index_storage.data_ptr(), io.use_block_table)
         batch = self.cpu_batches.get(key)
         if batch is None:
-            batch = self.cpu_batches[key] = self.assemble(h)
+            batch = self.cpu_batches[key] = self.assemble(h, width)
             # numpy views of its tensors, made once: a tensor call costs tens of microseconds inside the
             # engine's step (cold caches after the forward), a numpy read of a view far less
             batch.host_views = self._views(batch, io)

@@ -3,8 +3,9 @@
 Eagerly, a forward's before hook issues some forty device calls (read-table gather, staging,
 token-table append, plan, HEAD verify and write, the new tokens' read check), each costing the
 host 10-40 us on the H200's host. All of them read only buffers whose addresses do not change
-from one step to the next of the same shape: the engine's input storage, a static copy of the
-builder's staged values, a read table per shape, and the canary's own buffers. So the sequence is
+from one step to the next of the same shape: the engine's input storage, the builder's staged
+values (one buffer per staging turn), a read table per shape and turn, and the canary's own
+buffers. So the sequence is
 captured into a CUDA graph once a shape has run eagerly ``EAGER_SIGHTINGS`` times (the first run
 compiles Triton kernels and warms the allocator) and replayed afterwards: one host call.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 import torch
 
+from kvcanary.integrations.hf_batch import table_width
 from kvcanary.runtime.graphs import gc_paused
 from kvcanary.runtime.streams import stream_cache
 
@@ -73,8 +75,7 @@ class StepGraphs:
         """Build, check and launch the step's before-forward work; returns its ForwardBatch."""
         s, b, io = self.s, self.s.builder, h.io
         g = s.layout.full_group
-        # a power of two from WIDTH_STEP, never past the canary's table (a wider batch fails its size check)
-        width = max(h.width, min(max(WIDTH_STEP, 1 << (max(1, h.width) - 1).bit_length()), s.canary.max_context))
+        width = table_width(h.width, s.canary.max_context, WIDTH_STEP)
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
                  io.input_ids.data_ptr(), io.position_ids.data_ptr(), io.read_index_storage[g].data_ptr(),
                  io.write_index_storage.data_ptr())
