@@ -4,20 +4,24 @@ Eagerly, a forward's before hook issues some forty device calls (read-table gath
 token-table append, plan, HEAD verify and write, the new tokens' read check), each costing the
 host 10-40 us on the H200's host. All of them read only buffers whose addresses do not change
 from one step to the next of the same shape: the engine's input storage, the builder's staged
-values (one buffer per staging turn), a read table per shape and turn, and the canary's own
-buffers. So the sequence is
-captured into a CUDA graph once a shape has run eagerly ``EAGER_SIGHTINGS`` times (the first run
-compiles Triton kernels and warms the allocator) and replayed afterwards: one host call.
+values (per staging turn, or a static copy), a read table per key, and the canary's own
+buffers. So the sequence is captured into a CUDA graph once a shape has run eagerly
+``EAGER_SIGHTINGS`` times (the first run compiles Triton kernels and warms the allocator) and
+replayed afterwards: one host call.
 
-The staged values arrive in one of ``Staging``'s turn buffers, and the turn is part of the key: each
-turn has its own batch and graph, which read that turn's buffer and fill that batch's read table.
-That batch is also the one the monitor remembers for reports (up to ``KEEP_BATCHES`` steps late), and
-the same turn comes back only after ``KEEP_BATCHES + 1`` steps, so no copy of the staged values or
-the read table is made per step: a steady decode batch costs ``KEEP_BATCHES + 1`` captures, once.
+The staged values arrive in one of ``Staging``'s turn buffers. For a decode step (one new token per
+request) the turn is part of the key: each turn has its own batch and graph, which read that turn's
+buffer and fill that batch's read table. That batch is also the one the monitor remembers for
+reports (up to ``KEEP_BATCHES`` steps late), and the same turn comes back only after
+``KEEP_BATCHES + 1`` steps, so no copy of the staged values or the read table is made per step: a
+steady decode batch costs ``KEEP_BATCHES + 1`` captures, once. Multi-token steps (prefill chunks)
+recur too rarely for a graph per turn (their many shapes times five turns overflowed the kept
+graphs and were captured again and again in the H200 prefill benchmark): their graph reads a static
+copy of the staged values, and the monitor gets the turn's values and a copy of the read table.
 
 The key is everything the captured calls depend on: batch size, new tokens, token cells, the read
 table's width rounded up (cells past a request's length are never read), and the data pointers of
-the turn's buffer and the engine's tensors. Anything else — a read index shorter than the batch (an
+the staged buffer (the turn's, or the static copy) and the engine's tensors. Anything else — a read index shorter than the batch (an
 engine bug), the flash block-table path, a sliding-window group, the token oracle, fault injection —
 runs eagerly.
 """
@@ -25,6 +29,7 @@ runs eagerly.
 from __future__ import annotations
 
 from collections import OrderedDict
+
 import torch
 
 from kvcanary.integrations.hf_batch import table_width
@@ -63,6 +68,7 @@ class StepGraphs:
         session.canary.launcher.host_ops = graph_type is None
         self.entries: OrderedDict = OrderedDict()
         self.seen: dict = {}  # eager runs per shape (any turn)
+        self.reports: OrderedDict = OrderedDict()  # multi-token steps' batches for the monitor (_report)
         self.captures = self.replays = 0
 
     def usable(self, io) -> bool:
@@ -79,30 +85,53 @@ class StepGraphs:
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
                  io.input_ids.data_ptr(), io.position_ids.data_ptr(), io.read_index_storage[g].data_ptr(),
                  io.write_index_storage.data_ptr())
-        key = shape + (h.packed.data_ptr(),)  # the turn's buffer: its own batch, graph and read table
+        per_turn = h.T == h.bs  # a decode step (see the module's docstring)
+        # multi-token steps read a static copy of the staged values, and the monitor keeps the turn's
+        # values and a copy of the read table: their shapes recur too rarely for a graph per turn
+        work = h if per_turn else h._replace(packed=b.stage.to_static(h.packed))
+        key = shape + (work.packed.data_ptr(),)
         e = self.entries.get(key)
         if e is None:
-            e = _Entry(b.assemble(h, width))
+            e = _Entry(b.assemble(work, width))
             self.entries[key] = e
             while len(self.entries) > MAX_ENTRIES:
                 self.entries.popitem(last=False)  # its graph goes; a remembered batch keeps its tensors
         else:
             self.entries.move_to_end(key)
+        report = e.batch if per_turn else self._report(h, width)
         c = s.canary
         c.host_before(e.batch)  # checks, drains, opens the forward; joins the side stream's earlier work
         launcher = c.launcher
         side = launcher.streams.side()
         if side is None:
-            self._run(e, shape, h)
-            return e.batch
+            self._run(e, shape, work)
+            if not per_turn:
+                report.req_to_token.copy_(e.batch.req_to_token)
+            return report
         streams = stream_cache(c.device)
         # the side stream starts after the engine prepared this step's inputs (they are read below)
         side.wait_event(launcher.streams.record(streams.current()))
         with streams.use(side):
-            self._run(e, shape, h)
+            self._run(e, shape, work)
+            if not per_turn:
+                report.req_to_token.copy_(e.batch.req_to_token)
         # HEAD runs beside the forward; the step's close makes the engine stream wait for it
         launcher.pending = launcher.streams.record(side)
-        return e.batch
+        return report
+
+    def _report(self, h, width: int):
+        """A multi-token step's batch for the monitor: views into this turn's staged buffer and its own
+        read table (a copy of the captured batch's)."""
+        key = (h.packed.data_ptr(), h.bs, h.T, h.small, width, h.io.input_ids.data_ptr(),
+               h.io.write_index_storage.data_ptr())
+        batch = self.reports.get(key)
+        if batch is None:
+            batch = self.reports[key] = self.s.builder.assemble(h, width)
+            while len(self.reports) > MAX_ENTRIES:
+                self.reports.popitem(last=False)
+        else:
+            self.reports.move_to_end(key)
+        return batch
 
     def _run(self, e: _Entry, shape: tuple, h) -> None:
         """Replay the entry's graph, or capture it, or run its work eagerly (the first sightings)."""

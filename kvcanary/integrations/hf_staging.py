@@ -49,6 +49,7 @@ class Staging:
         self.host = self.host_np = None  # CUDA: the pinned buffer the values are written into
         self.ring: list[torch.Tensor] = []
         self.views: dict = {}  # (turn, size) -> the device slice, the pinned slice, the numpy destination
+        self.static: torch.Tensor | None = None  # the one buffer a captured multi-token step reads (hf_graph.py)
         self.turn = 0
         self.event = torch.cuda.Event() if self.cuda else None
         self.stream = stream_cache(device) if self.cuda else None
@@ -67,6 +68,7 @@ class Staging:
             # (remembered batches keep their old buffers alive)
             self.ring = [torch.empty(self.size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
             self.views = {}
+            self.static = torch.empty(self.size, dtype=torch.int64, device=self.device)
         views = self.views.get((self.turn, n))
         if views is None:
             if len(self.views) > 256:  # sizes come and go (prefill chunks): never grow without bound
@@ -84,3 +86,10 @@ class Staging:
             out.copy_(host, non_blocking=True)
             self.event.record(self.stream.current())
         return out, n - len(parts[-1])
+
+    def to_static(self, packed: torch.Tensor) -> torch.Tensor:
+        """A copy of this step's staged values in the one buffer whose address never changes (while the
+        buffers do not grow): what a captured multi-token step reads, whichever turn the values arrived in."""
+        out = self.static[:packed.shape[0]]
+        out.copy_(packed)
+        return out
