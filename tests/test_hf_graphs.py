@@ -54,9 +54,23 @@ def graphed_run(model, monkeypatch, **kw):
 STEADY = dict(max_new_tokens=16, num_return_sequences=1)
 
 
+@pytest.mark.parametrize("steady", [0, None], ids=["graph-per-turn", "default"])
 @pytest.mark.parametrize("bug", [None, "new-token-read-index"])
-def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug):
+def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, steady):
+    from kvcanary.integrations import hf_graph
     from kvcanary.integrations.hf_batch import BatchBuilder
+
+    if steady is not None:  # every decode shape takes the graph-per-turn path at once
+        monkeypatch.setattr(hf_graph, "STEADY_SIGHTINGS", steady)
+    per_turn = []
+    run = StepGraphs._run
+
+    def counting(self, e, shape, h):
+        replay = e.graph is not None
+        run(self, e, shape, h)
+        per_turn.append(replay and h.packed.data_ptr() != self.s.builder.stage.static.data_ptr())
+
+    monkeypatch.setattr(StepGraphs, "_run", counting)
 
     # the eager CPU path may skip the new tokens' read check where it holds by construction; a captured
     # step always runs it: compare like with like
@@ -66,6 +80,7 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug):
     graphed, made = graphed_run(llama, monkeypatch, bug=bug, **STEADY)
     assert made and isinstance(made[0], StepGraphs)
     assert sum(g.replays for g in made) > 0 and sum(g.captures for g in made) > 0
+    assert any(per_turn) == (steady == 0)  # the default keeps this short run's changing shapes per shape
     assert graphed.tokens == eager.tokens
     assert graphed.log_lines == eager.log_lines
     assert [v.block() for v in graphed.violations] == [v.block() for v in eager.violations]

@@ -9,15 +9,16 @@ buffers. So the sequence is captured into a CUDA graph once a shape has run eage
 ``EAGER_SIGHTINGS`` times (the first run compiles Triton kernels and warms the allocator) and
 replayed afterwards: one host call.
 
-The staged values arrive in one of ``Staging``'s turn buffers. For a decode step (one new token per
-request) the turn is part of the key: each turn has its own batch and graph, which read that turn's
+The staged values arrive in one of ``Staging``'s turn buffers. For a steady decode step (one new
+token per request, a shape seen more than ``STEADY_SIGHTINGS`` times) the turn is part of the key: each turn has its own batch and graph, which read that turn's
 buffer and fill that batch's read table. That batch is also the one the monitor remembers for
 reports (up to ``KEEP_BATCHES`` steps late), and the same turn comes back only after
 ``KEEP_BATCHES + 1`` steps, so no copy of the staged values or the read table is made per step: a
-steady decode batch costs ``KEEP_BATCHES + 1`` captures, once. Multi-token steps (prefill chunks)
-recur too rarely for a graph per turn (their many shapes times five turns overflowed the kept
-graphs and were captured again and again in the H200 prefill benchmark): their graph reads a static
-copy of the staged values, and the monitor gets the turn's values and a copy of the read table.
+steady decode batch costs ``KEEP_BATCHES + 1`` captures, once. Other steps — prefill chunks, decode
+shapes that come and go as requests arrive and finish — recur too rarely for a graph per turn (the
+prefill chunks' many shapes times five turns overflowed the kept graphs and were captured again and
+again in the H200 prefill benchmark): their graph, one per shape, reads a static copy of the staged
+values, and the monitor gets the turn's values and a copy of the read table.
 
 The key is everything the captured calls depend on: batch size, new tokens, token cells, the read
 table's width rounded up (cells past a request's length are never read), and the data pointers of
@@ -41,6 +42,10 @@ MAX_ENTRIES = 40  # captured (shape, turn) entries kept: a few shapes, each in e
 # A shape is captured after this many eager runs (the first compiles Triton kernels and warms the
 # allocator; a capture costs about one eager run more, each replay saves one).
 EAGER_SIGHTINGS = 1
+# A decode shape gets a graph per staging turn once it has been seen this often: before that (and for
+# shapes that come and go with a changing batch) one graph per shape plus two copies per step is cheaper
+# than five captures.
+STEADY_SIGHTINGS = 10
 
 
 class _Entry:
@@ -68,6 +73,7 @@ class StepGraphs:
         session.canary.launcher.host_ops = graph_type is None
         self.entries: OrderedDict = OrderedDict()
         self.seen: dict = {}  # eager runs per shape (any turn)
+        self.sightings: dict = {}  # steps per shape (STEADY_SIGHTINGS)
         self.reports: OrderedDict = OrderedDict()  # multi-token steps' batches for the monitor (_report)
         self.captures = self.replays = 0
 
@@ -85,9 +91,14 @@ class StepGraphs:
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
                  io.input_ids.data_ptr(), io.position_ids.data_ptr(), io.read_index_storage[g].data_ptr(),
                  io.write_index_storage.data_ptr())
-        per_turn = h.T == h.bs  # a decode step (see the module's docstring)
-        # multi-token steps read a static copy of the staged values, and the monitor keeps the turn's
-        # values and a copy of the read table: their shapes recur too rarely for a graph per turn
+        # a steady decode shape: a graph per turn (see the module's docstring); anything else reads a
+        # static copy of the staged values, and the monitor keeps the turn's values and a copy of the
+        # read table (such shapes recur too rarely to fill a graph per turn)
+        sightings = self.sightings.get(shape, 0) + 1
+        if len(self.sightings) > 8 * MAX_ENTRIES:
+            self.sightings.clear()
+        self.sightings[shape] = sightings
+        per_turn = h.T == h.bs and sightings > STEADY_SIGHTINGS
         work = h if per_turn else h._replace(packed=b.stage.to_static(h.packed))
         key = shape + (work.packed.data_ptr(),)
         e = self.entries.get(key)
