@@ -9,7 +9,6 @@ in the report path. Values live on the device, so reading them costs a sync on C
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kvcanary.ops import validate as v
@@ -20,18 +19,12 @@ OP = "forward batch"
 
 def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, max_context: int) -> None:
     """ValueError for a forward the canary cannot plan exactly (metadata is already checked)."""
-    rows, pre, ext = _host(batch.req_pool_indices), _host(batch.prefix_lens), _host(batch.extend_lens)
+    # Per-request vectors are short: host lists and one loop cost less than a dozen tensor or numpy ops
+    # (inside the engine's step, with cold caches, a vectorised numpy form measured about 2x slower at batch 4).
+    rows, pre, ext = batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist()
     table_rows, cols = batch.req_to_token.shape
-    row_limit = min(table_rows, num_rows)
-    if rows.shape[0]:
-        # One vectorised pass; only a batch that fails it walks the requests for the first culprit.
-        pad = (rows == 0) & (ext > 0)
-        after_pad = (np.cumsum(pad) - pad) > 0
-        bad = ((rows < 0) | (rows >= row_limit) | (pre < 0) | (ext < 0) | (pre + ext > cols)
-               | ((rows == 0) & (pre > 0)) | ((rows != 0) & after_pad))
-        if bad.any():
-            _first_bad_request(rows.tolist(), pre.tolist(), ext.tolist(), table_rows, cols, num_rows)
-    n, total = batch.num_tokens, int(ext.sum())
+    _check_requests(rows, pre, ext, table_rows, cols, num_rows)
+    n, total = batch.num_tokens, sum(ext)
     if total != n:
         raise v.fail_value(OP, "out_cache_loc", f"of length sum(extend_lens) = {total}", f"length {n}")
     if n and int(_host(batch.out_cache_loc).max()) >= num_slots:
@@ -53,8 +46,8 @@ def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, ma
                                f"{max(lens)} tokens")
 
 
-def _first_bad_request(rows: list, pre: list, ext: list, table_rows: int, cols: int, num_rows: int) -> None:
-    """Raise the error of the first request the vectorised check rejected (the per-request rules)."""
+def _check_requests(rows: list, pre: list, ext: list, table_rows: int, cols: int, num_rows: int) -> None:
+    """The per-request rules: rows in range and off the padding row, lengths >= 0 and within the table."""
     row_limit = min(table_rows, num_rows)
     padding = False
     for i, (row, p, e) in enumerate(zip(rows, pre, ext)):
