@@ -102,3 +102,55 @@ def test_kv_pages_off_an_8_byte_boundary_hash_like_the_reference(offset, mode):
     slots = t([-1, 0, 1, 2, 5, 9, 10, 1 << 40])
     want = ops.fingerprint(slots, (src, src), mode, backend="reference")
     assert torch.equal(ops.fingerprint(slots, (src, src), mode, backend="numba"), want)
+
+
+def _toy_run(fused: bool, bug: str | None, monkeypatch):
+    from kvcanary.runtime.launch import ForwardLauncher
+    from tests.toy_engine import ToyEngine
+
+    calls = []
+    head, tail = ForwardLauncher._fused_head, ForwardLauncher._fused_tail
+
+    def fused_head(self, plans):
+        done = head(self, plans) if fused else False
+        calls.append(done)
+        return done
+
+    def fused_tail(self):
+        done = tail(self) if fused else False
+        calls.append(done)
+        return done
+
+    monkeypatch.setattr(ForwardLauncher, "_fused_head", fused_head)
+    monkeypatch.setattr(ForwardLauncher, "_fused_tail", fused_tail)
+    feed = None
+    if bug == "input":  # an engine that feeds another token than it meant (write-input assert)
+        feed = lambda b: b.input_ids.__setitem__(0, 999)  # noqa: E731
+    engine = ToyEngine(backend="numba", real_kv="all", token_history="append", oracle=True, record_stride=48)
+    engine.add(1, [5, 6, 7, 8])
+    engine.add(2, [9, 10, 11])
+    engine.add(3, [12, 13], share_from=1, shared=1)
+    engine.forward([(1, 4), (2, 3), (3, 1)])
+    for step in range(6):
+        corrupt = None
+        if bug == "table" and step == 3:  # a stale table cell: request 2 reads request 1's slot
+            corrupt = None
+            engine.rtt[engine.reqs[2]["row"], 1] = engine.slot(1, 1)
+        if bug == "kv" and step == 2:
+            corrupt = lambda e: e.k.__setitem__((e.slot(2, 1), 0, 0), 42.0)  # noqa: E731
+        engine.forward([(1, 1), (2, 1), (3, 1)], corrupt=corrupt, feed=feed if step == 4 else None)
+    c = engine.canary
+    rows = sorted(v.log_line() for v in c.flush())
+    bufs = [b.clone() for g in c.groups for b in g.bufs.values()]
+    return calls, rows, bufs, c.counters.clone()
+
+
+@pytest.mark.parametrize("bug", [None, "table", "kv", "input"])
+def test_fused_head_and_tail_match_the_separate_calls_bit_for_bit(bug, monkeypatch):
+    # plan + HEAD verify + HEAD write, and TAIL verify + write + step, each one compiled call: same
+    # records, violations and counters as the ops one by one
+    calls, rows, bufs, counters = _toy_run(True, bug, monkeypatch)
+    calls0, rows0, bufs0, counters0 = _toy_run(False, bug, monkeypatch)
+    assert all(calls) and len(calls) == 2 * 7 and not any(calls0)
+    assert rows == rows0 and bool(rows) == (bug is not None)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, bufs0)) and torch.equal(counters, counters0)

@@ -39,6 +39,7 @@ if any(int(a) != int(b) for a, b in _EXPECTED):
     raise ImportError("kv-canary: numba_kernels constants must match kvcanary.format, got a mismatch")
 
 jit = numba.njit(cache=True, nogil=True)
+_NO_INPUTS = np.zeros(0, dtype=np.int64)  # TAIL writes assert no inputs (tail below)
 
 
 @jit
@@ -271,3 +272,33 @@ def write(words, offs, seeds, nr, locs, ids, poss, exp_ids, has_exp_ids, exp_pos
                     words[s, WRITER_STEP] = step_value
             running = link(running, tok, pos)
     counters[tag, ENTRIES] += processed
+
+
+@jit
+def head(rows_, prefix, extend, rtt, table, has_table, tokens, valid, has_tokens, token_offset, window,
+         slot, position, prev, expected, count, enable, requested, offs, seeds, words, check_token, rows, widx,
+         counters, verify_tag, nr, locs, ids, poss, exp_ids, has_exp_ids, exp_pos, has_exp_pos, check_chain,
+         attribution, writer_ids, has_writer, step_value, write_tag):
+    """plan, then HEAD verify of its entries, then HEAD write of the new tokens: the three kernels above in
+    one call (no real-KV hash at HEAD: zero fingerprints, as the separate calls pass)."""
+    plan(rows_, prefix, extend, rtt, table, has_table, tokens, valid, has_tokens, token_offset, window,
+         slot, position, prev, expected, count, enable, requested, offs, seeds)
+    n = max(0, min(np.int64(count[0]), slot.shape[0])) if enable[0] else 0  # the entries verify reads
+    verify(words, slot, position, prev, expected, enable, count, check_token, np.zeros(n, np.int64),
+           rows, widx, counters, verify_tag)
+    write(words, offs, seeds, nr, locs, ids, poss, exp_ids, has_exp_ids, exp_pos, has_exp_pos, check_chain,
+          attribution, writer_ids, has_writer, step_value, np.zeros(locs.shape[0], np.int64), rows, widx,
+          counters, write_tag)
+
+
+@jit
+def tail(words, slot, position, prev, expected, enable, count, check_token, verify_fp, rows, widx, counters,
+         verify_tag, offs, seeds, nr, locs, ids, poss, attribution, writer_ids, has_writer, step_value, write_fp,
+         write_tag, step):
+    """TAIL verify, TAIL write, then the device step + 1: the kernels above in one call (the real-KV
+    fingerprints come computed, as the separate calls take them)."""
+    verify(words, slot, position, prev, expected, enable, count, check_token, verify_fp, rows, widx, counters,
+           verify_tag)
+    write(words, offs, seeds, nr, locs, ids, poss, _NO_INPUTS, False, _NO_INPUTS, False, False, attribution,
+          writer_ids, has_writer, step_value, write_fp, rows, widx, counters, write_tag)
+    step[0] += 1

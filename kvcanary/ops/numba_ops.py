@@ -24,7 +24,7 @@ from kvcanary.format import ATTRIBUTION_STRIDE, PARTIAL_READ_BYTES, RealKvMode
 from kvcanary.ops import numba_kernels as k
 from kvcanary.ops import torch_ops
 
-__all__ = ["fingerprint", "plan", "scatter_req_token_ids", "verify", "write"]
+__all__ = ["fingerprint", "head", "plan", "scatter_req_token_ids", "tail", "verify", "write"]
 
 _EMPTY64 = np.zeros(0, dtype=np.int64)
 _EMPTY_TABLE = np.zeros((0, 0), dtype=np.int32)
@@ -228,3 +228,77 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
             _EMPTY64 if writer_ids is None else _i64(writer_ids), writer_ids is not None,
             -1 if step is None else int(_np(step)[0]), fp, _np(ring.rows), _np(ring.write_index), _np(counters),
             int(launch_tag))
+
+
+def head(plan_kw: dict, verify_kw: dict, write_kw: dict) -> bool:
+    """``plan(**plan_kw)``, ``verify(**verify_kw)``, ``write(**write_kw)`` as one compiled call, with
+    the same bits; False (nothing done) where the separate ops would not take their compiled path or
+    the three do not chain (the verify reads the plan's entries, both HEAD calls have no real-KV hash).
+
+    Inside an engine's step each op call costs tens of microseconds of Python and dispatch against a
+    few of kernel: the HEAD sequence pays it once instead of three times.
+    """
+    out, e = plan_kw["out"], verify_kw["entries"]
+    if (e is not out.entries or verify_kw.get("sources") or write_kw.get("sources")
+            or int(verify_kw.get("real_kv_mode", 0)) or int(write_kw.get("real_kv_mode", 0))
+            or verify_kw["buf"] is not write_kw["buf"]):
+        return False
+    outs = [_np(t) for t in (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, out.write_offsets,
+                             out.seed_slot)]
+    enable = _np(e.enable)
+    cap = e.slot.shape[0]
+    if (enable is None or enable.dtype != np.int32 or not all(a is not None and a.dtype == np.int64 for a in outs)
+            or any(a.shape[0] != cap for a in outs[1:4])):
+        return False  # (plan and verify take their torch paths for these)
+    slot, position, prev, expected, count, requested, write_offsets, seed_slot = outs
+    rtt = _table(plan_kw["req_to_token"])
+    full_to_swa, token_table = plan_kw.get("full_to_swa"), plan_kw.get("token_table")
+    table = np.zeros(0, dtype=rtt.dtype) if full_to_swa is None else _table(full_to_swa)
+    has_tokens = token_table is not None
+    buf, w = verify_kw["buf"], write_kw
+    exp_ids, exp_pos, writers, step = (w.get("expected_input_ids"), w.get("expected_positions"), w.get("writer_ids"),
+                                       w.get("step"))
+    chain_check = w.get("chain_check")
+    ring, counters = verify_kw["ring"], verify_kw["counters"]
+    k.head(_i64(plan_kw["req_pool_indices"]), _i64(plan_kw["prefix_lens"]), _i64(plan_kw["extend_lens"]), rtt, table,
+           full_to_swa is not None, _np_table(token_table) if has_tokens else _EMPTY_TABLE,
+           _i64(plan_kw["token_valid_lens"]) if has_tokens else _EMPTY64, has_tokens,
+           int(plan_kw.get("token_offset", 0)), int(plan_kw.get("window", 0)), slot, position, prev, expected, count,
+           enable, requested, write_offsets, seed_slot, _words(buf), bool(verify_kw.get("check_token", True)),
+           _np(ring.rows), _np(ring.write_index), _np(counters), int(verify_kw["launch_tag"]),
+           int(w["num_requests"]), _i64(w["out_cache_loc"]), _i64(w["input_ids"]), _i64(w["positions"]),
+           _EMPTY64 if exp_ids is None else _i64(exp_ids), exp_ids is not None,
+           _EMPTY64 if exp_pos is None else _i64(exp_pos), exp_pos is not None,
+           chain_check is not None and int(_np(chain_check)[0]) != 0, buf.shape[1] >= ATTRIBUTION_STRIDE,
+           _EMPTY64 if writers is None else _i64(writers), writers is not None,
+           -1 if step is None else int(_np(step)[0]), int(w["launch_tag"]))
+    return True
+
+
+def tail(verify_kw: dict, write_kw: dict, step: torch.Tensor) -> bool:
+    """``verify(**verify_kw)``, ``write(**write_kw)``, then ``step += 1`` as one compiled call, with the
+    same bits; False (nothing done) where the separate calls would take another path or the write
+    carries the HEAD-only asserts (expected inputs, chain positions)."""
+    e, w = verify_kw["entries"], write_kw
+    cap = e.slot.shape[0]
+    if (any(t.shape[0] != cap for t in (e.position, e.prev, e.expected_token)) or w.get("expected_input_ids") is not None
+            or w.get("expected_positions") is not None or w.get("chain_check") is not None
+            or verify_kw["buf"] is not w["buf"] or w.get("step") is not step):
+        return False
+    steps = _np(step)
+    if steps is None or steps.dtype != np.int64 or steps.shape != (1,):
+        return False
+    enable, count, slot = _np(e.enable), _np(e.count), _np64(e.slot)
+    n = max(0, min(int(count[0]), slot.shape[0])) if enable[0] else 0
+    locs = _i64(w["out_cache_loc"])
+    ring, counters, writers = verify_kw["ring"], verify_kw["counters"], w.get("writer_ids")
+    buf = verify_kw["buf"]
+    k.tail(_words(buf), slot, _np64(e.position), _np64(e.prev), _np64(e.expected_token), enable, count,
+           bool(verify_kw.get("check_token", True)),
+           _fingerprints(slot[:n], verify_kw.get("sources", ()), int(verify_kw.get("real_kv_mode", 0))),
+           _np(ring.rows), _np(ring.write_index), _np(counters), int(verify_kw["launch_tag"]),
+           _np64(w["write_offsets"]), _np64(w["seed_slot"]), int(w["num_requests"]), locs, _i64(w["input_ids"]),
+           _i64(w["positions"]), buf.shape[1] >= ATTRIBUTION_STRIDE, _EMPTY64 if writers is None else _i64(writers),
+           writers is not None, int(steps[0]),
+           _fingerprints(locs, w.get("sources", ()), int(w.get("real_kv_mode", 0))), int(w["launch_tag"]), steps)
+    return True

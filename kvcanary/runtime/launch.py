@@ -159,23 +159,56 @@ class ForwardLauncher:
         self.key = (batch.batch_size, batch.num_tokens, x.exp_ids is not None, x.exp_pos is not None,
                     x.writer_ids is not None)
         table, valid = self._refill_tokens(batch)
-        for g in c.groups:
-            note("plan", reads=("engine_inputs", "token_table"), writes=("plan",))
-            impl.plan(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
+        plans = [dict(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
                       extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out=g.plan, window=g.window,
                       full_to_swa=g.table, token_table=table, token_valid_lens=valid,
-                      token_offset=batch.token_offset)
-        with self.side():
-            self._phase("head")
+                      token_offset=batch.token_offset) for g in c.groups]
+        if not self._fused_head(plans):
+            for g, kw in zip(c.groups, plans):
+                note("plan", reads=("engine_inputs", "token_table"), writes=("plan",))
+                impl.plan(**kw)
+            with self.side():
+                self._phase("head")
         if not c.head_overlap:
             # the engine may read canary records on its stream right after before_forward (an adapter's own
             # verify of what HEAD wrote): unless it says it calls Canary.records_ready() first, wait here
             self.join()
 
+    def _fused_head(self, plans: list[dict]) -> bool:
+        """The compiled CPU backend's plan + HEAD verify + HEAD write in one call, where everything runs
+        inline (no side stream, no capture) over one group and one buffer; False: run them one by one."""
+        head = getattr(self.impl, "head", None)
+        c = self.c
+        if head is None or self.staged_now or self.streams.side() is not None or len(c.groups) != 1:
+            return False
+        g = c.groups[0]
+        if len(g.kvs) != 1:
+            return False
+        kv = g.kvs[0]
+        verify = dict(buf=g.bufs["head", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
+                      launch_tag=g.tag("head", kv), sources=(), real_kv_mode=0)
+        return head(plans[0], verify, self._write_kw("head", g, self.inputs.loc[0], kv))
+
     def after(self, batch) -> None:
         """TAIL verify with real-KV hash, TAIL write, device step + 1 (on the side stream, after the forward)."""
+        if self._fused_tail():
+            return
         with self.side():
             self._phase("tail")
+
+    def _fused_tail(self) -> bool:
+        """The compiled CPU backend's TAIL verify + write + step in one call, under ``_fused_head``'s
+        conditions; False: run them one by one."""
+        fused = getattr(self.impl, "tail", None)
+        c = self.c
+        if (fused is None or self.staged_now or self.streams.side() is not None or len(c.groups) != 1
+                or len(c.groups[0].kvs) != 1):
+            return False
+        g = c.groups[0]
+        kv = g.kvs[0]
+        verify = dict(buf=g.bufs["tail", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
+                      launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=c._mode(g, kv))
+        return fused(verify, self._write_kw("tail", g, self.inputs.loc[0], kv), c.step_tensor)
 
     def _phase(self, phase: str) -> None:
         head = phase == "head"
@@ -284,16 +317,17 @@ class ForwardLauncher:
         return c.token_table, valid
 
     def _write_all(self, phase: str, call) -> None:
-        c, cfg, x = self.c, self.c.config, self.inputs
-        bs = self.key[0]
-        tail = phase == "tail"
-        for g, loc in zip(c.groups, x.loc):
+        for g, loc in zip(self.c.groups, self.inputs.loc):
             for kv in g.kvs:
-                # The input and chain-position asserts run once per forward: on the HEAD K write of FULL.
-                first = phase == "head" and kv == "k" and g.name == "full"
-                call(
-                    self.impl.write, buf=g.bufs[phase, kv], write_offsets=g.plan.write_offsets, seed_slot=g.plan.seed_slot,
-                    num_requests=bs, out_cache_loc=loc, input_ids=x.input_ids, positions=x.positions,
+                call(self.impl.write, **self._write_kw(phase, g, loc, kv))
+
+    def _write_kw(self, phase: str, g, loc, kv: str) -> dict:
+        c, cfg, x = self.c, self.c.config, self.inputs
+        tail = phase == "tail"
+        # The input and chain-position asserts run once per forward: on the HEAD K write of FULL.
+        first = phase == "head" and kv == "k" and g.name == "full"
+        return dict(buf=g.bufs[phase, kv], write_offsets=g.plan.write_offsets, seed_slot=g.plan.seed_slot,
+                    num_requests=self.key[0], out_cache_loc=loc, input_ids=x.input_ids, positions=x.positions,
                     ring=c.ring, counters=c.counters, launch_tag=g.tag(phase, kv),
                     sources=g.sources[kv] if tail else (),
                     real_kv_mode=c._mode(g, kv) if tail else int(RealKvMode.NONE),
