@@ -173,30 +173,44 @@ def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out) -> None:
     k.scatter(_i64(flat_in), _i64(offsets), _i64(req_pool_indices), _raw(pool_out))
 
 
-def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, window=0, full_to_swa=None,
-         token_table=None, token_valid_lens=None, token_offset=0) -> None:
+def _plan_outputs(out) -> list | None:
+    """The plan's entry fields, write offsets and seed slots, then its enable flag, as writable numpy
+    views; None for hand-built buffers numpy cannot write in place or entry fields of different
+    lengths (the kernels do not bounds-check)."""
     e = out.entries
-    outs = [_np(t) for t in (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, out.write_offsets,
-                             out.seed_slot)]
-    enable = _np(e.enable)
-    cap = e.slot.shape[0]
-    if (enable is None or enable.dtype != np.int32 or not all(a is not None and a.dtype == np.int64 for a in outs)
+    outs = [_np(t) for t in (e.slot, e.position, e.prev, e.expected_token, e.count, e.enable, e.requested,
+                             out.write_offsets, out.seed_slot)]
+    enable, cap = outs[5], e.slot.shape[0]
+    if (enable is None or enable.dtype != np.int32
+            or not all(a is not None and a.dtype == np.int64 for i, a in enumerate(outs) if i != 5)
             or any(a.shape[0] != cap for a in outs[1:4])):
-        # Hand-built plan buffers that numpy cannot write in place, or entry fields of different lengths
-        # (the kernel does not bounds-check): the torch path, with the same bits or the same error.
-        torch_ops.plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                       req_to_token=req_to_token, out=out, window=window, full_to_swa=full_to_swa,
-                       token_table=token_table, token_valid_lens=token_valid_lens, token_offset=token_offset)
-        return
+        return None
+    return outs
+
+
+def _plan_inputs(req_pool_indices, prefix_lens, extend_lens, req_to_token, full_to_swa, token_table,
+                 token_valid_lens, token_offset, window) -> tuple:
+    """The plan kernel's leading arguments."""
     rtt = _table(req_to_token)
     # An absent translation table is an empty one of the table's dtype: no extra specialisation for it.
     table = np.zeros(0, dtype=rtt.dtype) if full_to_swa is None else _table(full_to_swa)
     has_tokens = token_table is not None
-    slot, position, prev, expected, count, requested, write_offsets, seed_slot = outs
-    k.plan(_i64(req_pool_indices), _i64(prefix_lens), _i64(extend_lens), rtt, table, full_to_swa is not None,
-           _np_table(token_table) if has_tokens else _EMPTY_TABLE, _i64(token_valid_lens) if has_tokens else _EMPTY64,
-           has_tokens, int(token_offset), int(window), slot, position, prev, expected, count, enable, requested,
-           write_offsets, seed_slot)
+    return (_i64(req_pool_indices), _i64(prefix_lens), _i64(extend_lens), rtt, table, full_to_swa is not None,
+            _np_table(token_table) if has_tokens else _EMPTY_TABLE, _i64(token_valid_lens) if has_tokens else _EMPTY64,
+            has_tokens, int(token_offset), int(window))
+
+
+def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, window=0, full_to_swa=None,
+         token_table=None, token_valid_lens=None, token_offset=0) -> None:
+    outs = _plan_outputs(out)
+    if outs is None:
+        # the torch path, with the same bits or the same error
+        torch_ops.plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
+                       req_to_token=req_to_token, out=out, window=window, full_to_swa=full_to_swa,
+                       token_table=token_table, token_valid_lens=token_valid_lens, token_offset=token_offset)
+        return
+    k.plan(*_plan_inputs(req_pool_indices, prefix_lens, extend_lens, req_to_token, full_to_swa, token_table,
+                         token_valid_lens, token_offset, window), *outs)
 
 
 def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0, check_token=True) -> None:
@@ -243,28 +257,19 @@ def head(plan_kw: dict, verify_kw: dict, write_kw: dict) -> bool:
             or int(verify_kw.get("real_kv_mode", 0)) or int(write_kw.get("real_kv_mode", 0))
             or verify_kw["buf"] is not write_kw["buf"]):
         return False
-    outs = [_np(t) for t in (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, out.write_offsets,
-                             out.seed_slot)]
-    enable = _np(e.enable)
-    cap = e.slot.shape[0]
-    if (enable is None or enable.dtype != np.int32 or not all(a is not None and a.dtype == np.int64 for a in outs)
-            or any(a.shape[0] != cap for a in outs[1:4])):
+    outs = _plan_outputs(out)
+    if outs is None:
         return False  # (plan and verify take their torch paths for these)
-    slot, position, prev, expected, count, requested, write_offsets, seed_slot = outs
-    rtt = _table(plan_kw["req_to_token"])
-    full_to_swa, token_table = plan_kw.get("full_to_swa"), plan_kw.get("token_table")
-    table = np.zeros(0, dtype=rtt.dtype) if full_to_swa is None else _table(full_to_swa)
-    has_tokens = token_table is not None
+    p = plan_kw
+    inputs = _plan_inputs(p["req_pool_indices"], p["prefix_lens"], p["extend_lens"], p["req_to_token"],
+                          p.get("full_to_swa"), p.get("token_table"), p.get("token_valid_lens"),
+                          p.get("token_offset", 0), p.get("window", 0))
     buf, w = verify_kw["buf"], write_kw
     exp_ids, exp_pos, writers, step = (w.get("expected_input_ids"), w.get("expected_positions"), w.get("writer_ids"),
                                        w.get("step"))
     chain_check = w.get("chain_check")
     ring, counters = verify_kw["ring"], verify_kw["counters"]
-    k.head(_i64(plan_kw["req_pool_indices"]), _i64(plan_kw["prefix_lens"]), _i64(plan_kw["extend_lens"]), rtt, table,
-           full_to_swa is not None, _np_table(token_table) if has_tokens else _EMPTY_TABLE,
-           _i64(plan_kw["token_valid_lens"]) if has_tokens else _EMPTY64, has_tokens,
-           int(plan_kw.get("token_offset", 0)), int(plan_kw.get("window", 0)), slot, position, prev, expected, count,
-           enable, requested, write_offsets, seed_slot, _words(buf), bool(verify_kw.get("check_token", True)),
+    k.head(*inputs, *outs, _words(buf), bool(verify_kw.get("check_token", True)),
            _np(ring.rows), _np(ring.write_index), _np(counters), int(verify_kw["launch_tag"]),
            int(w["num_requests"]), _i64(w["out_cache_loc"]), _i64(w["input_ids"]), _i64(w["positions"]),
            _EMPTY64 if exp_ids is None else _i64(exp_ids), exp_ids is not None,
