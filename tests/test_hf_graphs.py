@@ -65,9 +65,9 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
     per_turn = []
     run = StepGraphs._run
 
-    def counting(self, e, shape, h):
+    def counting(self, e, sightings, h):
         replay = e.graph is not None
-        run(self, e, shape, h)
+        run(self, e, sightings, h)
         per_turn.append(replay and h.packed.data_ptr() != self.s.builder.stage.static.data_ptr())
 
     monkeypatch.setattr(StepGraphs, "_run", counting)
@@ -103,9 +103,9 @@ def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypa
     replayed = []
     run = StepGraphs._run
 
-    def counting(self, e, shape, h):
+    def counting(self, e, sightings, h):
         was = e.graph is not None
-        run(self, e, shape, h)
+        run(self, e, sightings, h)
         replayed.append(was and h.T > h.bs)
 
     monkeypatch.setattr(StepGraphs, "_run", counting)

@@ -386,4 +386,3 @@ def test_ring_allocation_bounds_capacity_by_the_count_limit():
         ViolationRing.allocate(-1)
     with pytest.raises(ValueError, match="got 1073741825"):
         ViolationRing.allocate(2**30 + 1)
-

@@ -10,8 +10,9 @@ buffers. So the sequence is captured into a CUDA graph once a shape has run eage
 replayed afterwards: one host call.
 
 The staged values arrive in one of ``Staging``'s turn buffers. For a steady decode step (one new
-token per request, a shape seen more than ``STEADY_SIGHTINGS`` times) the turn is part of the key: each turn has its own batch and graph, which read that turn's
-buffer and fill that batch's read table. That batch is also the one the monitor remembers for
+token per request, a shape seen more than ``STEADY_SIGHTINGS`` times) the turn is part of the key:
+each turn has its own batch and graph, which read that turn's buffer and fill that batch's read
+table. That batch is also the one the monitor remembers for
 reports (up to ``KEEP_BATCHES`` steps late), and the same turn comes back only after
 ``KEEP_BATCHES + 1`` steps, so no copy of the staged values or the read table is made per step: a
 steady decode batch costs ``KEEP_BATCHES + 1`` captures, once. Other steps — prefill chunks, decode
@@ -22,19 +23,20 @@ values, and the monitor gets the turn's values and a copy of the read table.
 
 The key is everything the captured calls depend on: batch size, new tokens, token cells, the read
 table's width rounded up (cells past a request's length are never read), and the data pointers of
-the staged buffer (the turn's, or the static copy) and the engine's tensors. Anything else — a read index shorter than the batch (an
-engine bug), the flash block-table path, a sliding-window group, the token oracle, fault injection —
-runs eagerly.
+the staged buffer (the turn's, or the static copy) and the engine's tensors. Anything else — a
+read index shorter than the batch (an engine bug), the flash block-table path, a sliding-window
+group, the token oracle, fault injection — runs eagerly.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 
 from kvcanary.integrations.hf_batch import table_width
-from kvcanary.runtime.graphs import gc_paused
+from kvcanary.runtime.graphs import capture
 from kvcanary.runtime.streams import stream_cache
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
@@ -72,8 +74,7 @@ class StepGraphs:
         # a stand-in graph on the CPU replays tensor ops only: the launcher's numpy shortcuts stay off
         session.canary.launcher.host_ops = graph_type is None
         self.entries: OrderedDict = OrderedDict()
-        self.seen: dict = {}  # eager runs per shape (any turn)
-        self.sightings: dict = {}  # steps per shape (STEADY_SIGHTINGS)
+        self.sightings: dict = {}  # steps per shape, any turn (EAGER_SIGHTINGS, STEADY_SIGHTINGS)
         self.reports: OrderedDict = OrderedDict()  # multi-token steps' batches for the monitor (_report)
         self.captures = self.replays = 0
 
@@ -95,7 +96,7 @@ class StepGraphs:
         # static copy of the staged values, and the monitor keeps the turn's values and a copy of the
         # read table (such shapes recur too rarely to fill a graph per turn)
         sightings = self.sightings.get(shape, 0) + 1
-        if len(self.sightings) > 8 * MAX_ENTRIES:
+        if len(self.sightings) > 8 * MAX_ENTRIES:  # shapes once seen and gone (prefill widths): forget them
             self.sightings.clear()
         self.sightings[shape] = sightings
         per_turn = h.T == h.bs and sightings > STEADY_SIGHTINGS
@@ -114,20 +115,19 @@ class StepGraphs:
         c.host_before(e.batch)  # checks, drains, opens the forward; joins the side stream's earlier work
         launcher = c.launcher
         side = launcher.streams.side()
-        if side is None:
-            self._run(e, shape, work)
+        on_side = nullcontext()
+        if side is not None:
+            streams = stream_cache(c.device)
+            # the side stream starts after the engine prepared this step's inputs (they are read below)
+            side.wait_event(launcher.streams.record(streams.current()))
+            on_side = streams.use(side)
+        with on_side:
+            self._run(e, sightings, work)
             if not per_turn:
                 report.req_to_token.copy_(e.batch.req_to_token)
-            return report
-        streams = stream_cache(c.device)
-        # the side stream starts after the engine prepared this step's inputs (they are read below)
-        side.wait_event(launcher.streams.record(streams.current()))
-        with streams.use(side):
-            self._run(e, shape, work)
-            if not per_turn:
-                report.req_to_token.copy_(e.batch.req_to_token)
-        # HEAD runs beside the forward; the step's close makes the engine stream wait for it
-        launcher.pending = launcher.streams.record(side)
+        if side is not None:
+            # HEAD runs beside the forward; the step's close makes the engine stream wait for it
+            launcher.pending = launcher.streams.record(side)
         return report
 
     def _report(self, h, width: int):
@@ -144,29 +144,20 @@ class StepGraphs:
             self.reports.move_to_end(key)
         return batch
 
-    def _run(self, e: _Entry, shape: tuple, h) -> None:
-        """Replay the entry's graph, or capture it, or run its work eagerly (the first sightings)."""
+    def _run(self, e: _Entry, sightings: int, h) -> None:
+        """Replay the entry's graph, or capture it, or run its work eagerly (a shape's first sightings)."""
         launcher = self.s.canary.launcher
         if e.graph is not None:
             e.graph.replay()
             launcher.restore(e.state)
             self.replays += 1
-        elif self.seen.get(shape, 0) >= EAGER_SIGHTINGS:
+        elif sightings > EAGER_SIGHTINGS:
             graph = self.graph_type()
-            with gc_paused():
-                # thread-local: the engine's other threads may keep issuing CUDA calls meanwhile
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    self._body(e, h)
-                finally:
-                    graph.capture_end()
+            capture(graph, lambda: self._body(e, h), pool=self.pool)
             e.graph, e.state = graph, launcher.state()
             graph.replay()  # a capture records the calls without running them
             self.captures += 1
         else:
-            if len(self.seen) > 8 * MAX_ENTRIES:  # shapes once seen and gone (prefill widths): forget them
-                self.seen.clear()
-            self.seen[shape] = self.seen.get(shape, 0) + 1
             self._body(e, h)
 
     def _body(self, e: _Entry, h) -> None:

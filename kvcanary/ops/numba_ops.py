@@ -280,17 +280,17 @@ def head(plan_kw: dict, verify_kw: dict, write_kw: dict) -> bool:
     return True
 
 
-def tail(verify_kw: dict, write_kw: dict, step: torch.Tensor) -> bool:
-    """``verify(**verify_kw)``, ``write(**write_kw)``, then ``step += 1`` as one compiled call, with the
-    same bits; False (nothing done) where the separate calls would take another path or the write
-    carries the HEAD-only asserts (expected inputs, chain positions)."""
+def tail(verify_kw: dict, write_kw: dict) -> bool:
+    """``verify(**verify_kw)``, ``write(**write_kw)``, then the write's ``step`` + 1 as one compiled call,
+    with the same bits; False (nothing done) where the separate calls would take another path or the
+    write carries the HEAD-only asserts (expected inputs, chain positions)."""
     e, w = verify_kw["entries"], write_kw
     cap = e.slot.shape[0]
     if (any(t.shape[0] != cap for t in (e.position, e.prev, e.expected_token)) or w.get("expected_input_ids") is not None
             or w.get("expected_positions") is not None or w.get("chain_check") is not None
-            or verify_kw["buf"] is not w["buf"] or w.get("step") is not step):
+            or verify_kw["buf"] is not w["buf"] or w.get("step") is None):
         return False
-    steps = _np(step)
+    steps = _np(w["step"])
     if steps is None or steps.dtype != np.int64 or steps.shape != (1,):
         return False
     enable, count, slot = _np(e.enable), _np(e.count), _np64(e.slot)

@@ -19,35 +19,9 @@ OP = "forward batch"
 
 def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, max_context: int) -> None:
     """ValueError for a forward the canary cannot plan exactly (metadata is already checked)."""
-    # Per-request vectors are short: host lists and one loop cost less than a dozen tensor or numpy ops
-    # (inside the engine's step, with cold caches, a vectorised numpy form measured about 2x slower at batch 4).
+    # Per-request vectors are short: host lists and one loop cost less than a dozen tensor ops.
     rows, pre, ext = batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist()
     table_rows, cols = batch.req_to_token.shape
-    _check_requests(rows, pre, ext, table_rows, cols, num_rows)
-    n, total = batch.num_tokens, sum(ext)
-    if total != n:
-        raise v.fail_value(OP, "out_cache_loc", f"of length sum(extend_lens) = {total}", f"length {n}")
-    if n and int(_host(batch.out_cache_loc).max()) >= num_slots:
-        loc = batch.out_cache_loc
-        i = int((loc >= num_slots).nonzero()[0, 0])
-        raise v.fail_value(OP, "out_cache_loc", f"slots < num_slots ({num_slots}) (< 0 = no write)",
-                           f"{int(loc[i])} at token {i}")
-    hist = batch.token_history
-    if isinstance(hist, TokenAppend):
-        _check_append(hist, num_rows, max_context)
-    elif hist is not None:
-        offsets = hist.offsets.tolist()
-        lens = [b - a for a, b in zip(offsets, offsets[1:])]
-        if offsets[0] != 0 or offsets[-1] != hist.flat.shape[0] or min(lens, default=0) < 0:
-            raise v.fail_value(OP, "token_history.offsets", f"non-decreasing from 0 to len(flat) = "
-                               f"{hist.flat.shape[0]}", f"{offsets}")
-        if max(lens, default=0) > max_context:
-            raise v.fail_value(OP, "token_history", f"histories of at most max_context ({max_context}) tokens",
-                               f"{max(lens)} tokens")
-
-
-def _check_requests(rows: list, pre: list, ext: list, table_rows: int, cols: int, num_rows: int) -> None:
-    """The per-request rules: rows in range and off the padding row, lengths >= 0 and within the table."""
     row_limit = min(table_rows, num_rows)
     padding = False
     for i, (row, p, e) in enumerate(zip(rows, pre, ext)):
@@ -68,6 +42,26 @@ def _check_requests(rows: list, pre: list, ext: list, table_rows: int, cols: int
                                "free of row 0 for real requests (row 0 is the padding row: prefix_lens 0, after "
                                "every real request)", f"row {row} with prefix_lens {p} at batch index {i}")
         padding = padding or (row == 0 and e > 0)
+    n, total = batch.num_tokens, sum(ext)
+    if total != n:
+        raise v.fail_value(OP, "out_cache_loc", f"of length sum(extend_lens) = {total}", f"length {n}")
+    if n and int(_host(batch.out_cache_loc).max()) >= num_slots:
+        loc = batch.out_cache_loc
+        i = int((loc >= num_slots).nonzero()[0, 0])
+        raise v.fail_value(OP, "out_cache_loc", f"slots < num_slots ({num_slots}) (< 0 = no write)",
+                           f"{int(loc[i])} at token {i}")
+    hist = batch.token_history
+    if isinstance(hist, TokenAppend):
+        _check_append(hist, num_rows, max_context)
+    elif hist is not None:
+        offsets = hist.offsets.tolist()
+        lens = [b - a for a, b in zip(offsets, offsets[1:])]
+        if offsets[0] != 0 or offsets[-1] != hist.flat.shape[0] or min(lens, default=0) < 0:
+            raise v.fail_value(OP, "token_history.offsets", f"non-decreasing from 0 to len(flat) = "
+                               f"{hist.flat.shape[0]}", f"{offsets}")
+        if max(lens, default=0) > max_context:
+            raise v.fail_value(OP, "token_history", f"histories of at most max_context ({max_context}) tokens",
+                               f"{max(lens)} tokens")
 
 
 def _check_append(hist: TokenAppend, num_rows: int, max_context: int) -> None:

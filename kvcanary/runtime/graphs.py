@@ -40,6 +40,17 @@ def gc_paused():
             gc.enable()
 
 
+def capture(graph, body, pool=None) -> None:
+    """Record ``body()`` into ``graph`` (a ``torch.cuda.CUDAGraph`` or a stand-in): thread-local, since
+    the engine's other threads may keep issuing CUDA calls meanwhile, and with the collector paused."""
+    with gc_paused():
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            body()
+        finally:
+            graph.capture_end()
+
+
 def eager(fn, *args, **kw) -> None:
     fn(*args, **kw)
 
@@ -120,13 +131,7 @@ class CudaGraphs(FakeGraphs):
 
     def _capture(self, body):
         g = torch.cuda.CUDAGraph()
-        with gc_paused():
-            # thread-local: the engine's other threads may keep issuing CUDA calls during the capture
-            g.capture_begin(capture_error_mode="thread_local")
-            try:
-                body(eager)
-            finally:
-                g.capture_end()
+        capture(g, lambda: body(eager))
         return g
 
 

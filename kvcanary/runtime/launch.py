@@ -174,17 +174,21 @@ class ForwardLauncher:
             # verify of what HEAD wrote): unless it says it calls Canary.records_ready() first, wait here
             self.join()
 
-    def _fused_head(self, plans: list[dict]) -> bool:
-        """The compiled CPU backend's plan + HEAD verify + HEAD write in one call, where everything runs
-        inline (no side stream, no capture) over one group and one buffer; False: run them one by one."""
-        head = getattr(self.impl, "head", None)
+    def _fusable(self):
+        """(group, buffer) where the backend's fused HEAD and TAIL calls apply: everything inline (no side
+        stream, no capture) over one group and one buffer; None: run the ops one by one."""
         c = self.c
-        if head is None or self.staged_now or self.streams.side() is not None or len(c.groups) != 1:
+        if self.staged_now or self.streams.side() is not None or len(c.groups) != 1 or len(c.groups[0].kvs) != 1:
+            return None
+        return c.groups[0], c.groups[0].kvs[0]
+
+    def _fused_head(self, plans: list[dict]) -> bool:
+        """The compiled CPU backend's plan + HEAD verify + HEAD write in one call (``numba_ops.head``)."""
+        head, at = getattr(self.impl, "head", None), self._fusable()
+        if head is None or at is None:
             return False
-        g = c.groups[0]
-        if len(g.kvs) != 1:
-            return False
-        kv = g.kvs[0]
+        g, kv = at
+        c = self.c
         verify = dict(buf=g.bufs["head", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
                       launch_tag=g.tag("head", kv), sources=(), real_kv_mode=0)
         return head(plans[0], verify, self._write_kw("head", g, self.inputs.loc[0], kv))
@@ -197,18 +201,15 @@ class ForwardLauncher:
             self._phase("tail")
 
     def _fused_tail(self) -> bool:
-        """The compiled CPU backend's TAIL verify + write + step in one call, under ``_fused_head``'s
-        conditions; False: run them one by one."""
-        fused = getattr(self.impl, "tail", None)
-        c = self.c
-        if (fused is None or self.staged_now or self.streams.side() is not None or len(c.groups) != 1
-                or len(c.groups[0].kvs) != 1):
+        """The compiled CPU backend's TAIL verify + write + step in one call (``numba_ops.tail``)."""
+        tail, at = getattr(self.impl, "tail", None), self._fusable()
+        if tail is None or at is None:
             return False
-        g = c.groups[0]
-        kv = g.kvs[0]
+        g, kv = at
+        c = self.c
         verify = dict(buf=g.bufs["tail", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
                       launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=c._mode(g, kv))
-        return fused(verify, self._write_kw("tail", g, self.inputs.loc[0], kv), c.step_tensor)
+        return tail(verify, self._write_kw("tail", g, self.inputs.loc[0], kv))
 
     def _phase(self, phase: str) -> None:
         head = phase == "head"
