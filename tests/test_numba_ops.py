@@ -109,20 +109,14 @@ def _toy_run(fused: bool, bug: str | None, monkeypatch):
     from tests.toy_engine import ToyEngine
 
     calls = []
-    head, tail = ForwardLauncher._fused_head, ForwardLauncher._fused_tail
+    orig = ForwardLauncher._fused
 
-    def fused_head(self, plans):
-        done = head(self, plans) if fused else False
+    def fused_phase(self, phase, *lead):
+        done = orig(self, phase, *lead) if fused else False
         calls.append(done)
         return done
 
-    def fused_tail(self):
-        done = tail(self) if fused else False
-        calls.append(done)
-        return done
-
-    monkeypatch.setattr(ForwardLauncher, "_fused_head", fused_head)
-    monkeypatch.setattr(ForwardLauncher, "_fused_tail", fused_tail)
+    monkeypatch.setattr(ForwardLauncher, "_fused", fused_phase)
     feed = None
     if bug == "input":  # an engine that feeds another token than it meant (write-input assert)
         feed = lambda b: b.input_ids.__setitem__(0, 999)  # noqa: E731

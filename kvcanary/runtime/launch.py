@@ -163,7 +163,7 @@ class ForwardLauncher:
                       extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out=g.plan, window=g.window,
                       full_to_swa=g.table, token_table=table, token_valid_lens=valid,
                       token_offset=batch.token_offset) for g in c.groups]
-        if not self._fused_head(plans):
+        if not self._fused("head", plans[0]):
             for g, kw in zip(c.groups, plans):
                 note("plan", reads=("engine_inputs", "token_table"), writes=("plan",))
                 impl.plan(**kw)
@@ -182,34 +182,24 @@ class ForwardLauncher:
             return None
         return c.groups[0], c.groups[0].kvs[0]
 
-    def _fused_head(self, plans: list[dict]) -> bool:
-        """The compiled CPU backend's plan + HEAD verify + HEAD write in one call (``numba_ops.head``)."""
-        head, at = getattr(self.impl, "head", None), self._fusable()
-        if head is None or at is None:
+    def _fused(self, phase: str, *lead) -> bool:
+        """The compiled CPU backend's whole phase in one call: plan + HEAD verify + HEAD write
+        (``numba_ops.head``), or TAIL verify + write + step (``numba_ops.tail``); False: one by one."""
+        fused, at = getattr(self.impl, phase, None), self._fusable()
+        if fused is None or at is None:
             return False
-        g, kv = at
-        c = self.c
-        verify = dict(buf=g.bufs["head", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
-                      launch_tag=g.tag("head", kv), sources=(), real_kv_mode=0)
-        return head(plans[0], verify, self._write_kw("head", g, self.inputs.loc[0], kv))
+        (g, kv), c, tail = at, self.c, phase == "tail"
+        verify = dict(buf=g.bufs[phase, kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
+                      launch_tag=g.tag(phase, kv), sources=g.sources[kv] if tail else (),
+                      real_kv_mode=c._mode(g, kv) if tail else 0)
+        return fused(*lead, verify, self._write_kw(phase, g, self.inputs.loc[0], kv))
 
     def after(self, batch) -> None:
         """TAIL verify with real-KV hash, TAIL write, device step + 1 (on the side stream, after the forward)."""
-        if self._fused_tail():
+        if self._fused("tail"):
             return
         with self.side():
             self._phase("tail")
-
-    def _fused_tail(self) -> bool:
-        """The compiled CPU backend's TAIL verify + write + step in one call (``numba_ops.tail``)."""
-        tail, at = getattr(self.impl, "tail", None), self._fusable()
-        if tail is None or at is None:
-            return False
-        g, kv = at
-        c = self.c
-        verify = dict(buf=g.bufs["tail", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
-                      launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=c._mode(g, kv))
-        return tail(verify, self._write_kw("tail", g, self.inputs.loc[0], kv))
 
     def _phase(self, phase: str) -> None:
         head = phase == "head"
