@@ -64,6 +64,32 @@ def main() -> None:
     triton_ops._Launcher.enabled = False
     timed("Triton verify, Triton's launch", lambda: triton_ops.verify(**kw))
     triton_ops._Launcher.enabled = True
+    probe_pinned_capture(dev, side)
+
+
+def probe_pinned_capture(dev, side) -> None:
+    """Can a CUDA graph hold the copies from and to pinned host memory (the staged values in, the step's
+    snapshot out)? Captures both, changes the host buffer, replays, and checks what arrived."""
+    src = torch.arange(256, dtype=torch.int64).pin_memory()
+    dev_buf = torch.zeros(256, dtype=torch.int64, device=dev)
+    out = torch.zeros(256, dtype=torch.int64).pin_memory()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):
+            side.wait_stream(torch.cuda.current_stream())
+            graph.capture_begin()
+            dev_buf.copy_(src, non_blocking=True)
+            dev_buf.mul_(2)
+            out.copy_(dev_buf, non_blocking=True)
+            graph.capture_end()
+        src.copy_(torch.arange(256, dtype=torch.int64) + 7)
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = torch.equal(out, (torch.arange(256) + 7) * 2)
+        print(f"{'pinned H2D + D2H inside a CUDA graph':44s} {'ok' if ok else 'WRONG VALUES'}")
+        timed("CUDAGraph.replay() (H2D, kernel, D2H)", graph.replay)
+    except Exception as e:  # noqa: BLE001 (a probe: report what failed)
+        print(f"{'pinned H2D + D2H inside a CUDA graph':44s} failed: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

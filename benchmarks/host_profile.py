@@ -1,7 +1,8 @@
 """Where the canary's host time goes inside transformers continuous batching: cProfile over its hooks.
 
 Runs ``kvcanary.bench.engine`` with the given arguments (one round, no torch profiler) and profiles
-only the canary's parts of each step (before/after the forward and its update bookkeeping), then
+only the canary's hooks around the forward of each steady decode step (same batch as the step before,
+one new token per request), then
 prints the functions with the most own time. On a GPU the kernel launches show up as the builtins
 that enqueue them.
 
@@ -10,7 +11,7 @@ that enqueue them.
         --stub-kernels --no-cprofile    # the canary's own Python per step, in the JSON it prints
     python benchmarks/host_profile.py --device cuda --model-size 1b --batch 1 --no-step-graphs --no-cprofile
     python benchmarks/host_profile.py --device cuda --model-size 1b --batch 64 --timers
-        # inclusive wall time per call of each hook part (median of the later calls), no cProfile
+        # inclusive wall time per call of each hook part over steady decode steps, no cProfile
 """
 
 from __future__ import annotations
@@ -45,8 +46,53 @@ _TIMED = {
     "kvcanary.runtime.launch:ForwardLauncher": ("join", "side"),
     "kvcanary.runtime.monitor:Monitor": ("poll", "close_step"),
     "kvcanary.runtime.graphs:CudaGraphs": ("run",),
+    "kvcanary.runtime.observer:HostObserver": ("snapshot", "collect"),
 }
 _CALLS: dict[str, list[float]] = {}
+_STEADY = [False]  # the current step is a steady decode step (_steady): the only steps timed or profiled
+STEADY_AFTER = 20  # canary steps before a decode step counts as steady (kernels compiled, graphs captured)
+
+
+def _steady(session) -> bool:
+    """One new token per request, same batch as the step before, and past the first steps."""
+    io = session.bp.inputs_and_outputs
+    reqs = io.requests_in_batch
+    names = [fs.state.request_id for fs in reqs]
+    last, session._profile_names = getattr(session, "_profile_names", None), names
+    return (session.canary.step > STEADY_AFTER and names == last
+            and all(fs.query_length == 1 for fs in reqs))
+
+
+def torch_cuda_sync():
+    """HOST_PROFILE_SYNC=1: the device is synchronized before each timed hook (outside its time), so a
+    part that waits for the engine's kernels shows as a drop against an unsynchronized run."""
+    import torch
+
+    return torch.cuda.synchronize if torch.cuda.is_available() else None
+
+
+def _mark_steady() -> None:
+    """Wrap the hooks so only steady decode steps are timed or profiled (the generation's prefill
+    chunks and shape changes would mix captures and compilation into the medians)."""
+    cls = hf_session.Session
+    orig_before, orig_after = cls._before, cls._after
+
+    sync = os.environ.get("HOST_PROFILE_SYNC") == "1" and torch_cuda_sync()
+
+    def before(self):
+        _STEADY[0] = _steady(self)
+        if _STEADY[0] and sync:
+            sync()
+        return orig_before(self)
+
+    def after(self):
+        if _STEADY[0] and sync:
+            sync()
+        try:
+            return orig_after(self)
+        finally:
+            _STEADY[0] = False
+    cls._before, cls._after = before, after
 
 
 def _install_timers() -> None:
@@ -63,6 +109,8 @@ def _install_timers() -> None:
             calls = _CALLS.setdefault(label, [])
 
             def timed(*args, _fn=fn, _calls=calls, **kwargs):
+                if not _STEADY[0]:
+                    return _fn(*args, **kwargs)
                 t0 = time.perf_counter()
                 try:
                     return _fn(*args, **kwargs)
@@ -72,18 +120,19 @@ def _install_timers() -> None:
 
 
 def _print_timers() -> None:
-    """Median inclusive microseconds per call over the last third of the calls (the canary round's
-    steady state), and the calls per ``Session._before``."""
+    """Median and 90th percentile inclusive microseconds per call over the steady decode steps
+    (``_steady``), and the calls per ``Session._before``."""
     import statistics
 
     steps = max(1, len(_CALLS.get("Session._before", ())))
-    print(f"{'part':34s} {'calls/step':>10s} {'median us':>10s} {'mean us':>10s}", file=sys.stderr)
+    print(f"steady decode steps timed: {steps}", file=sys.stderr)
+    print(f"{'part':34s} {'calls/step':>10s} {'median us':>10s} {'p90 us':>10s}", file=sys.stderr)
     for label, calls in _CALLS.items():
         if not calls:
             continue
-        tail = calls[-max(1, len(calls) // 3):]
-        print(f"{label:34s} {len(calls) / steps:10.2f} {statistics.median(tail) * 1e6:10.1f} "
-              f"{statistics.fmean(tail) * 1e6:10.1f}", file=sys.stderr)
+        p90 = sorted(calls)[int(0.9 * (len(calls) - 1))]
+        print(f"{label:34s} {len(calls) / steps:10.2f} {statistics.median(calls) * 1e6:10.1f} "
+              f"{p90 * 1e6:10.1f}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> None:
@@ -111,6 +160,8 @@ def main(argv: list[str]) -> None:
 
     def profiled(fn):
         def run(self, *args):
+            if not _STEADY[0]:
+                return fn(self, *args)
             prof.enable()
             try:
                 return fn(self, *args)
@@ -118,8 +169,9 @@ def main(argv: list[str]) -> None:
                 prof.disable()
         return run
 
-    for name in () if plain else ("_before", "_after", "_before_update", "_after_update"):
+    for name in () if plain else ("_before", "_after"):
         setattr(cls, name, profiled(getattr(cls, name)))
+    _mark_steady()
     bench_engine.main(argv + ["--rounds", "1", "--no-profile"])
     if timers:
         _print_timers()

@@ -94,8 +94,9 @@ class BatchBuilder(TokenRows):
                                rtt=batch.req_to_token.numpy(),
                                read=io.read_index_storage[self.s.layout.full_group].numpy())
 
-    def host_part(self) -> HostStep:
-        """The host half of a step: per-request facts and token cells, staged to the device in one copy.
+    def host_part(self, copy: bool = True) -> HostStep:
+        """The host half of a step: per-request facts and token cells, staged to the device in one copy
+        (``copy=False``: left to the caller, ``Staging.copy``).
 
         Per-request attributes are read with ``map`` over ``attrgetter`` (C loops, no Python frame per
         request), and a batch of the same requests as the last step reuses its rows and ids.
@@ -121,7 +122,7 @@ class BatchBuilder(TokenRows):
             parts += self._token_cells(reqs, names, rows, prefix, extend, T == bs)
         # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
         parts.append(self._iota_np(bs) if T == bs else np.repeat(self._iota_np(bs), extend))
-        packed, small = self.stage.send(parts)
+        packed, small = self.stage.send(parts, copy)
         width = max(map(add, prefix, extend), default=0)
         return HostStep(io, reqs, bs, T, prefix, extend, rids, packed, n, small, width, sum(prefix) + T)
 

@@ -14,7 +14,8 @@ token per request, a shape seen more than ``STEADY_SIGHTINGS`` times) the turn i
 each turn has its own batch and graph, which read that turn's buffer and fill that batch's read
 table. That batch is also the one the monitor remembers for
 reports (up to ``KEEP_BATCHES`` steps late), and the same turn comes back only after
-``KEEP_BATCHES + 1`` steps, so no copy of the staged values or the read table is made per step: a
+``KEEP_BATCHES + 1`` steps, so no copy of the staged values or the read table is made per step, and
+the graph itself holds the copy of the staged values from the turn's pinned buffer: a
 steady decode batch costs ``KEEP_BATCHES + 1`` captures, once. Other steps — prefill chunks, decode
 shapes that come and go as requests arrive and finish — recur too rarely for a graph per turn (the
 prefill chunks' many shapes times five turns overflowed the kept graphs and were captured again and
@@ -123,6 +124,7 @@ class StepGraphs:
             on_side = streams.use(side)
         with on_side:
             self._run(e, sightings, work)
+            b.stage.copied()  # (a per-turn graph holds the staged values' copy: issued by its replay)
             if not per_turn:
                 report.req_to_token.copy_(e.batch.req_to_token)
         if side is not None:
@@ -164,6 +166,7 @@ class StepGraphs:
         s, batch = self.s, e.batch
         # A graph keeps no tensor alive: the entry holds what the body reads that the builder may replace.
         e.keep = s.builder.iota
+        s.builder.stage.copy()  # the staged values' copy, unless issued already (to_static)
         s.builder.fill_read_table(batch, h, captured=True)
         s.canary.device_before(batch)
         s.builder.verify_new_reads(batch, shortcut=False)

@@ -184,7 +184,7 @@ class Session:
         with self.lock, self._range("kvcanary_before"), self._engine_stream():
             io = self.bp.inputs_and_outputs
             if self.graphs is not None and self.canary.enabled and self.graphs.usable(io):
-                self._batch = self.graphs.before(self.builder.host_part())
+                self._batch = self.graphs.before(self.builder.host_part(copy=False))
             else:
                 self._batch = self.builder.build()
                 self.canary.before_forward(self._batch)

@@ -33,63 +33,85 @@ class HostStep(NamedTuple):
 
 
 class Staging:
-    """The step's small host arrays in one pinned buffer and one asynchronous copy into a device buffer
-    (pageable copies would block the host on every step).
+    """The step's small host arrays in one pinned buffer per turn and one asynchronous copy into the
+    turn's device buffer (pageable copies would block the host on every step).
 
     Device buffers take turns over ``depth`` steps: a batch's tensors are views into one of them, and
     the monitor reads a remembered batch when its violations arrive steps later (reader attribution),
     so a buffer must not be refilled while that batch may still be read: ``KEEP_BATCHES`` turns and
-    a spare (few turns also mean few CUDA-graph captures, ``hf_graph.py``). On the CPU the values go
-    straight into the turn's buffer.
+    a spare (few turns also mean few CUDA-graph captures, ``hf_graph.py``). Each turn has its own
+    pinned buffer too, so a step graph per turn can hold the copy itself (``copy`` inside a capture:
+    it replays from the same host address), and the host never refills a pinned buffer whose copy
+    may still be in flight (the turn's event). On the CPU the values go straight into the turn's buffer.
     """
 
     def __init__(self, device: torch.device, depth: int = KEEP_BATCHES + 1):
         self.device, self.cuda, self.depth = device, device.type == "cuda", depth
         self.size = 0
-        self.host = self.host_np = None  # CUDA: the pinned buffer the values are written into
+        self.host: list[torch.Tensor] = []  # CUDA: the pinned buffer of each turn
         self.ring: list[torch.Tensor] = []
         self.views: dict = {}  # (turn, size) -> the device slice, the pinned slice, the numpy destination
         self.static: torch.Tensor | None = None  # the one buffer a captured multi-token step reads (hf_graph.py)
         self.turn = 0
-        self.event = torch.cuda.Event() if self.cuda else None
+        self.events = [torch.cuda.Event() for _ in range(depth)] if self.cuda else []
         self.stream = stream_cache(device) if self.cuda else None
+        self.pending: tuple | None = None  # (device slice, pinned slice, turn) filled but not yet copied
 
-    def send(self, parts: list) -> tuple[torch.Tensor, int]:
+    def send(self, parts: list, copy: bool = True) -> tuple[torch.Tensor, int]:
         """``parts`` (lists of ints or int64 arrays) back to back in one device buffer; returns the
-        buffer and where the last part starts."""
+        buffer and where the last part starts. ``copy=False``: the host-to-device copy waits for
+        ``copy()`` (issued eagerly, or inside a captured step)."""
         n = sum(len(p) for p in parts)
+        turn = self.turn
         if self.cuda:
-            self.event.synchronize()  # the last step's copy has long finished; never overwrite it in flight
+            self.events[turn].synchronize()  # this turn's last copy has long finished; never overwrite it in flight
         if self.size < n:
             self.size = max(n, 2 * self.size, 1024)
             if self.cuda:
-                self.host = torch.empty(self.size, dtype=torch.int64, pin_memory=True)
-                self.host_np = self.host.numpy()
+                self.host = [torch.empty(self.size, dtype=torch.int64, pin_memory=True) for _ in range(self.depth)]
             # (remembered batches keep their old buffers alive)
             self.ring = [torch.empty(self.size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
             self.views = {}
             self.static = torch.empty(self.size, dtype=torch.int64, device=self.device)
-        views = self.views.get((self.turn, n))
+        views = self.views.get((turn, n))
         if views is None:
             if len(self.views) > 256:  # sizes come and go (prefill chunks): never grow without bound
                 self.views.clear()
-            out = self.ring[self.turn][:n]
-            views = self.views[self.turn, n] = (out, self.host[:n] if self.cuda else None,
-                                                self.host_np if self.cuda else out.numpy())
+            out = self.ring[turn][:n]
+            host = self.host[turn][:n] if self.cuda else None
+            views = self.views[turn, n] = (out, host, host.numpy() if self.cuda else out.numpy())
         out, host, dst = views  # slices made once per (turn, size): each costs the host a tensor call
-        self.turn = (self.turn + 1) % self.depth
+        self.turn = (turn + 1) % self.depth
         at = 0
         for p in parts:
             dst[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
             at += len(p)
         if self.cuda:
-            out.copy_(host, non_blocking=True)
-            self.event.record(self.stream.current())
+            self.pending = (out, host, turn)
+            if copy:
+                self.copy()
         return out, n - len(parts[-1])
+
+    def copy(self) -> None:
+        """Issue the last ``send``'s host-to-device copy on the current stream (a no-op once issued, and
+        on the CPU). Inside a capture it is recorded with the pinned buffer's address."""
+        if self.pending is None:
+            return
+        out, host, turn = self.pending
+        out.copy_(host, non_blocking=True)
+        if not torch.cuda.is_current_stream_capturing():
+            self.copied()
+
+    def copied(self) -> None:
+        """The copy was issued on the current stream (eagerly, or by a graph's replay): its turn's event."""
+        if self.pending is not None:
+            self.events[self.pending[2]].record(self.stream.current())
+            self.pending = None
 
     def to_static(self, packed: torch.Tensor) -> torch.Tensor:
         """A copy of this step's staged values in the one buffer whose address never changes (while the
         buffers do not grow): what a captured multi-token step reads, whichever turn the values arrived in."""
+        self.copy()
         out = self.static[:packed.shape[0]]
         out.copy_(packed)
         return out

@@ -40,11 +40,22 @@ class Monitor:
         self.tokens = 0
         self.sweeps = {g.name: 0 for g in canary.groups}
         self.batches: dict[int, object] = {}
-        self.counters: list[list[int]] | None = None
-        self.counters_meta: dict | None = None  # host facts (forwards, sweeps) at the counters' snapshot
+        self.last_observation = None  # the newest drained one: its counters (counters, counters_meta)
         self.last_health: tuple[dict, list[list[int]]] | None = None
         self.overflowing = {g.name: False for g in canary.groups}
         self.health_problems: list[str] = []
+
+    @property
+    def counters(self) -> list[list[int]] | None:
+        """Device launch counters at the newest drained snapshot (per launch tag: launches, entries)."""
+        obs = self.last_observation
+        return None if obs is None else obs.values["counters"]
+
+    @property
+    def counters_meta(self) -> dict | None:
+        """Host facts (forwards, sweeps) at the counters' snapshot."""
+        obs = self.last_observation
+        return None if obs is None else obs.host_meta
 
     # -- step bookkeeping ------------------------------------------------------------------------
     def note_forward(self, batch) -> None:
@@ -81,7 +92,7 @@ class Monitor:
         fresh: list[Violation] = []
         total = 0
         for obs in observations:
-            self.counters, self.counters_meta = obs.values["counters"], obs.host_meta
+            self.last_observation = obs
             self._note_overflow(obs)
             if not obs.count:
                 continue
@@ -106,7 +117,7 @@ class Monitor:
 
     def _note_overflow(self, obs: Observation) -> None:
         for g in self.canary.groups:
-            count = obs.values[f"plan_count_{g.name}"][0]
+            count = obs.first(f"plan_count_{g.name}")
             over = count > g.plan.entries.capacity
             if over and not self.overflowing[g.name]:
                 log.warning("kv_canary plan overflow (%s group) at step %d: %d verify entries > capacity %d; "

@@ -10,8 +10,6 @@ everything is read at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -22,13 +20,31 @@ from kvcanary.runtime.streams import stream_cache
 NUM_SLOTS = 3  # snapshots in flight before the oldest must be waited for
 
 
-@dataclass
 class Observation:
-    step: int  # host step the snapshot closed
-    host_meta: dict  # host-side facts recorded with it (forwards seen, sweeps asked for)
-    count: int  # violations found in the step (may exceed rows stored)
-    rows: list[list[int]]  # stored violation rows
-    values: dict[str, list[int]]  # the small tensors, by name
+    """One closed step as the host read it: violations found, the rows kept, the small tensors."""
+
+    __slots__ = ("step", "host_meta", "count", "rows", "small", "layout", "_values")
+
+    def __init__(self, step: int, host_meta: dict, count: int, rows: list[list[int]], small: list[int],
+                 layout: dict):
+        self.step = step  # host step the snapshot closed
+        self.host_meta = host_meta  # host-side facts recorded with it (forwards seen, sweeps asked for)
+        self.count = count  # violations found in the step (may exceed rows stored)
+        self.rows = rows  # stored violation rows
+        self.small, self.layout = small, layout  # the watched tensors, flattened (values unflattens them)
+        self._values = None
+
+    @property
+    def values(self) -> dict[str, list]:
+        """The small tensors by name, as ``tolist`` gives them (made on first use: most steps never need them)."""
+        if self._values is None:
+            small = self.small
+            self._values = {k: _unflatten(small[at:at + n], shape) for k, (at, n, shape) in self.layout.items()}
+        return self._values
+
+    def first(self, name: str) -> int:
+        """The first element of a watched tensor."""
+        return self.small[self.layout[name][0]]
 
 
 class _Slot:
@@ -88,10 +104,7 @@ class HostObserver:
         self.order.append(slot)
         if not self.cuda:
             return done + self.collect(block=True)
-        # on the stream that just took the snapshot (the canary's side stream when it overlaps): after
-        # it, and a copy of a few words delays nothing else there
-        slot.host_small.copy_(slot.small, non_blocking=True)
-        slot.event.record(self.streams.current())
+        slot.event.record(self.streams.current())  # after the copy into pinned memory (_copy)
         return done
 
     def _read_now(self, step: int, host_meta: dict) -> Observation:
@@ -103,16 +116,19 @@ class HostObserver:
             self._host_parts = [t.numpy() for t in self.parts]
         small = np.concatenate(self._host_parts).tolist()
         count = small[0]
-        values = {k: _unflatten(small[at:at + n], shape) for k, (at, n, shape) in self.layout.items()}
         stored = min(count, self.ring.capacity)
         rows = self.ring.rows[:stored].tolist() if stored else []
         self._host_parts[0][0] = 0  # the ring's write index
-        return Observation(step=step, host_meta=dict(host_meta), count=count, rows=rows, values=values)
+        return Observation(step, dict(host_meta), count, rows, small, self.layout)
 
     def _copy(self, slot: _Slot, call) -> None:
         call(slot.rows.copy_, self.ring.rows)
         call(torch.cat, self.parts, out=slot.small)
         call(self.ring.write_index.zero_)
+        if self.cuda:
+            # on the stream that takes the snapshot (the canary's side stream when it overlaps), into
+            # pinned memory: a graph replays it to the same host address, one host call fewer per step
+            call(slot.host_small.copy_, slot.small, non_blocking=True)
 
     def collect(self, block: bool = False) -> list[Observation]:
         """Observations whose copies have landed, oldest first; ``block`` waits for all."""
@@ -135,14 +151,13 @@ class HostObserver:
         else:
             small = slot.small.tolist()
         count = small[0]
-        values = {k: _unflatten(small[at:at + n], shape) for k, (at, n, shape) in self.layout.items()}
         stored = min(count, self.ring.capacity)
         # Rows cross to the host only when there are some: the rare, slow path.
         rows = slot.rows[:stored].cpu().tolist() if stored else []
         step, meta = slot.pending
         slot.pending = None
         self.order.remove(slot)
-        return [Observation(step=step, host_meta=meta, count=count, rows=rows, values=values)]
+        return [Observation(step, meta, count, rows, small, self.layout)]
 
 
 def _unflatten(flat: list[int], shape: torch.Size):
