@@ -38,7 +38,7 @@ import torch
 
 from kvcanary.integrations.hf_batch import table_width
 from kvcanary.runtime.graphs import capture
-from kvcanary.runtime.streams import stream_cache
+from kvcanary.runtime.streams import capturing, stream_cache
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
 MAX_ENTRIES = 40  # captured (shape, turn) entries kept: a few shapes, each in every staging turn
@@ -83,7 +83,7 @@ class StepGraphs:
         c = self.s.canary
         return (not io.use_block_table and self.s.layout.swa_group is None and not self.s.builder.oracle
                 and c.injector is None
-                and not (c.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+                and not (c.device.type == "cuda" and capturing()))
 
     def before(self, h) -> object:
         """Build, check and launch the step's before-forward work; returns its ForwardBatch."""
@@ -91,8 +91,8 @@ class StepGraphs:
         g = s.layout.full_group
         width = table_width(h.width, s.canary.max_context, WIDTH_STEP)
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
-                 io.input_ids.data_ptr(), io.position_ids.data_ptr(), io.read_index_storage[g].data_ptr(),
-                 io.write_index_storage.data_ptr())
+                 io.input_ids.data_ptr(), io.position_ids.data_ptr(), io.read_index_storage.data_ptr(),
+                 io.write_index_storage.data_ptr())  # (whole storages: a row view per step costs a tensor call)
         # a steady decode shape: a graph per turn (see the module's docstring); anything else reads a
         # static copy of the staged values, and the monitor keeps the turn's values and a copy of the
         # read table (such shapes recur too rarely to fill a graph per turn)
@@ -164,9 +164,11 @@ class StepGraphs:
 
     def _body(self, e: _Entry, h) -> None:
         s, batch = self.s, e.batch
-        # A graph keeps no tensor alive: the entry holds what the body reads that the builder may replace.
-        e.keep = s.builder.iota
-        s.builder.stage.copy()  # the staged values' copy, unless issued already (to_static)
+        # A graph keeps no tensor alive: the entry holds what the body reads that the builder may replace
+        # (the staged values' pinned buffer too: a graph copies from its address on every replay).
+        stage = s.builder.stage
+        e.keep = (s.builder.iota, stage.pending)
+        stage.copy()  # the staged values' copy, unless issued already (to_static)
         s.builder.fill_read_table(batch, h, captured=True)
         s.canary.device_before(batch)
         s.builder.verify_new_reads(batch, shortcut=False)

@@ -27,6 +27,7 @@ from kvcanary.runtime.graphs import CudaGraphs
 from kvcanary.runtime.streams import stream_cache
 
 log = logging.getLogger("kvcanary")
+_NO_CONTEXT = nullcontext()  # (reentrant: one serves every hook)
 
 
 class Session:
@@ -46,6 +47,7 @@ class Session:
         self.recorded: dict[str, int] = {}  # per request: table entries whose block_pos is recorded
         self.saved: dict[str, list] = {}
         self.timings: list[dict] = []  # per step with timing=True: batch, tokens, host seconds of each part
+        self.timing = bool(handle.options.get("timing"))
         self.closed = False
         self._compute = None  # (the engine's compute stream, its raw handle, its stream cache): _engine_stream
         self.final_stats: dict | None = None
@@ -198,7 +200,7 @@ class Session:
             self.canary.after_forward(self._batch)
             self.handle.forwards += 1
         after_s = time.perf_counter() - t0
-        if self.handle.options.get("timing"):
+        if self.timing:
             b = self._batch
             self.timings.append({"batch": b.batch_size, "tokens": b.num_tokens, "before_s": self._before_s,
                                  "forward_s": self._fwd_s, "after_s": after_s, "update_s": 0.0})
@@ -305,14 +307,14 @@ class Session:
         with every KV write and read."""
         stream = self.bp.inputs_and_outputs.compute_stream
         if stream is None:
-            return nullcontext()
+            return _NO_CONTEXT
         known = self._compute
         if known is None or known[0] is not stream:  # (stream.device builds a torch.device per call)
             known = self._compute = (stream, stream.cuda_stream, stream_cache(stream.device))
         _, handle, cache = known
         current = cache.current()
         if current.cuda_stream == handle:
-            return nullcontext()
+            return _NO_CONTEXT
         event = self.canary.launcher.streams.record(current)  # a reused event (wait_stream makes one per call)
         if event is None:
             stream.wait_stream(current)
@@ -322,9 +324,9 @@ class Session:
 
     def _range(self, name: str):
         # Ranges only while a profiler records: a range costs microseconds, and timing is on in benchmarks.
-        if self.handle.options.get("timing") and torch.autograd._profiler_enabled():
+        if self.timing and torch.autograd._profiler_enabled():
             return torch.profiler.record_function(name)
-        return nullcontext()
+        return _NO_CONTEXT
 
     def _guarded(self, fn, *args):
         """Run hook work; an exception is recorded on the handle (the caller sees it) and re-raised in the engine."""

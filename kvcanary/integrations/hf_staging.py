@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from kvcanary.runtime.monitor import KEEP_BATCHES
-from kvcanary.runtime.streams import stream_cache
+from kvcanary.runtime.streams import capturing, stream_cache
 
 __all__ = ["HostStep", "Staging"]
 
@@ -99,7 +99,7 @@ class Staging:
             return
         out, host, turn = self.pending
         out.copy_(host, non_blocking=True)
-        if not torch.cuda.is_current_stream_capturing():
+        if not capturing():
             self.copied()
 
     def copied(self) -> None:

@@ -3,7 +3,9 @@ table cells its row still lacks (the token history the canary checks records aga
 
 ``TokenRows`` is a part of ``BatchBuilder`` (``hf_batch.py``): rows are kept while a request lives
 (least recently used among requests outside the batch when they run out), so only new tokens
-cross to the device; a decode step of the same requests takes C loops only (``_decode_cells``).
+cross to the device; a decode step takes C loops only (``_decode_cells``), and a decode step of
+the same requests as the step before fills a kept array (``_steady``): two short conversions
+from Python ints, the rest numpy.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from operator import attrgetter, getitem, sub
 
 import numpy as np
 
+from kvcanary.integrations.hf_staging import HostStep
 from kvcanary.runtime.report import MISSING_TOKEN
 
 __all__ = ["TokenRows", "NAME", "QUERY", "OFFSET"]
@@ -34,6 +37,8 @@ class TokenRows:
         self.last_names: list | None = None  # the last batch's requests, rows and ids (host_part)
         self.last_rows: list[int] = []
         self.last_rids: list[int] = []
+        self.steady: _Steady | None = None  # the kept array of a batch of the same requests (_steady)
+        self.unsynced = False  # steady steps advanced the rows past ``sent`` (sync_sent)
 
     def _rows(self, names: list[str]) -> list[int]:
         """The stable row of each request of the batch, assigning rows to new ones."""
@@ -118,12 +123,55 @@ class TokenRows:
         sent.update(zip(names, need))
         return [need + rows + prefix + tokens]
 
+    def _steady(self, io, reqs, offsets: list[int], extend: list[int], copy: bool) -> HostStep | None:
+        """A decode step of the same requests as the step before, each one position past the tokens its
+        row holds: the step's values in the kept array (rows, ids and batch indices stay; positions and
+        tokens change), staged as one part. None: the general path (a request's history too short, a
+        position that did not advance by one, anything else)."""
+        bs = len(offsets)
+        st = self.steady
+        if st is None:
+            st = self.steady = _Steady(self, reqs)
+        prefix = np.array(offsets, dtype=np.int64)
+        prefix -= 1
+        t = st.values
+        if self.want_history:
+            if not np.array_equal(prefix, st.need):
+                return None
+            at = prefix - st.prompt
+            if bs and at.min() < 0:
+                return None
+            try:
+                tokens = list(map(getitem, map(_GENERATED, reqs), at.tolist()))
+            except IndexError:
+                return None
+            t[6 * bs:7 * bs] = prefix
+            t[7 * bs:8 * bs] = tokens
+            np.add(prefix, 1, out=st.need)
+            t[4 * bs:5 * bs] = st.need
+            self.unsynced = True
+        t[bs:2 * bs] = prefix
+        small = t.shape[0] - bs
+        packed, small = self.stage.send([t[:small], t[small:]], copy)
+        total = int(prefix.sum()) + bs
+        width = int(prefix.max()) + 1 if bs else 0
+        return HostStep(io, reqs, bs, bs, prefix.tolist(), extend, self.last_rids, packed, 4 * bs, small, width,
+                        total)
+
+    def sync_sent(self) -> None:
+        """``sent`` as the steady steps left the rows (they advance a kept array, not the dict)."""
+        if self.unsynced:
+            self.unsynced = False
+            self.sent.update(zip(self.last_names, self.steady.need.tolist()))
+
     def forget_finished(self) -> list[str]:
         """Release the rows of requests that finished this step; returns their names."""
         done = []
         reqs = self.s.bp.inputs_and_outputs.requests_in_batch
         if _STATUS_FINISHED not in map(_STATUS, reqs):  # most steps: one C loop
             return done
+        self.sync_sent()
+        self.steady = None
         for fs in reqs:
             if fs.state.status == _STATUS_FINISHED:
                 name = fs.state.request_id
@@ -135,3 +183,23 @@ class TokenRows:
         if done:
             self.last_names = None  # a freed row may go to another request
         return done
+
+
+class _Steady:
+    """The kept values of a batch of the same requests, in ``host_part``'s layout: rows, positions,
+    new tokens (1 each), ids, then (with a token history) valid lengths, cell rows, cell columns,
+    cell tokens, then each new token's batch index; and what the next steady step checks."""
+
+    __slots__ = ("values", "need", "prompt")
+
+    def __init__(self, rows: TokenRows, reqs):
+        bs, names = len(reqs), rows.last_names
+        ones = np.ones(bs, dtype=np.int64)
+        parts = [rows.last_rows, ones, ones, rows.last_rids]
+        if rows.want_history:
+            parts += [ones, rows.last_rows, ones, ones]
+        parts.append(np.arange(bs, dtype=np.int64))
+        self.values = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+        # each request's tokens in its row (the next position must be this), and its prompt length
+        self.need = np.fromiter(map(rows.sent.get, names, [-1] * bs), dtype=np.int64, count=bs)
+        self.prompt = np.fromiter(map(len, map(_PROMPT, reqs)), dtype=np.int64, count=bs)

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kvcanary.runtime.streams import stream_cache
+from kvcanary.runtime.streams import capturing, stream_cache
 
 MAX_GRAPHS = 8  # captured sequences kept (least recently used dropped)
 
@@ -120,11 +120,10 @@ class CudaGraphs(FakeGraphs):
         super().__init__(max_graphs)
         self.device = device
         self.streams = stream_cache(device)
-        self.default = torch.cuda.default_stream(device)
+        self.default = torch.cuda.default_stream(device).cuda_stream  # (its raw handle: compared per run)
 
     def run(self, key, body, seen_as=None) -> None:
-        stream = self.streams.current()
-        if torch.cuda.is_current_stream_capturing() or stream == self.default:
+        if capturing() or self.streams.current().cuda_stream == self.default:
             body(eager)
             return
         super().run(key, body, seen_as)

@@ -14,8 +14,6 @@ while TAIL may still be reading.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from kvcanary.format import ATTRIBUTION_STRIDE, RealKvMode
@@ -75,6 +73,43 @@ class _Inputs:
     __slots__ = ("input_ids", "positions", "loc", "writer_ids", "exp_ids", "exp_pos")
 
 
+class _Side:
+    """``ForwardLauncher.side``: a plain class, since a generator-based context costs the host several
+    times more, and a forward enters a few of them."""
+
+    __slots__ = ("launcher", "switch")
+
+    def __init__(self, launcher: "ForwardLauncher"):
+        self.launcher, self.switch = launcher, None
+
+    def __enter__(self) -> None:
+        launcher = self.launcher
+        if launcher.in_side:  # a section inside another: already on the side stream
+            return
+        s = launcher.streams
+        side = s.side()
+        if side is None or not s.overlap:
+            return
+        current = s.current()
+        if current == side:
+            return
+        s.wait(side, s.record(current))
+        self.switch = s.use(side)
+        self.switch.__enter__()
+        launcher.in_side = True
+
+    def __exit__(self, *exc) -> bool:
+        if self.switch is not None:
+            launcher = self.launcher
+            launcher.in_side = False
+            try:
+                self.switch.__exit__(*exc)
+            finally:
+                s = launcher.streams
+                launcher.pending = s.record(s.side())
+        return False
+
+
 class ForwardLauncher:
     """HEAD and TAIL sequences of a ``Canary``: plan, verify and write per group and K/V buffer.
 
@@ -90,6 +125,7 @@ class ForwardLauncher:
         # captured HEAD / TAIL sequences per shape (graphs.py); tests swap in FakeGraphs
         self.graphs = graphs_for(canary.device, getattr(canary.config, "launch_graphs", False))
         self.pending = None  # side-stream work the engine stream has not waited for yet
+        self.in_side = False  # inside a side section that switched streams (_Side)
         # after_forward sets defer_tail: TAIL's captured sequence then waits (deferred) for the step's
         # snapshot and both replay as one graph (one host call fewer per step; Canary.host_after)
         self.defer_tail = False
@@ -105,20 +141,10 @@ class ForwardLauncher:
             self.swa_loc = torch.zeros(n, dtype=torch.int64, device=canary.device)
 
     # -- stream ordering -------------------------------------------------------------------------
-    @contextmanager
-    def side(self):
-        """Run the body on the side stream, after everything issued so far on the current stream."""
-        s = self.streams
-        side = s.side()
-        if side is None or not s.overlap or s.current() == side:
-            yield
-            return
-        s.wait(side, s.record(s.current()))
-        try:
-            with s.use(side):
-                yield
-        finally:
-            self.pending = s.record(side)
+    def side(self) -> "_Side":
+        """A context running its body on the side stream, after everything issued so far on the current
+        stream (a no-op inside another side section, and without a side stream)."""
+        return _Side(self)
 
     def join(self) -> None:
         """The current (engine) stream waits for the side stream's work so far; a no-op when none is pending."""

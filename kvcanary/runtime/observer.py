@@ -100,7 +100,7 @@ class HostObserver:
                 body(call)
                 self._copy(slot, call)
             self.graphs.run(key0 + key, both, seen_as=key0)
-        slot.pending = (step, dict(host_meta))
+        slot.pending = (step, host_meta)
         self.order.append(slot)
         if not self.cuda:
             return done + self.collect(block=True)

@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+# torch.cuda.is_current_stream_capturing without its Python wrapper (asked a few times per forward)
+capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 class InlineStreams:
     """Everything on the caller's current stream: no side stream, no events."""
 
@@ -141,7 +145,7 @@ class CudaStreams(InlineStreams):
         # Waiting on an event recorded outside a capture is not capturable: a sequence captured on another
         # stream stays serial. A capture on the side stream itself (a whole step's work, replayed there)
         # keeps the overlap's staging: its launches already run on the side stream.
-        if not torch.cuda.is_current_stream_capturing():
+        if not capturing():
             return True
         return self.current() == self._side
 
