@@ -71,6 +71,13 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
         per_turn.append(replay and h.packed.data_ptr() != self.s.builder.stage.static.data_ptr())
 
     monkeypatch.setattr(StepGraphs, "_run", counting)
+    inline = StepGraphs._inline
+
+    def inlined(self, e):  # a per-turn graph replayed on the hook's own stream
+        per_turn.append(True)
+        return inline(self, e)
+
+    monkeypatch.setattr(StepGraphs, "_inline", inlined)
 
     # the eager CPU path may skip the new tokens' read check where it holds by construction; a captured
     # step always runs it: compare like with like

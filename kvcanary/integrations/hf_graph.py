@@ -78,6 +78,7 @@ class StepGraphs:
         self.sightings: dict = {}  # steps per shape, any turn (EAGER_SIGHTINGS, STEADY_SIGHTINGS)
         self.reports: OrderedDict = OrderedDict()  # multi-token steps' batches for the monitor (_report)
         self.captures = self.replays = 0
+        self.inline = False  # this step's before work was replayed by _inline: its after hook is ``after``
 
     def usable(self, io) -> bool:
         c = self.s.canary
@@ -85,9 +86,12 @@ class StepGraphs:
                 and c.injector is None
                 and not (c.device.type == "cuda" and capturing()))
 
-    def before(self, h) -> object:
-        """Build, check and launch the step's before-forward work; returns its ForwardBatch."""
+    def before(self, h, engine_stream) -> object:
+        """Build, check and launch the step's before-forward work; returns its ForwardBatch.
+        ``engine_stream``: a context that puts the caller on the engine's compute stream (the general
+        path runs there; a steady decode step's replay does not need it, ``_inline``)."""
         s, b, io = self.s, self.s.builder, h.io
+        self.inline = False
         g = s.layout.full_group
         width = table_width(h.width, s.canary.max_context, WIDTH_STEP)
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
@@ -101,6 +105,54 @@ class StepGraphs:
             self.sightings.clear()
         self.sightings[shape] = sightings
         per_turn = h.T == h.bs and sightings > STEADY_SIGHTINGS
+        if per_turn:
+            e = self.entries.get(shape + (h.packed.data_ptr(),))
+            if e is not None and e.graph is not None:
+                self.entries.move_to_end(shape + (h.packed.data_ptr(),))
+                return self._inline(e)
+        with engine_stream():
+            return self._general(h, shape, sightings, per_turn, width)
+
+    def _inline(self, e: _Entry):
+        """A captured steady decode step replayed on the hook's own stream, which the engine prepared the
+        step's inputs on: no stream switch. The previous step's close (compute stream) comes first; the
+        forward need not wait for it (HEAD beside the forward), and ``after`` orders the step's close."""
+        c = self.s.canary
+        launcher = c.launcher
+        c.host_before(e.batch)  # checks, drains, opens the forward; joins earlier side-stream work here
+        streams = launcher.streams
+        here, compute = streams.current(), self.s.bp.inputs_and_outputs.compute_stream
+        if here is not None and compute is not None and compute.cuda_stream != here.cuda_stream:
+            here.wait_event(streams.record(compute))
+        e.graph.replay()
+        launcher.restore(e.state)
+        self.replays += 1
+        self.s.builder.stage.copied()
+        self.inline = True
+        return e.batch
+
+    def after(self, batch) -> None:
+        """The after hook of a step ``_inline`` launched: TAIL and the step's snapshot replayed on the same
+        stream after the forward; the engine's compute stream then waits for them (its next forward and
+        every later KV write come after TAIL's reads)."""
+        self.inline = False
+        launcher = self.s.canary.launcher
+        streams = launcher.streams
+        here, compute = streams.current(), self.s.bp.inputs_and_outputs.compute_stream
+        other = here is not None and compute is not None and compute.cuda_stream != here.cuda_stream
+        if other:
+            here.wait_event(streams.record(compute))
+        launcher.on_current = True
+        try:
+            self.s.canary.after_forward(batch)
+        finally:
+            launcher.on_current = False
+        if other:
+            compute.wait_event(streams.record(here))
+
+    def _general(self, h, shape: tuple, sightings: int, per_turn: bool, width: int):
+        """Eager, capture, or replay on the canary's side stream (on the engine's compute stream)."""
+        s, b = self.s, self.s.builder
         work = h if per_turn else h._replace(packed=b.stage.to_static(h.packed))
         key = shape + (work.packed.data_ptr(),)
         e = self.entries.get(key)

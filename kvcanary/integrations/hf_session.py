@@ -183,21 +183,26 @@ class Session:
     # -- per step --------------------------------------------------------------------------------
     def _before(self) -> None:
         t0 = time.perf_counter()
-        with self.lock, self._range("kvcanary_before"), self._engine_stream():
+        with self.lock, self._range("kvcanary_before"):
             io = self.bp.inputs_and_outputs
             if self.graphs is not None and self.canary.enabled and self.graphs.usable(io):
-                self._batch = self.graphs.before(self.builder.host_part(copy=False))
+                self._batch = self.graphs.before(self.builder.host_part(copy=False), self._engine_stream)
             else:
-                self._batch = self.builder.build()
-                self.canary.before_forward(self._batch)
-                if self.canary.enabled:
-                    self.builder.verify_new_reads(self._batch)
+                with self._engine_stream():
+                    self._batch = self.builder.build()
+                    self.canary.before_forward(self._batch)
+                    if self.canary.enabled:
+                        self.builder.verify_new_reads(self._batch)
         self._before_s = time.perf_counter() - t0
 
     def _after(self) -> None:
         t0 = time.perf_counter()
-        with self.lock, self._range("kvcanary_after"), self._engine_stream():
-            self.canary.after_forward(self._batch)
+        with self.lock, self._range("kvcanary_after"):
+            if self.graphs is not None and self.graphs.inline:
+                self.graphs.after(self._batch)
+            else:
+                with self._engine_stream():
+                    self.canary.after_forward(self._batch)
             self.handle.forwards += 1
         after_s = time.perf_counter() - t0
         if self.timing:

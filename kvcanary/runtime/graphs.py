@@ -113,24 +113,32 @@ class FakeGraphs(EagerGraphs):
 
 
 class CudaGraphs(FakeGraphs):
-    """CUDA graphs on the current (side) stream; eager while the engine itself captures or on the
-    legacy default stream (which cannot capture)."""
+    """CUDA graphs replayed on the current stream; eager while the engine itself captures. The legacy
+    default stream cannot capture: a sequence first met there is captured on a stream of its own
+    (a capture runs nothing, so no ordering is needed) and replayed where it was met."""
 
     def __init__(self, device: torch.device, max_graphs: int = MAX_GRAPHS):
         super().__init__(max_graphs)
         self.device = device
         self.streams = stream_cache(device)
-        self.default = torch.cuda.default_stream(device).cuda_stream  # (its raw handle: compared per run)
+        self.default = torch.cuda.default_stream(device).cuda_stream  # (its raw handle: compared per capture)
+        self.capture_stream: torch.cuda.Stream | None = None
 
     def run(self, key, body, seen_as=None) -> None:
-        if capturing() or self.streams.current().cuda_stream == self.default:
+        if capturing():
             body(eager)
             return
         super().run(key, body, seen_as)
 
     def _capture(self, body):
         g = torch.cuda.CUDAGraph()
-        capture(g, lambda: body(eager))
+        if self.streams.current().cuda_stream != self.default:
+            capture(g, lambda: body(eager))
+            return g
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(device=self.device)
+        with self.streams.use(self.capture_stream):
+            capture(g, lambda: body(eager))
         return g
 
 

@@ -84,7 +84,7 @@ class _Side:
 
     def __enter__(self) -> None:
         launcher = self.launcher
-        if launcher.in_side:  # a section inside another: already on the side stream
+        if launcher.in_side or launcher.on_current:  # inside another section, or kept on the current stream
             return
         s = launcher.streams
         side = s.side()
@@ -126,6 +126,9 @@ class ForwardLauncher:
         self.graphs = graphs_for(canary.device, getattr(canary.config, "launch_graphs", False))
         self.pending = None  # side-stream work the engine stream has not waited for yet
         self.in_side = False  # inside a side section that switched streams (_Side)
+        # True while a caller that orders the current stream after the forward itself (events) wants side
+        # sections to run where they are: the transformers adapter's steady decode steps (hf_graph.py)
+        self.on_current = False
         # after_forward sets defer_tail: TAIL's captured sequence then waits (deferred) for the step's
         # snapshot and both replay as one graph (one host call fewer per step; Canary.host_after)
         self.defer_tail = False
