@@ -38,7 +38,7 @@ import torch
 
 from kvcanary.integrations.hf_batch import table_width
 from kvcanary.runtime.graphs import capture
-from kvcanary.runtime.streams import capturing, stream_cache
+from kvcanary.runtime.streams import capturing, stream_cache, wait_event
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
 MAX_ENTRIES = 40  # captured (shape, turn) entries kept: a few shapes, each in every staging turn
@@ -123,7 +123,7 @@ class StepGraphs:
         streams = launcher.streams
         here, compute = streams.current(), self.s.bp.inputs_and_outputs.compute_stream
         if here is not None and compute is not None and compute.cuda_stream != here.cuda_stream:
-            here.wait_event(streams.record(compute))
+            wait_event(here, streams.record(compute))
         e.graph.replay()
         launcher.restore(e.state)
         self.replays += 1
@@ -141,14 +141,14 @@ class StepGraphs:
         here, compute = streams.current(), self.s.bp.inputs_and_outputs.compute_stream
         other = here is not None and compute is not None and compute.cuda_stream != here.cuda_stream
         if other:
-            here.wait_event(streams.record(compute))
+            wait_event(here, streams.record(compute))
         launcher.on_current = True
         try:
             self.s.canary.after_forward(batch)
         finally:
             launcher.on_current = False
         if other:
-            compute.wait_event(streams.record(here))
+            wait_event(compute, streams.record(here))
 
     def _general(self, h, shape: tuple, sightings: int, per_turn: bool, width: int):
         """Eager, capture, or replay on the canary's side stream (on the engine's compute stream)."""

@@ -24,7 +24,7 @@ from kvcanary.integrations.hf_graph import StepGraphs
 from kvcanary.integrations.hf_layout import EngineLayout, Patcher
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 from kvcanary.runtime.graphs import CudaGraphs
-from kvcanary.runtime.streams import stream_cache
+from kvcanary.runtime.streams import stream_cache, wait_event
 
 log = logging.getLogger("kvcanary")
 _NO_CONTEXT = nullcontext()  # (reentrant: one serves every hook)
@@ -324,7 +324,7 @@ class Session:
         if event is None:
             stream.wait_stream(current)
         else:
-            stream.wait_event(event)
+            wait_event(stream, event)
         return cache.use(stream)
 
     def _range(self, name: str):

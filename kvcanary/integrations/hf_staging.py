@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from kvcanary.runtime.monitor import KEEP_BATCHES
-from kvcanary.runtime.streams import capturing, stream_cache
+from kvcanary.runtime.streams import capturing, record_event, stream_cache
 
 __all__ = ["HostStep", "Staging"]
 
@@ -105,7 +105,7 @@ class Staging:
     def copied(self) -> None:
         """The copy was issued on the current stream (eagerly, or by a graph's replay): its turn's event."""
         if self.pending is not None:
-            self.events[self.pending[2]].record(self.stream.current())
+            record_event(self.events[self.pending[2]], self.stream.current())
             self.pending = None
 
     def to_static(self, packed: torch.Tensor) -> torch.Tensor:

@@ -4,14 +4,14 @@ table cells its row still lacks (the token history the canary checks records aga
 ``TokenRows`` is a part of ``BatchBuilder`` (``hf_batch.py``): rows are kept while a request lives
 (least recently used among requests outside the batch when they run out), so only new tokens
 cross to the device; a decode step takes C loops only (``_decode_cells``), and a decode step of
-the same requests as the step before fills a kept array (``_steady``): two short conversions
-from Python ints, the rest numpy.
+the same requests as the step before fills a kept array (``_steady``) with its positions and
+tokens only.
 """
 
 from __future__ import annotations
 
 import collections
-from operator import attrgetter, getitem, sub
+from operator import add, attrgetter, getitem, sub
 
 import numpy as np
 
@@ -127,42 +127,40 @@ class TokenRows:
         """A decode step of the same requests as the step before, each one position past the tokens its
         row holds: the step's values in the kept array (rows, ids and batch indices stay; positions and
         tokens change), staged as one part. None: the general path (a request's history too short, a
-        position that did not advance by one, anything else)."""
+        position that did not advance by one, anything else). Plain lists for the checks: at these
+        sizes a numpy call costs more than the whole list operation."""
         bs = len(offsets)
         st = self.steady
         if st is None:
             st = self.steady = _Steady(self, reqs)
-        prefix = np.array(offsets, dtype=np.int64)
-        prefix -= 1
+        prefix = list(map(sub, offsets, extend))  # (extend: all ones)
         t = st.values
         if self.want_history:
-            if not np.array_equal(prefix, st.need):
+            if prefix != st.need:
                 return None
-            at = prefix - st.prompt
-            if bs and at.min() < 0:
+            at = list(map(sub, prefix, st.prompt))  # index into the generated tokens
+            if bs and min(at) < 0:
                 return None
             try:
-                tokens = list(map(getitem, map(_GENERATED, reqs), at.tolist()))
+                tokens = list(map(getitem, map(_GENERATED, reqs), at))
             except IndexError:
                 return None
+            st.need = need = list(map(add, prefix, extend))
+            t[4 * bs:5 * bs] = need
             t[6 * bs:7 * bs] = prefix
             t[7 * bs:8 * bs] = tokens
-            np.add(prefix, 1, out=st.need)
-            t[4 * bs:5 * bs] = st.need
             self.unsynced = True
         t[bs:2 * bs] = prefix
         small = t.shape[0] - bs
         packed, small = self.stage.send([t[:small], t[small:]], copy)
-        total = int(prefix.sum()) + bs
-        width = int(prefix.max()) + 1 if bs else 0
-        return HostStep(io, reqs, bs, bs, prefix.tolist(), extend, self.last_rids, packed, 4 * bs, small, width,
-                        total)
+        return HostStep(io, reqs, bs, bs, prefix, extend, self.last_rids, packed, 4 * bs, small,
+                        max(prefix) + 1 if bs else 0, sum(prefix) + bs)
 
     def sync_sent(self) -> None:
         """``sent`` as the steady steps left the rows (they advance a kept array, not the dict)."""
         if self.unsynced:
             self.unsynced = False
-            self.sent.update(zip(self.last_names, self.steady.need.tolist()))
+            self.sent.update(zip(self.last_names, self.steady.need))
 
     def forget_finished(self) -> list[str]:
         """Release the rows of requests that finished this step; returns their names."""
@@ -201,5 +199,5 @@ class _Steady:
         parts.append(np.arange(bs, dtype=np.int64))
         self.values = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
         # each request's tokens in its row (the next position must be this), and its prompt length
-        self.need = np.fromiter(map(rows.sent.get, names, [-1] * bs), dtype=np.int64, count=bs)
-        self.prompt = np.fromiter(map(len, map(_PROMPT, reqs)), dtype=np.int64, count=bs)
+        self.need = list(map(rows.sent.get, names, [-1] * bs))
+        self.prompt = list(map(len, map(_PROMPT, reqs)))

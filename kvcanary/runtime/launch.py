@@ -14,6 +14,8 @@ while TAIL may still be reading.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from kvcanary.format import ATTRIBUTION_STRIDE, RealKvMode
@@ -71,6 +73,9 @@ class _Inputs:
     """What the verify and write launches read from the batch: the engine's tensors, or staged copies."""
 
     __slots__ = ("input_ids", "positions", "loc", "writer_ids", "exp_ids", "exp_pos")
+
+
+_STAY = nullcontext()  # (reentrant) a side section that stays where it is
 
 
 class _Side:
@@ -144,9 +149,11 @@ class ForwardLauncher:
             self.swa_loc = torch.zeros(n, dtype=torch.int64, device=canary.device)
 
     # -- stream ordering -------------------------------------------------------------------------
-    def side(self) -> "_Side":
+    def side(self):
         """A context running its body on the side stream, after everything issued so far on the current
         stream (a no-op inside another side section, and without a side stream)."""
+        if self.in_side or self.on_current:
+            return _STAY
         return _Side(self)
 
     def join(self) -> None:

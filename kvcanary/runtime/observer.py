@@ -15,7 +15,7 @@ import torch
 
 from kvcanary.ops.types import ViolationRing
 from kvcanary.runtime.graphs import EagerGraphs, eager
-from kvcanary.runtime.streams import stream_cache
+from kvcanary.runtime.streams import record_event, stream_cache
 
 NUM_SLOTS = 3  # snapshots in flight before the oldest must be waited for
 
@@ -104,7 +104,7 @@ class HostObserver:
         self.order.append(slot)
         if not self.cuda:
             return done + self.collect(block=True)
-        slot.event.record(self.streams.current())  # after the copy into pinned memory (_copy)
+        record_event(slot.event, self.streams.current())  # after the copy into pinned memory (_copy)
         return done
 
     def _read_now(self, step: int, host_meta: dict) -> Observation:

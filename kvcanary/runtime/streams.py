@@ -28,6 +28,27 @@ import torch
 capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
+# Event.record / Stream.wait_event without their Python wrappers (a few calls per forward each)
+_base = getattr(torch._C, "_CudaEventBase", None)
+_record, _wait = getattr(_base, "record", None), getattr(_base, "wait", None)
+
+
+def record_event(event, stream) -> None:
+    """``event.record(stream)``."""
+    if _record is None:
+        event.record(stream)
+    else:
+        _record(event, stream)
+
+
+def wait_event(stream, event) -> None:
+    """``stream.wait_event(event)``: work issued to ``stream`` from now on waits for the event."""
+    if _wait is None:
+        stream.wait_event(event)
+    else:
+        _wait(event, stream)
+
+
 class InlineStreams:
     """Everything on the caller's current stream: no side stream, no events."""
 
@@ -159,12 +180,12 @@ class CudaStreams(InlineStreams):
         ev = self._events.get(stream.cuda_stream)
         if ev is None:
             ev = self._events[stream.cuda_stream] = torch.cuda.Event()
-        ev.record(stream)
+        record_event(ev, stream)
         return ev
 
     def wait(self, stream, event) -> None:
         if event is not None:
-            stream.wait_event(event)
+            wait_event(stream, event)
 
     def use(self, stream):
         return self._cache.use(stream)
