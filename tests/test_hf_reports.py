@@ -167,3 +167,59 @@ def test_tail_row_rewritten_after_the_check_names_that_writer():
     text = v.block()
     assert "last written by request 3 at step 2, with token 406 of position 6 (after this check)" in text
     assert "a write of position 6 landed in a slot still read as position 5" in text
+
+
+def steady_builder() -> BatchBuilder:
+    """A builder whose host_part runs on fake requests (no engine, no canary)."""
+    from kvcanary.integrations.hf_staging import Staging
+
+    b = builder()
+    ids: dict = {}
+    b.s.ids = ids
+    b.s.request_id = lambda name: ids.setdefault(name, len(ids) + 1)
+    b.s.bp = SimpleNamespace(inputs_and_outputs=SimpleNamespace(requests_in_batch=[]))
+    b.want_history = True
+    b.stage = Staging(torch.device("cpu"))
+    b.iota_np = __import__("numpy").arange(8)
+    return b
+
+
+@pytest.mark.parametrize("twist", [None, "short-history", "position-jump", "new-request"])
+def test_steady_decode_steps_stage_what_the_general_path_stages(twist):
+    # decode steps of the same requests take the kept-array path (_steady); every step must stage
+    # exactly what the general path stages for the same engine state, and anything unusual (a history
+    # one token short, a position that jumps, a batch that changes) must leave it for the general path
+    prompts = {"a": [10, 11, 12], "b": [20, 21], "c": [30, 31, 32, 33]}
+    fast, general = steady_builder(), steady_builder()
+    general._steady = lambda *a: None
+    steady_calls = []
+    orig = fast._steady
+    fast._steady = lambda *a: steady_calls.append(orig(*a)) or steady_calls[-1]
+    generated = {n: [] for n in prompts}
+    offset = {n: len(p) for n, p in prompts.items()}  # the first decode step feeds the last prompt token
+    for step in range(8):
+        names = ["a", "b", "c"] + (["d"] if twist == "new-request" and step >= 5 else [])
+        if "d" in names and "d" not in prompts:
+            prompts["d"], generated["d"], offset["d"] = [40, 41], [], 2
+        for n in names:
+            generated[n].append(100 * step + ord(n))
+        if twist == "position-jump" and step == 5:
+            offset["c"] += 1  # c's position skips one (its row lacks a cell the general path then fills)
+            generated["c"].insert(-1, 999)  # (its history holds the skipped position's token)
+        staged = []
+        for b in (fast, general):
+            reqs = []
+            for n in names:
+                gen = generated[n][:-1] if twist == "short-history" and step == 5 and n == "b" else generated[n]
+                state = SimpleNamespace(request_id=n, initial_tokens=prompts[n], generated_tokens=list(gen),
+                                        position_offset=offset[n] + 1, status=0)
+                reqs.append(SimpleNamespace(state=state, query_length=1))
+            b.s.bp.inputs_and_outputs.requests_in_batch = reqs
+            h = b.host_part()
+            staged.append((h.packed.tolist(), h.small, h.n, h.width, h.total, list(h.prefix), list(h.extend)))
+        assert staged[0] == staged[1], f"step {step}"
+        for n in names:
+            offset[n] += 1
+    assert any(c is not None for c in steady_calls)  # the kept-array path ran
+    if twist in ("short-history", "position-jump"):
+        assert None in steady_calls[1:]  # ... and stepped aside for the twist

@@ -79,6 +79,7 @@ class StepGraphs:
         self.reports: OrderedDict = OrderedDict()  # multi-token steps' batches for the monitor (_report)
         self.captures = self.replays = 0
         self.inline = False  # this step's before work was replayed by _inline: its after hook is ``after``
+        self.quiet = None  # (stream, session.engine_calls) of the last inline close (_inline, after)
 
     def usable(self, io) -> bool:
         c = self.s.canary
@@ -122,7 +123,10 @@ class StepGraphs:
         c.host_before(e.batch)  # checks, drains, opens the forward; joins earlier side-stream work here
         streams = launcher.streams
         here, compute = streams.current(), self.s.bp.inputs_and_outputs.compute_stream
-        if here is not None and compute is not None and compute.cuda_stream != here.cuda_stream:
+        if (here is not None and compute is not None and compute.cuda_stream != here.cuda_stream
+                and self.quiet != (here.cuda_stream, self.s.engine_calls)):
+            # the last close was not an inline one on this stream, or canary work ran on the compute stream
+            # since (copies, saves of records): wait for all of it
             wait_event(here, streams.record(compute))
         e.graph.replay()
         launcher.restore(e.state)
@@ -149,6 +153,9 @@ class StepGraphs:
             launcher.on_current = False
         if other:
             wait_event(compute, streams.record(here))
+            # until the engine stream is used for canary work again, the next inline step needs no wait:
+            # everything the canary did since is on this stream
+            self.quiet = (here.cuda_stream, self.s.engine_calls)
 
     def _general(self, h, shape: tuple, sightings: int, per_turn: bool, width: int):
         """Eager, capture, or replay on the canary's side stream (on the engine's compute stream)."""

@@ -50,6 +50,7 @@ class Session:
         self.timing = bool(handle.options.get("timing"))
         self.closed = False
         self._compute = None  # (the engine's compute stream, its raw handle, its stream cache): _engine_stream
+        self.engine_calls = 0  # _engine_stream calls so far
         self.final_stats: dict | None = None
         self.final_violations: list = []
         self.canary = self._build_canary()
@@ -310,6 +311,7 @@ class Session:
         """On CUDA the engine runs its forward, fork copies and offload copies on its compute stream: the
         canary's kernels go there too (after the default stream's batch preparation), so they are ordered
         with every KV write and read."""
+        self.engine_calls += 1  # (a steady decode step's inline replay waits for the compute stream after any)
         stream = self.bp.inputs_and_outputs.compute_stream
         if stream is None:
             return _NO_CONTEXT

@@ -221,8 +221,9 @@ class ForwardLauncher:
     def _fused(self, phase: str, *lead) -> bool:
         """The compiled CPU backend's whole phase in one call: plan + HEAD verify + HEAD write
         (``numba_ops.head``), or TAIL verify + write + step (``numba_ops.tail``); False: one by one."""
-        fused, at = getattr(self.impl, phase, None), self._fusable()
-        if fused is None or at is None:
+        fused = getattr(self.impl, phase, None)
+        at = None if fused is None else self._fusable()  # (Triton and torch have no fused calls)
+        if at is None:
             return False
         (g, kv), c, tail = at, self.c, phase == "tail"
         verify = dict(buf=g.bufs[phase, kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,

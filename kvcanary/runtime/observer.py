@@ -56,6 +56,7 @@ class _Slot:
         self.host_np = self.host_small.numpy() if cuda else None  # read without a tensor call
         self.event = torch.cuda.Event() if cuda else None
         self.pending: tuple[int, dict] | None = None
+        self.key: tuple = ()
 
 
 class HostObserver:
@@ -70,6 +71,8 @@ class HostObserver:
             self.layout[k] = (at, t.numel(), t.shape)
             at += t.numel()
         self.slots = [_Slot(ring, at, self.cuda) for _ in range(NUM_SLOTS if self.cuda else 1)]
+        for i, slot in enumerate(self.slots):
+            slot.key = ("snapshot", i)  # its captured sequence's key (graphs.run)
         self.streams = stream_cache(ring.rows.device) if self.cuda else None
         self.next = 0
         self.order: list[_Slot] = []
@@ -90,7 +93,7 @@ class HostObserver:
         self.next = (self.next + 1) % len(self.slots)
         done = self._finish(slot) if slot.pending is not None else []
         # static buffers only: replayed as one captured sequence where graphs are on (runtime/graphs.py)
-        key = ("snapshot", self.slots.index(slot))
+        key = slot.key
         if before is None:
             self.graphs.run(key, lambda call: self._copy(slot, call))
         else:
