@@ -5,6 +5,8 @@ the event edges; ``races()`` lists conflicting accesses that nothing orders. The
 its own accesses: preparing inputs, the forward's KV writes, the host sync on the sampled tokens.
 """
 
+from contextlib import contextmanager, nullcontext
+
 import pytest
 import torch
 
@@ -15,8 +17,8 @@ from tests.toy_engine import ToyEngine
 class DroppingStreams(RecordingStreams):
     """A planted bug: waits of the named stream are silently dropped."""
 
-    def __init__(self, drop: str):
-        super().__init__()
+    def __init__(self, drop: str, names: tuple = ("engine", "canary")):
+        super().__init__(names)
         self.drop = drop
 
     def wait(self, stream, event) -> None:
@@ -43,15 +45,17 @@ def instrument(engine: ToyEngine, streams, host_sync: bool = True) -> None:
     c.before_forward, c.after_forward = before, after
 
 
-def run_workload(engine: ToyEngine, bug: bool = False) -> None:
+def run_workload(engine: ToyEngine, bug: bool = False, outside=nullcontext) -> None:
+    """Prefill, four decode steps, then a sweep and a record copy outside any step (in ``outside()``)."""
     engine.add(1, [5, 6, 7, 8])
     engine.add(2, [9, 10, 11])
     engine.forward([(1, 4), (2, 3)])
     for step in range(4):
         corrupt = (lambda e: e.k.__setitem__((e.slot(1, 1), 0, 0), 99.0)) if bug and step == 2 else None
         engine.forward([(1, 1), (2, 1)], corrupt=corrupt)
-    engine.canary.sweep(torch.tensor([engine.slot(1, 0)]), torch.tensor([0]), torch.tensor([-1]))
-    engine.canary.copy_records(torch.tensor([engine.slot(1, 0)]), torch.tensor([60]))
+    with outside():
+        engine.canary.sweep(torch.tensor([engine.slot(1, 0)]), torch.tensor([0]), torch.tensor([-1]))
+        engine.canary.copy_records(torch.tensor([engine.slot(1, 0)]), torch.tensor([60]))
 
 
 def state(engine: ToyEngine):
@@ -123,6 +127,75 @@ def test_planted_missing_wait_is_detected(drop, resource):
     else:
         # the next forward (or a fork copy) writes KV that the previous TAIL still reads
         assert any(a.op.startswith("tail") and b.op.startswith("engine_") for a, b, _ in races)
+
+
+def instrument_here(engine: ToyEngine, streams) -> None:
+    """The transformers adapter's steady decode steps (``StepGraphs._inline`` / ``after``): the canary's
+    work runs on the stream the engine prepares its inputs on, the forward on the engine's own compute
+    stream, and the launcher's ``follow`` / ``run_here`` order the two with events."""
+    c = engine.canary
+    c.launcher.streams = streams
+    here, compute = streams.current(), streams.streams["compute"]
+    orig_before, orig_after = c.before_forward, c.after_forward
+
+    def before(batch):
+        streams.note("engine_prepare", writes=("engine_inputs",))
+        streams.wait(compute, streams.record(here))  # the engine's own ordering of its forward after its inputs
+        c.launcher.follow(compute)
+        c.launcher.on_current = True  # as after a replay of the step's graph: every launch stays here
+        try:
+            orig_before(batch)
+        finally:
+            c.launcher.on_current = False
+
+    def after(batch):
+        with streams.use(compute):
+            streams.note("engine_forward", reads=("engine_inputs",), writes=("kv",))
+        c.launcher.run_here(lambda: orig_after(batch), compute)
+        with streams.use(compute):
+            streams.note("engine_fork_copy", reads=("kv",), writes=("kv",))
+
+    c.before_forward, c.after_forward = before, after
+
+
+STREAMS3 = ("engine", "canary", "compute")
+
+
+def on_compute(streams):
+    """Canary calls outside a step go to the engine's compute stream after its inputs, as the adapter's
+    ``Session._engine_stream`` does (a fork's record copy follows the fork's KV copy there)."""
+    @contextmanager
+    def ctx():
+        here, compute = streams.current(), streams.streams["compute"]
+        streams.wait(compute, streams.record(here))
+        with streams.use(compute):
+            yield
+    return ctx
+
+
+def test_canary_on_the_engines_input_stream_has_no_race():
+    engine = ToyEngine(check_v=True, real_kv="all", token_history="append", oracle=True, sweep_interval=2)
+    rec = RecordingStreams(STREAMS3)
+    instrument_here(engine, rec)
+    run_workload(engine, outside=on_compute(rec))
+    assert rec.races() == []
+    streams = {(a.op, a.stream) for a in rec.log}
+    # the steps' work stays on the input stream; only work outside a step (sweep, record copy) goes aside
+    assert {("head", "engine"), ("tail", "engine"), ("snapshot", "engine"), ("engine_forward", "compute")} <= streams
+    assert not {("head", "canary"), ("tail", "canary"), ("snapshot", "canary")} & streams
+
+
+@pytest.mark.parametrize("drop", ["engine", "compute"], ids=["tail-without-forward-event", "next-forward-without-tail"])
+def test_planted_missing_wait_on_the_engines_input_stream_is_detected(drop):
+    engine = ToyEngine(real_kv="all")
+    rec = DroppingStreams(drop, STREAMS3)
+    instrument_here(engine, rec)
+    run_workload(engine, outside=on_compute(rec))
+    races = {(a.op, b.op, res) for a, b, res in rec.races()}
+    if drop == "engine":  # TAIL hashes KV the forward is still writing
+        assert ("engine_forward", "tail", "kv") in races
+    else:  # the next forward (or a fork copy) writes KV that TAIL still reads
+        assert any(a.startswith("tail") and b.startswith("engine_") and res == "kv" for a, b, res in races)
 
 
 @pytest.mark.parametrize("bug", [False, True], ids=["clean", "kv-flip"])

@@ -38,7 +38,7 @@ import torch
 
 from kvcanary.integrations.hf_batch import table_width
 from kvcanary.runtime.graphs import capture
-from kvcanary.runtime.streams import capturing, stream_cache, wait_event
+from kvcanary.runtime.streams import capturing, stream_cache
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
 MAX_ENTRIES = 40  # captured (shape, turn) entries kept: a few shapes, each in every staging turn
@@ -121,13 +121,10 @@ class StepGraphs:
         c = self.s.canary
         launcher = c.launcher
         c.host_before(e.batch)  # checks, drains, opens the forward; joins earlier side-stream work here
-        streams = launcher.streams
-        here, compute = streams.current(), self.s.bp.inputs_and_outputs.compute_stream
-        if (here is not None and compute is not None and compute.cuda_stream != here.cuda_stream
-                and self.quiet != (here.cuda_stream, self.s.engine_calls)):
+        if self.quiet != (launcher.streams.current(), self.s.engine_calls):
             # the last close was not an inline one on this stream, or canary work ran on the compute stream
             # since (copies, saves of records): wait for all of it
-            wait_event(here, streams.record(compute))
+            launcher.follow(self.s.bp.inputs_and_outputs.compute_stream)
         e.graph.replay()
         launcher.restore(e.state)
         self.replays += 1
@@ -140,22 +137,11 @@ class StepGraphs:
         stream after the forward; the engine's compute stream then waits for them (its next forward and
         every later KV write come after TAIL's reads)."""
         self.inline = False
-        launcher = self.s.canary.launcher
-        streams = launcher.streams
-        here, compute = streams.current(), self.s.bp.inputs_and_outputs.compute_stream
-        other = here is not None and compute is not None and compute.cuda_stream != here.cuda_stream
-        if other:
-            wait_event(here, streams.record(compute))
-        launcher.on_current = True
-        try:
-            self.s.canary.after_forward(batch)
-        finally:
-            launcher.on_current = False
-        if other:
-            wait_event(compute, streams.record(here))
+        c = self.s.canary
+        if c.launcher.run_here(lambda: c.after_forward(batch), self.s.bp.inputs_and_outputs.compute_stream):
             # until the engine stream is used for canary work again, the next inline step needs no wait:
             # everything the canary did since is on this stream
-            self.quiet = (here.cuda_stream, self.s.engine_calls)
+            self.quiet = (c.launcher.streams.current(), self.s.engine_calls)
 
     def _general(self, h, shape: tuple, sightings: int, per_turn: bool, width: int):
         """Eager, capture, or replay on the canary's side stream (on the engine's compute stream)."""

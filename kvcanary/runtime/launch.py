@@ -164,6 +164,33 @@ class ForwardLauncher:
             s.wait(s.current(), self.pending)
             self.pending = None
 
+    def follow(self, other) -> None:
+        """The current stream waits for everything issued so far on ``other`` (None, or the current stream
+        itself: nothing to do)."""
+        s = self.streams
+        here = s.current()
+        if other is not None and here is not None and not s.same(here, other):
+            s.wait(here, s.record(other))
+
+    def run_here(self, fn, compute) -> bool:
+        """``fn()`` (a forward's after-work: ``Canary.after_forward``) on the current stream instead of the
+        side stream: first the current stream waits for ``compute`` (the stream the forward ran on: TAIL
+        hashes the KV it wrote), then ``compute`` waits for the current stream (its next forward and
+        every later KV write come after TAIL's reads). Returns whether the two streams differ."""
+        s = self.streams
+        here = s.current()
+        other = compute is not None and here is not None and not s.same(here, compute)
+        if other:
+            s.wait(here, s.record(compute))
+        self.on_current = True
+        try:
+            fn()
+        finally:
+            self.on_current = False
+        if other:
+            s.wait(compute, s.record(here))
+        return other
+
     def hand_over(self, *tensors) -> None:
         """Tensors made on the engine stream and read on the side stream stay allocated until it read them."""
         side = self.streams.side()

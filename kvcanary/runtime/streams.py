@@ -72,6 +72,10 @@ class InlineStreams:
     def use(self, stream):
         return nullcontext()
 
+    def same(self, a, b) -> bool:
+        """Whether two streams of this layer are one stream."""
+        return a is b
+
     def note(self, op: str, reads=(), writes=(), atomic=()) -> None:
         pass
 
@@ -190,6 +194,9 @@ class CudaStreams(InlineStreams):
     def use(self, stream):
         return self._cache.use(stream)
 
+    def same(self, a, b) -> bool:
+        return a.cuda_stream == b.cuda_stream  # (Stream objects for one stream may differ)
+
     def synchronize(self, stream=None) -> None:
         (stream or self.current()).synchronize()
 
@@ -216,7 +223,8 @@ class _FakeStream:
 class RecordingStreams(InlineStreams):
     """CPU fake of ``CudaStreams``: work runs at once; launches, events and syncs are recorded.
 
-    Streams are named; ``engine`` is current at start. A launch on stream s gets s's vector clock
+    Streams are named (``engine`` and ``canary``, the side stream, and any more the caller names, such
+    as an engine's own compute stream); ``engine`` is current at start. A launch on stream s gets s's vector clock
     (s's own count + 1); ``record`` snapshots a clock into an event, ``wait`` merges it into the
     waiting stream, ``synchronize`` merges a stream into the host's clock, which every later launch
     inherits (work issued after the host saw a stream finish runs after it).
@@ -224,8 +232,8 @@ class RecordingStreams(InlineStreams):
 
     overlap = True
 
-    def __init__(self):
-        self.streams = {n: _FakeStream(n) for n in ("engine", "canary")}
+    def __init__(self, names: tuple = ("engine", "canary")):
+        self.streams = {n: _FakeStream(n) for n in names}
         self.clocks: dict[str, dict[str, int]] = {n: {} for n in self.streams}
         self.host: dict[str, int] = {}
         self._current = self.streams["engine"]
