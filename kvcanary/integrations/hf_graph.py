@@ -91,7 +91,7 @@ class StepGraphs:
         """Build, check and launch the step's before-forward work; returns its ForwardBatch.
         ``engine_stream``: a context that puts the caller on the engine's compute stream (the general
         path runs there; a steady decode step's replay does not need it, ``_inline``)."""
-        s, b, io = self.s, self.s.builder, h.io
+        s, io = self.s, h.io
         self.inline = False
         g = s.layout.full_group
         width = table_width(h.width, s.canary.max_context, WIDTH_STEP)

@@ -165,8 +165,7 @@ class ForwardLauncher:
             self.pending = None
 
     def follow(self, other) -> None:
-        """The current stream waits for everything issued so far on ``other`` (None, or the current stream
-        itself: nothing to do)."""
+        """The current stream waits for everything issued so far on ``other`` (None or itself: no-op)."""
         s = self.streams
         here = s.current()
         if other is not None and here is not None and not s.same(here, other):
