@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,7 +181,7 @@ def steady_builder() -> BatchBuilder:
     b.s.bp = SimpleNamespace(inputs_and_outputs=SimpleNamespace(requests_in_batch=[]))
     b.want_history = True
     b.stage = Staging(torch.device("cpu"))
-    b.iota_np = __import__("numpy").arange(8)
+    b.iota_np = np.arange(8)
     return b
 
 

@@ -107,9 +107,10 @@ class StepGraphs:
         self.sightings[shape] = sightings
         per_turn = h.T == h.bs and sightings > STEADY_SIGHTINGS
         if per_turn:
-            e = self.entries.get(shape + (h.packed.data_ptr(),))
+            key = shape + (h.packed.data_ptr(),)
+            e = self.entries.get(key)
             if e is not None and e.graph is not None:
-                self.entries.move_to_end(shape + (h.packed.data_ptr(),))
+                self.entries.move_to_end(key)
                 return self._inline(e)
         with engine_stream():
             return self._general(h, shape, sightings, per_turn, width)

@@ -151,8 +151,8 @@ class TokenRows:
             t[7 * bs:8 * bs] = tokens
             self.unsynced = True
         t[bs:2 * bs] = prefix
-        small = t.shape[0] - bs
-        packed, small = self.stage.send([t[:small], t[small:]], copy)
+        cut = t.shape[0] - bs  # (the batch indices: the last part, as in the general path)
+        packed, small = self.stage.send([t[:cut], t[cut:]], copy)
         return HostStep(io, reqs, bs, bs, prefix, extend, self.last_rids, packed, 4 * bs, small,
                         max(prefix) + 1 if bs else 0, sum(prefix) + bs)
 

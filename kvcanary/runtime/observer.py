@@ -48,7 +48,7 @@ class Observation:
 
 
 class _Slot:
-    def __init__(self, ring: ViolationRing, size: int, cuda: bool):
+    def __init__(self, ring: ViolationRing, size: int, cuda: bool, index: int):
         self.rows = torch.empty_like(ring.rows)
         # the ring's write index, then every watched tensor flattened: one gather, one host copy
         self.small = torch.zeros(size, dtype=torch.int64, device=ring.rows.device)
@@ -56,7 +56,7 @@ class _Slot:
         self.host_np = self.host_small.numpy() if cuda else None  # read without a tensor call
         self.event = torch.cuda.Event() if cuda else None
         self.pending: tuple[int, dict] | None = None
-        self.key: tuple = ()
+        self.key = ("snapshot", index)  # its captured sequence's key (graphs.run)
 
 
 class HostObserver:
@@ -70,9 +70,7 @@ class HostObserver:
         for k, t in watched.items():
             self.layout[k] = (at, t.numel(), t.shape)
             at += t.numel()
-        self.slots = [_Slot(ring, at, self.cuda) for _ in range(NUM_SLOTS if self.cuda else 1)]
-        for i, slot in enumerate(self.slots):
-            slot.key = ("snapshot", i)  # its captured sequence's key (graphs.run)
+        self.slots = [_Slot(ring, at, self.cuda, i) for i in range(NUM_SLOTS if self.cuda else 1)]
         self.streams = stream_cache(ring.rows.device) if self.cuda else None
         self.next = 0
         self.order: list[_Slot] = []
