@@ -75,7 +75,7 @@ def _mark_steady() -> None:
     """Wrap the hooks so only steady decode steps are timed or profiled (the generation's prefill
     chunks and shape changes would mix captures and compilation into the medians)."""
     cls = hf_session.Session
-    orig_before, orig_after = cls._before, cls._after
+    orig_before, orig_after, orig_update = cls._before, cls._after, cls._after_update
 
     sync = os.environ.get("HOST_PROFILE_SYNC") == "1" and torch_cuda_sync()
 
@@ -88,11 +88,14 @@ def _mark_steady() -> None:
     def after(self):
         if _STEADY[0] and sync:
             sync()
+        return orig_after(self)
+
+    def after_update(self, snap):
         try:
-            return orig_after(self)
+            return orig_update(self, snap)
         finally:
-            _STEADY[0] = False
-    cls._before, cls._after = before, after
+            _STEADY[0] = False  # (the step ends with the engine's update: its hooks are timed too)
+    cls._before, cls._after, cls._after_update = before, after, after_update
 
 
 def _install_timers() -> None:

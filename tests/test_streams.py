@@ -136,7 +136,7 @@ def instrument_here(engine: ToyEngine, streams) -> None:
     c = engine.canary
     c.launcher.streams = streams
     here, compute = streams.current(), streams.streams["compute"]
-    orig_before, orig_after = c.before_forward, c.after_forward
+    orig_before = c.before_forward
 
     def before(batch):
         streams.note("engine_prepare", writes=("engine_inputs",))
@@ -151,7 +151,7 @@ def instrument_here(engine: ToyEngine, streams) -> None:
     def after(batch):
         with streams.use(compute):
             streams.note("engine_forward", reads=("engine_inputs",), writes=("kv",))
-        c.launcher.run_here(lambda: orig_after(batch), compute)
+        c.launcher.run_here(c.after_replayed, batch, compute)
         with streams.use(compute):
             streams.note("engine_fork_copy", reads=("kv",), writes=("kv",))
 

@@ -109,7 +109,8 @@ class BatchBuilder(TokenRows):
         extend = list(map(QUERY, reqs))
         offsets = list(map(OFFSET, reqs))
         T = sum(extend)
-        if T == bs and names == self.last_names:
+        one_each = T == bs and (not bs or min(extend) == 1)  # a decode step: one new token per request
+        if one_each and names == self.last_names:
             h = self._steady(io, reqs, offsets, extend, copy)
             if h is not None:
                 return h
@@ -126,9 +127,9 @@ class BatchBuilder(TokenRows):
         parts = [rows + prefix + extend + rids]
         n = 4 * bs
         if self.want_history:
-            parts += self._token_cells(reqs, names, rows, prefix, extend, T == bs)
+            parts += self._token_cells(reqs, names, rows, prefix, extend, one_each)
         # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
-        parts.append(self._iota_np(bs) if T == bs else np.repeat(self._iota_np(bs), extend))
+        parts.append(self._iota_np(bs) if one_each else np.repeat(self._iota_np(bs), extend))
         packed, small = self.stage.send(parts, copy)
         width = max(map(add, prefix, extend), default=0)
         return HostStep(io, reqs, bs, T, prefix, extend, rids, packed, n, small, width, sum(prefix) + T)

@@ -121,7 +121,7 @@ class StepGraphs:
         forward need not wait for it (HEAD beside the forward), and ``after`` orders the step's close."""
         c = self.s.canary
         launcher = c.launcher
-        c.host_before(e.batch)  # checks, drains, opens the forward; joins earlier side-stream work here
+        c.host_before(e.batch, checked=True)  # (the captured batch: shapes checked then) drains, opens the forward
         if self.quiet != (launcher.streams.current(), self.s.engine_calls):
             # the last close was not an inline one on this stream, or canary work ran on the compute stream
             # since (copies, saves of records): wait for all of it
@@ -139,7 +139,7 @@ class StepGraphs:
         every later KV write come after TAIL's reads)."""
         self.inline = False
         c = self.s.canary
-        if c.launcher.run_here(lambda: c.after_forward(batch), self.s.bp.inputs_and_outputs.compute_stream):
+        if c.launcher.run_here(c.after_replayed, batch, self.s.bp.inputs_and_outputs.compute_stream):
             # until the engine stream is used for canary work again, the next inline step needs no wait:
             # everything the canary did since is on this stream
             self.quiet = (c.launcher.streams.current(), self.s.engine_calls)

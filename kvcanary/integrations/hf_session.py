@@ -15,11 +15,13 @@ import collections
 import logging
 import time
 from contextlib import nullcontext
+from itertools import repeat
 
 import torch
 
 from kvcanary.format import oracle_token
 from kvcanary.integrations.hf_batch import BatchBuilder
+from kvcanary.integrations.hf_tokens import NAME
 from kvcanary.integrations.hf_graph import StepGraphs
 from kvcanary.integrations.hf_layout import EngineLayout, Patcher
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
@@ -213,43 +215,52 @@ class Session:
 
     def _before_update(self):
         """Table index of each block (the positions it holds, for later sweeps), recorded once per
-        block; and the blocks this step's tokens landed in: the only ones the update may remap."""
+        block; and a copy of each request's table: the update may remap entries in place (a block
+        completed and shared). Per-request work runs in C loops (``map``): a decode step adds no
+        block to most tables, so the Python loop below visits only the tables that grew."""
         io, lay = self.bp.inputs_and_outputs, self.layout
         cm = self.bp.cache.group_cache_managers[lay.full_group]
         if not getattr(cm, "uses_block_sharing", True):
             # Without block sharing a freed block is never kept for reuse (no sweep reads its positions)
             # and no table entry is remapped: nothing to record, at no per-request cost.
-            return {}
-        tables = cm.block_table
-        B, snap = lay.block_size, {}
-        for fs in io.requests_in_batch:
-            st = fs.state
-            rid = st.request_id
-            table = tables.get(rid, ())
-            n = self.recorded.get(rid, 0)
-            if n > len(table):  # the request lost blocks (a soft reset): its table starts again
-                n = 0
-            for i in range(n, len(table)):
-                self.block_pos[table[i]] = i * B
-            self.recorded[rid] = len(table)
-            lo = max(0, st.position_offset - fs.query_length) // B
-            snap[rid] = (lo, list(table[lo:]))
-        return snap
+            return None
+        names = list(map(NAME, io.requests_in_batch))
+        tables = list(map(cm.block_table.get, names, repeat((), len(names))))
+        lens = list(map(len, tables))
+        recorded = self.recorded
+        if list(map(recorded.get, names, repeat(0, len(names)))) != lens:
+            B = lay.block_size
+            for name, table, m in zip(names, tables, lens):
+                n = recorded.get(name, 0)
+                if n == m:
+                    continue
+                if n > m:  # the request lost blocks (a soft reset): its table starts again
+                    n = 0
+                for i in range(n, m):
+                    self.block_pos[table[i]] = i * B
+                recorded[name] = m
+        return names, list(map(list, tables))
 
     def _after_update(self, snap) -> None:
-        tables = self.bp.cache.group_cache_managers[self.layout.full_group].block_table
-        B = self.layout.block_size
-        for rid, (lo, old) in snap.items():
-            new = tables.get(rid)
-            if new is None:
-                continue
-            seg = new[lo:lo + len(old)]
-            if seg != old:
-                self.events["dedup_remaps"] += sum(a != b for a, b in zip(old, seg))
-                for i, b in enumerate(seg):
-                    self.block_pos[b] = (lo + i) * B
+        if snap is not None:
+            names, old = snap
+            new = list(map(self.bp.cache.group_cache_managers[self.layout.full_group].block_table.get, names))
+            if new != old:  # (one comparison in C; a finished request's table is gone: None)
+                self._remapped(new, old)
         for name in self.builder.forget_finished():
             self.recorded.pop(name, None)
+
+    def _remapped(self, new: list, old: list) -> None:
+        """Entries the update changed (a completed block replaced by an identical shared one): the new
+        block holds the old one's positions."""
+        B = self.layout.block_size
+        for cur, was in zip(new, old):
+            if _same_start(cur, was):
+                continue
+            seg = cur[:len(was)]
+            self.events["dedup_remaps"] += sum(a != b for a, b in zip(was, seg))
+            for i, b in enumerate(seg):
+                self.block_pos[b] = i * B
 
     def _copy_records(self, src, dst) -> None:
         s, d = self.layout.blocks_to_slots(src, self.device), self.layout.blocks_to_slots(dst, self.device)
@@ -369,6 +380,11 @@ class Session:
     @property
     def violations(self) -> list:
         return self.final_violations if self.closed else self.canary.violations
+
+
+def _same_start(new, old) -> bool:
+    """A request's table after the update starts as before it (or the request is gone)."""
+    return new is None or new[:len(old)] == old
 
 
 def _check_fresh(cache, lay: EngineLayout) -> None:

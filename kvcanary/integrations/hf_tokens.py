@@ -25,6 +25,7 @@ _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
 NAME, QUERY, OFFSET = attrgetter("state.request_id"), attrgetter("query_length"), attrgetter("state.position_offset")
 _PROMPT, _GENERATED = attrgetter("state.initial_tokens"), attrgetter("state.generated_tokens")
 _STATUS = attrgetter("state.status")
+_STATUS_FIELD = attrgetter("state._status")  # the field behind the status property: no Python frame per request
 
 
 class TokenRows:
@@ -145,8 +146,8 @@ class TokenRows:
                 tokens = list(map(getitem, map(_GENERATED, reqs), at))
             except IndexError:
                 return None
-            st.need = need = list(map(add, prefix, extend))
-            t[4 * bs:5 * bs] = need
+            st.need = offsets  # (prefix + extend: the offsets themselves, one new token each)
+            t[4 * bs:5 * bs] = offsets
             t[6 * bs:7 * bs] = prefix
             t[7 * bs:8 * bs] = tokens
             self.unsynced = True
@@ -166,7 +167,11 @@ class TokenRows:
         """Release the rows of requests that finished this step; returns their names."""
         done = []
         reqs = self.s.bp.inputs_and_outputs.requests_in_batch
-        if _STATUS_FINISHED not in map(_STATUS, reqs):  # most steps: one C loop
+        try:
+            statuses = list(map(_STATUS_FIELD, reqs))
+        except AttributeError:  # (a request state without the field: its property)
+            statuses = list(map(_STATUS, reqs))
+        if _STATUS_FINISHED not in statuses:  # most steps: C loops only
             return done
         self.sync_sent()
         self.steady = None

@@ -172,15 +172,17 @@ class Canary:
         self.host_times["runtime_s"] += runtime_s
         self.host_times["launch_s"] += launch_s
 
-    def host_before(self, batch: ForwardBatch) -> None:
+    def host_before(self, batch: ForwardBatch, checked: bool = False) -> None:
         """Validate the batch and drain observations that have landed (never waits on CUDA unless
-        ``value_check="always"``); opens the forward."""
+        ``value_check="always"``); opens the forward. ``checked``: the caller replays a captured step
+        with the very batch object (and shapes) an earlier call validated: only its values are checked."""
         if self._open is not None:
             raise RuntimeError("kv-canary: before_forward must be followed by after_forward before the next "
                                f"forward, got a second before_forward at step {self.step}")
-        if not isinstance(batch, ForwardBatch):
-            raise TypeError(f"kv-canary: forward batch must be a ForwardBatch, got {type(batch).__name__}")
-        self._check_sizes(batch)
+        if not checked:
+            if not isinstance(batch, ForwardBatch):
+                raise TypeError(f"kv-canary: forward batch must be a ForwardBatch, got {type(batch).__name__}")
+            self._check_sizes(batch)
         if self._check_values:
             check_batch(batch, self.device)  # the values are read below: their metadata first
             check_batch_values(batch, num_rows=self.num_rows, num_slots=self.pool.num_slots,
@@ -216,9 +218,7 @@ class Canary:
         waits for it, so no later KV write (next forward, copies into reused slots) races TAIL's reads.
         """
         self._check_open("host_after")
-        self._open = None
-        self.step += 1
-        self.monitor.note_forward(batch)
+        self._end_forward(batch)
         try:
             with self.launcher.side():
                 every = self.config.sweep_interval
@@ -233,11 +233,46 @@ class Canary:
                         self.sweep(*triples)
                 if self.injector is not None:
                     self.injector.end_step(batch)
-                self._sweeps_unsnapshotted = False
-                self.launcher.streams.note("snapshot", reads=("ring", "counters", "plan"), writes=("ring",))
-                self.monitor.close_step(before=self.launcher.take_tail())
+                self._snapshot()
         finally:
             self.launcher.join()
+
+    def after_replayed(self, batch: ForwardBatch) -> None:
+        """``after_forward`` for a forward whose side sections stay on the current stream (an adapter
+        replaying captured steps, ``ForwardLauncher.run_here``): the same TAIL and step close with fewer
+        host calls (no stream hand-overs, nothing to join). A step with fault injection, a sweep due,
+        or side-stream work pending takes ``after_forward``."""
+        launcher, every = self.launcher, self.config.sweep_interval
+        if (self.injector is not None or launcher.pending is not None or not launcher.on_current
+                or (every and self.sweep_provider is not None and (self.step + 1) % every == 0)):
+            self.after_forward(batch)
+            return
+        self._check_open("after_forward")
+        t0 = time.perf_counter() if self.host_times is not None else 0.0
+        launcher.defer_tail = self.monitor.observer.graphs is launcher.graphs  # (one graph with the snapshot)
+        try:
+            launcher.after(batch)
+        finally:
+            launcher.defer_tail = False
+        t1 = time.perf_counter() if self.host_times is not None else 0.0
+        self._end_forward(batch)
+        try:
+            self._snapshot()
+        finally:
+            launcher.flush_tail()  # (the snapshot raised before it took TAIL)
+        if self.host_times is not None:
+            self._add_times(time.perf_counter() - t1, t1 - t0)
+
+    def _end_forward(self, batch: ForwardBatch) -> None:
+        self._open = None
+        self.step += 1
+        self.monitor.note_forward(batch)
+
+    def _snapshot(self) -> None:
+        """Close the step: the snapshot for the one-step-late drain (with a deferred TAIL, as one sequence)."""
+        self._sweeps_unsnapshotted = False
+        self.launcher.streams.note("snapshot", reads=("ring", "counters", "plan"), writes=("ring",))
+        self.monitor.close_step(before=self.launcher.take_tail())
 
     def sweep(self, slots: torch.Tensor, positions: torch.Tensor, prevs: torch.Tensor, group: str = "full") -> None:
         """Verify slots held by the engine's prefix cache (SPEC 4.5) against the TAIL buffers.

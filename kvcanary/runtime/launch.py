@@ -171,11 +171,11 @@ class ForwardLauncher:
         if other is not None and here is not None and not s.same(here, other):
             s.wait(here, s.record(other))
 
-    def run_here(self, fn, compute) -> bool:
-        """``fn()`` (a forward's after-work: ``Canary.after_forward``) on the current stream instead of the
-        side stream: first the current stream waits for ``compute`` (the stream the forward ran on: TAIL
-        hashes the KV it wrote), then ``compute`` waits for the current stream (its next forward and
-        every later KV write come after TAIL's reads). Returns whether the two streams differ."""
+    def run_here(self, fn, arg, compute) -> bool:
+        """``fn(arg)`` (a forward's after-work: ``Canary.after_replayed(batch)``) on the current stream
+        instead of the side stream: first the current stream waits for ``compute`` (the stream the forward
+        ran on: TAIL hashes the KV it wrote), then ``compute`` waits for the current stream (its next
+        forward and every later KV write come after TAIL's reads). Returns whether the two streams differ."""
         s = self.streams
         here = s.current()
         other = compute is not None and here is not None and not s.same(here, compute)
@@ -183,7 +183,7 @@ class ForwardLauncher:
             s.wait(here, s.record(compute))
         self.on_current = True
         try:
-            fn()
+            fn(arg)
         finally:
             self.on_current = False
         if other:

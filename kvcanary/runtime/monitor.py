@@ -34,6 +34,7 @@ class Monitor:
         for g in canary.groups:
             watched[f"plan_count_{g.name}"] = g.plan.entries.requested
         self.observer = HostObserver(canary.ring, watched)
+        self._count_keys = [(g, f"plan_count_{g.name}") for g in canary.groups]
         self.violations: list[Violation] = []
         self.total_violations = 0
         self.forwards = 0
@@ -116,8 +117,9 @@ class Monitor:
             raise KvCanaryViolationError(fresh, total)
 
     def _note_overflow(self, obs: Observation) -> None:
-        for g in self.canary.groups:
-            count = obs.first(f"plan_count_{g.name}")
+        small, layout = obs.small, obs.layout
+        for g, key in self._count_keys:
+            count = small[layout[key][0]]  # (Observation.first without its call: once per step)
             over = count > g.plan.entries.capacity
             if over and not self.overflowing[g.name]:
                 log.warning("kv_canary plan overflow (%s group) at step %d: %d verify entries > capacity %d; "

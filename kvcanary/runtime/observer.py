@@ -42,10 +42,6 @@ class Observation:
             self._values = {k: _unflatten(small[at:at + n], shape) for k, (at, n, shape) in self.layout.items()}
         return self._values
 
-    def first(self, name: str) -> int:
-        """The first element of a watched tensor."""
-        return self.small[self.layout[name][0]]
-
 
 class _Slot:
     def __init__(self, ring: ViolationRing, size: int, cuda: bool, index: int):

@@ -33,20 +33,24 @@ _base = getattr(torch._C, "_CudaEventBase", None)
 _record, _wait = getattr(_base, "record", None), getattr(_base, "wait", None)
 
 
-def record_event(event, stream) -> None:
-    """``event.record(stream)``."""
-    if _record is None:
-        event.record(stream)
-    else:
-        _record(event, stream)
+def _record_wrapped(event, stream) -> None:
+    event.record(stream)
+
+
+def _wait_wrapped(event, stream) -> None:
+    stream.wait_event(event)
+
+
+# ``record_event(event, stream)``: ``event.record(stream)``; ``_wait_on(event, stream)``: work issued to
+# ``stream`` from now on waits for the event. The C methods themselves where torch has them: a Python
+# frame costs the host more than the call inside a step.
+record_event = _record if _record is not None else _record_wrapped
+_wait_on = _wait if _wait is not None else _wait_wrapped
 
 
 def wait_event(stream, event) -> None:
     """``stream.wait_event(event)``: work issued to ``stream`` from now on waits for the event."""
-    if _wait is None:
-        stream.wait_event(event)
-    else:
-        _wait(event, stream)
+    _wait_on(event, stream)
 
 
 class InlineStreams:
@@ -189,7 +193,7 @@ class CudaStreams(InlineStreams):
 
     def wait(self, stream, event) -> None:
         if event is not None:
-            wait_event(stream, event)
+            _wait_on(event, stream)
 
     def use(self, stream):
         return self._cache.use(stream)
