@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from kvcanary.runtime.monitor import KEEP_BATCHES
-from kvcanary.runtime.streams import capturing, record_event, stream_cache
+from kvcanary.runtime.streams import capturing, event_synchronize, record_event, stream_cache
 
 __all__ = ["HostStep", "Staging"]
 
@@ -64,7 +64,7 @@ class Staging:
         n = sum(len(p) for p in parts)
         turn = self.turn
         if self.cuda:
-            self.events[turn].synchronize()  # this turn's last copy has long finished; never overwrite it in flight
+            event_synchronize(self.events[turn])  # this turn's last copy has long finished; never overwrite it in flight
         if self.size < n:
             self.size = max(n, 2 * self.size, 1024)
             if self.cuda:

@@ -25,7 +25,7 @@ from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.inject import Injector
 from kvcanary.runtime.launch import ForwardLauncher, check_batch
 from kvcanary.runtime.monitor import Monitor
-from kvcanary.runtime.report import Violation
+from kvcanary.runtime.report import Violation, memory_bytes
 
 SweepProvider = Callable[[], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
 
@@ -84,9 +84,8 @@ class Canary:
                     f"kv-canary: Canary {name} must be an int >= 1, got {value!r}")
         if on_violation is not None and not callable(on_violation):
             raise TypeError(f"kv-canary: Canary on_violation must be a callable or None, got {on_violation!r}")
-        self.device = canary_device(device)
+        self.device, self.pool = canary_device(device), pool
         self.config = cfg = config if config is not None else CanaryConfig.from_env()
-        self.pool = pool
         self.max_batch, self.max_tokens, self.max_context, self.num_rows = max_batch, max_tokens, max_context, num_rows
         self.enabled = cfg.mode != "none"
         self.real_kv_mode = RealKvMode[cfg.real_kv.upper()]
@@ -117,8 +116,7 @@ class Canary:
         # True when the engine calls records_ready() before reading canary records after before_forward:
         # HEAD then runs beside the forward; False: the forward waits for HEAD (TAIL still overlaps).
         self.head_overlap = False
-        # Benchmarks set a dict: host seconds of the runtime part (checks, drain, snapshot) and of the launches.
-        self.host_times: dict[str, float] | None = None
+        self.host_times: dict[str, float] | None = None  # benchmarks: host s of the runtime part and launches
 
     # -- lifecycle -------------------------------------------------------------------------------
     def mark_ready(self) -> None:
@@ -169,13 +167,13 @@ class Canary:
             self._add_times(time.perf_counter() - t1, t1 - t0)
 
     def _add_times(self, runtime_s: float, launch_s: float) -> None:
-        self.host_times["runtime_s"] += runtime_s
-        self.host_times["launch_s"] += launch_s
+        h = self.host_times
+        h["runtime_s"], h["launch_s"] = h["runtime_s"] + runtime_s, h["launch_s"] + launch_s
 
     def host_before(self, batch: ForwardBatch, checked: bool = False) -> None:
         """Validate the batch and drain observations that have landed (never waits on CUDA unless
-        ``value_check="always"``); opens the forward. ``checked``: the caller replays a captured step
-        with the very batch object (and shapes) an earlier call validated: only its values are checked."""
+        ``value_check="always"``); opens the forward. ``checked``: the very batch object an earlier call
+        validated, replayed with the same shapes (an adapter's captured step): only values are checked."""
         if self._open is not None:
             raise RuntimeError("kv-canary: before_forward must be followed by after_forward before the next "
                                f"forward, got a second before_forward at step {self.step}")
@@ -195,12 +193,9 @@ class Canary:
         self._open = batch
 
     def records_ready(self) -> None:
-        """Order the current stream after the canary's launches so far (the HEAD write included).
-
-        Call it before reading canary records on the engine's stream between ``before_forward`` and
-        ``after_forward``; an engine that does may set ``head_overlap = True`` so HEAD runs beside
-        its forward. A no-op on CPU and when nothing is pending.
-        """
+        """Order the current stream after the canary's launches so far (the HEAD write included): call it
+        before reading canary records on the engine's stream inside a forward; an engine that does may set
+        ``head_overlap = True`` so HEAD runs beside its forward. A no-op on CPU and when nothing is pending."""
         self.launcher.join()
 
     def device_before(self, batch: ForwardBatch) -> None:
@@ -238,28 +233,25 @@ class Canary:
             self.launcher.join()
 
     def after_replayed(self, batch: ForwardBatch) -> None:
-        """``after_forward`` for a forward whose side sections stay on the current stream (an adapter
-        replaying captured steps, ``ForwardLauncher.run_here``): the same TAIL and step close with fewer
-        host calls (no stream hand-overs, nothing to join). A step with fault injection, a sweep due,
-        or side-stream work pending takes ``after_forward``."""
+        """``after_forward`` where the caller keeps side sections on the current stream (an adapter's
+        replayed steps, ``ForwardLauncher.run_here``): the same TAIL and step close, with no stream
+        hand-overs. A step that injects faults, sweeps, or has side-stream work pending takes
+        ``after_forward``."""
         launcher, every = self.launcher, self.config.sweep_interval
         if (self.injector is not None or launcher.pending is not None or not launcher.on_current
                 or (every and self.sweep_provider is not None and (self.step + 1) % every == 0)):
             self.after_forward(batch)
             return
         self._check_open("after_forward")
-        t0 = time.perf_counter() if self.host_times is not None else 0.0
+        t0 = time.perf_counter()
         launcher.defer_tail = self.monitor.observer.graphs is launcher.graphs  # (one graph with the snapshot)
         try:
             launcher.after(batch)
         finally:
             launcher.defer_tail = False
-        t1 = time.perf_counter() if self.host_times is not None else 0.0
+        t1 = time.perf_counter()
         self._end_forward(batch)
-        try:
-            self._snapshot()
-        finally:
-            launcher.flush_tail()  # (the snapshot raised before it took TAIL)
+        self._snapshot()
         if self.host_times is not None:
             self._add_times(time.perf_counter() - t1, t1 - t0)
 
@@ -304,12 +296,9 @@ class Canary:
 
     def perturb_next_tokens(self, request_ids, tokens, positions=None):
         """Pass the engine's sampled next tokens through fault injection (token oracle engines).
-
-        Args: request_ids: [bs] request ids; tokens: [bs] next tokens; positions: optional [bs]
-        positions they will be fed at (lists or 1-D tensors).
-        Returns ``tokens`` itself unless ``inject_swap_prob`` fires: then a copy with two
-        requests' tokens swapped (the write-input assert must report write_token for both).
-        """
+        ``request_ids``, ``tokens``: [bs]; ``positions``: optional [bs] positions they will be fed at (lists
+        or 1-D tensors). Returns ``tokens`` itself unless ``inject_swap_prob`` fires: then a copy with two
+        requests' tokens swapped (the write-input assert must report write_token for both)."""
         if self.injector is None:
             return tokens
         return self.injector.perturb_next_tokens(request_ids, tokens, positions)
@@ -386,20 +375,7 @@ class Canary:
 
     def memory(self) -> dict:
         """Bytes the canary holds on its device, by part (docs/runtime.md gives the formulas)."""
-        def nbytes(*ts):
-            return sum(t.numel() * t.element_size() for t in ts)
-
-        out = {"record_bytes_per_slot": {g.name: sum(b.shape[1] for b in g.bufs.values()) for g in self.groups},
-               "canary_buffers": sum(nbytes(*g.bufs.values()) for g in self.groups),
-               "plans": sum(nbytes(g.plan.entries.slot, g.plan.entries.position, g.plan.entries.prev,
-                                   g.plan.entries.expected_token, g.plan.write_offsets, g.plan.seed_slot)
-                            for g in self.groups),
-               "sweep_entries": sum(nbytes(g.sweep_entries.slot, g.sweep_entries.position, g.sweep_entries.prev,
-                                           g.sweep_entries.expected_token) for g in self.groups),
-               "token_table": nbytes(self.token_table),
-               "ring": nbytes(self.ring.rows) * (1 + len(self.monitor.observer.slots))}
-        out["total"] = sum(n for k, n in out.items() if k != "record_bytes_per_slot")
-        return out
+        return memory_bytes(self)
 
     def check_health(self) -> list[str]:
         """Problems found (an expected launch that stopped running); raises in mode "raise"."""

@@ -15,7 +15,7 @@ import torch
 
 from kvcanary.ops.types import ViolationRing
 from kvcanary.runtime.graphs import EagerGraphs, eager
-from kvcanary.runtime.streams import record_event, stream_cache
+from kvcanary.runtime.streams import event_query, event_synchronize, record_event, stream_cache
 
 NUM_SLOTS = 3  # snapshots in flight before the oldest must be waited for
 
@@ -132,7 +132,7 @@ class HostObserver:
         out = []
         while self.order:
             slot = self.order[0]
-            landed = self.cuda and slot.event.query()
+            landed = self.cuda and event_query(slot.event)
             if self.cuda and not block and not landed:
                 break
             out.extend(self._finish(slot, landed))
@@ -143,7 +143,7 @@ class HostObserver:
             return []
         if slot.event is not None:
             if not landed:
-                slot.event.synchronize()
+                event_synchronize(slot.event)
             small = slot.host_np.tolist()
         else:
             small = slot.small.tolist()

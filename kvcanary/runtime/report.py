@@ -188,3 +188,22 @@ def violations_to_json(violations: list[Violation], total: int | None = None, in
     total = len(violations) if total is None else total
     return json.dumps({"total": total, "stored": len(violations),
                        "violations": [v.to_dict() for v in violations]}, indent=indent)
+
+
+def memory_bytes(canary) -> dict:
+    """``Canary.memory``: bytes the canary holds on its device, by part."""
+    def nbytes(*ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    groups = canary.groups
+    out = {"record_bytes_per_slot": {g.name: sum(b.shape[1] for b in g.bufs.values()) for g in groups},
+           "canary_buffers": sum(nbytes(*g.bufs.values()) for g in groups),
+           "plans": sum(nbytes(g.plan.entries.slot, g.plan.entries.position, g.plan.entries.prev,
+                               g.plan.entries.expected_token, g.plan.write_offsets, g.plan.seed_slot)
+                        for g in groups),
+           "sweep_entries": sum(nbytes(g.sweep_entries.slot, g.sweep_entries.position, g.sweep_entries.prev,
+                                       g.sweep_entries.expected_token) for g in groups),
+           "token_table": nbytes(canary.token_table),
+           "ring": nbytes(canary.ring.rows) * (1 + len(canary.monitor.observer.slots))}
+    out["total"] = sum(n for k, n in out.items() if k != "record_bytes_per_slot")
+    return out

@@ -31,6 +31,9 @@ capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.c
 # Event.record / Stream.wait_event without their Python wrappers (a few calls per forward each)
 _base = getattr(torch._C, "_CudaEventBase", None)
 _record, _wait = getattr(_base, "record", None), getattr(_base, "wait", None)
+# ``event_query(event)`` / ``event_synchronize(event)``: the same, for ``Event.query`` / ``Event.synchronize``
+event_query = getattr(_base, "query", None) or (lambda event: event.query())
+event_synchronize = getattr(_base, "synchronize", None) or (lambda event: event.synchronize())
 
 
 def _record_wrapped(event, stream) -> None:
