@@ -12,6 +12,8 @@ that enqueue them.
     python benchmarks/host_profile.py --device cuda --model-size 1b --batch 1 --no-step-graphs --no-cprofile
     python benchmarks/host_profile.py --device cuda --model-size 1b --batch 64 --timers
         # inclusive wall time per call of each hook part over steady decode steps, no cProfile
+    python benchmarks/host_profile.py --device cuda --model-size 1b --batch 64 --count-calls
+        # Python and C calls per steady decode step inside the hooks (the update's too)
 """
 
 from __future__ import annotations
@@ -122,6 +124,63 @@ def _install_timers() -> None:
             setattr(owner, name, timed)
 
 
+_COUNTS: dict[str, list[int]] = {"python": [], "c": []}
+
+
+def _install_counter() -> None:
+    """--count-calls: Python function calls and C calls (builtins, C methods) made inside the canary's
+    hooks on steady decode steps, per step: a count that does not move with the host's load, where
+    inside the engine's step each call costs microseconds (cold caches)."""
+    from kvcanary.runtime.graphs import DispatchGraph, _Recorded
+
+    cls = hf_session.Session
+    counts = [0, 0]
+    # a CPU stand-in's replay (tests' graphs) runs its recorded calls in Python: one call, as a CUDA replay
+    replays = {DispatchGraph.replay.__code__, _Recorded.replay.__code__}
+    inside = [0]
+
+    def tracer(frame, event, arg):
+        if inside[0]:
+            if event == "call":
+                inside[0] += 1
+            elif event == "return":
+                inside[0] -= 1
+        elif event == "call":
+            counts[0] += 1
+            if frame.f_code in replays:
+                inside[0] = 1
+        elif event == "c_call":
+            counts[1] += 1
+
+    def counted(fn, last):
+        def run(self, *args):
+            if not _STEADY[0]:
+                return fn(self, *args)
+            sys.setprofile(tracer)
+            try:
+                return fn(self, *args)
+            finally:
+                sys.setprofile(None)
+                if last:
+                    _COUNTS["python"].append(counts[0])
+                    _COUNTS["c"].append(counts[1])
+                    counts[0] = counts[1] = 0
+        return run
+
+    for name in ("_before", "_after", "_before_update", "_after_update"):
+        setattr(cls, name, counted(getattr(cls, name), name == "_after_update"))
+
+
+def _print_counts() -> None:
+    import statistics
+
+    print(f"steady decode steps counted: {len(_COUNTS['python'])}", file=sys.stderr)
+    for kind, n in _COUNTS.items():
+        if n:
+            print(f"{kind} calls per step: median {statistics.median(n):.0f}, min {min(n)}, max {max(n)}",
+                  file=sys.stderr)
+
+
 def _print_timers() -> None:
     """Median and 90th percentile inclusive microseconds per call over the steady decode steps
     (``_steady``), and the calls per ``Session._before``."""
@@ -142,11 +201,13 @@ def main(argv: list[str]) -> None:
     """Extra flags: --stub-kernels (the canary's own Python only: every op a no-op, so its health
     check complains of missing launches), --no-cprofile (time without the profiler's overhead),
     --no-step-graphs (the transformers adapter's steps all eager, as with attach(step_graphs=False))."""
-    flags = ("--stub-kernels", "--no-cprofile", "--no-step-graphs", "--timers")
-    stub, plain, eager, timers = (f in argv for f in flags)
-    plain = plain or timers
+    flags = ("--stub-kernels", "--no-cprofile", "--no-step-graphs", "--timers", "--count-calls")
+    stub, plain, eager, timers, count = (f in argv for f in flags)
+    plain = plain or timers or count
     if timers:
         _install_timers()
+    if count:
+        _install_counter()
     argv = [a for a in argv if a not in flags]
     if eager:
         hf_session.Session._step_graphs = lambda self, graph_type=None: None
@@ -178,6 +239,8 @@ def main(argv: list[str]) -> None:
     bench_engine.main(argv + ["--rounds", "1", "--no-profile"])
     if timers:
         _print_timers()
+    if count:
+        _print_counts()
     if plain:
         return
     out = io.StringIO()

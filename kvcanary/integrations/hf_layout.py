@@ -7,10 +7,14 @@ the canary's padding slot, so block 0 is kept out of the engine's free list whil
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
 import torch
 
 from kvcanary.ops.types import RealKvSource
+
+log = logging.getLogger("kvcanary")
 
 SUPPORTED_RANGE = ">=5.17,<5.18"
 _MIN, _MAX_EXCLUSIVE = (5, 17), (5, 18)
@@ -171,3 +175,36 @@ def kv_sources(tensor: torch.Tensor | None) -> tuple[RealKvSource, ...]:
     if nbpt % 16:
         return ()
     return (RealKvSource(rows, page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt),)
+
+
+def check_fresh(cache, lay: EngineLayout) -> None:
+    """RuntimeError unless the cache holds no KV yet (its slots would have no canary records)."""
+    held = sum(len(cm.block_table) for cm in cache.group_cache_managers)
+    cached = len(cache._block_manager._hash_to_id)
+    if held or cached:
+        raise RuntimeError("kv-canary: attach before the paged cache holds KV (its slots have no canary records), "
+                           f"got a cache with {held} request tables and {cached} cached blocks; call "
+                           "model.destroy_cached_continuous_batching_manager() or attach before the first run")
+
+
+def reserve_block0(cache) -> bool:
+    """Keep block 0 out of the free list: its first slot is the canary's padding slot 0."""
+    free = cache._block_manager._uninit_block_ids
+    if free and free[0] == 0:
+        free.popleft()
+        return True
+    if 0 in free:
+        free.remove(0)
+        return True
+    log.warning("kv-canary: block 0 is in use; slot 0 (its first token) is not verified")
+    return False
+
+
+def release_block0(cache, reserved: bool) -> None:
+    """Block 0 back on the free list (detach), unless it was never reserved or a table holds it."""
+    if not reserved:
+        return
+    free = cache._block_manager._uninit_block_ids
+    in_use = any(0 in t for cm in cache.group_cache_managers for t in cm.block_table.values())
+    if 0 not in free and not in_use:
+        free.appendleft(0)

@@ -23,7 +23,7 @@ from kvcanary.format import oracle_token
 from kvcanary.integrations.hf_batch import BatchBuilder
 from kvcanary.integrations.hf_tokens import NAME
 from kvcanary.integrations.hf_graph import StepGraphs
-from kvcanary.integrations.hf_layout import EngineLayout, Patcher
+from kvcanary.integrations.hf_layout import EngineLayout, Patcher, check_fresh, release_block0, reserve_block0
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 from kvcanary.runtime.graphs import CudaGraphs
 from kvcanary.runtime.streams import stream_cache, wait_event
@@ -40,9 +40,9 @@ class Session:
         self.lock = handle.lock
         cache = bp.cache
         self.layout = lay = EngineLayout.from_cache(cache)
-        _check_fresh(cache, lay)
+        check_fresh(cache, lay)
         self.device = lay.k_full.device
-        self.reserved_block0 = _reserve_block0(cache)
+        self.reserved_block0 = reserve_block0(cache)
         self.ids: dict[str, int] = {}
         self.events: collections.Counter = collections.Counter()
         self.block_pos: dict[int, int] = {}
@@ -120,8 +120,7 @@ class Session:
         def step(model):
             self._guarded(self._before)
             t0 = time.perf_counter()
-            with self._range("engine_forward"):
-                orig_step(model)
+            self._ranged("engine_forward", orig_step, model)
             self._fwd_s = time.perf_counter() - t0
             self._guarded(self._after)
 
@@ -186,32 +185,38 @@ class Session:
     # -- per step --------------------------------------------------------------------------------
     def _before(self) -> None:
         t0 = time.perf_counter()
-        with self.lock, self._range("kvcanary_before"):
-            io = self.bp.inputs_and_outputs
-            if self.graphs is not None and self.canary.enabled and self.graphs.usable(io):
-                self._batch = self.graphs.before(self.builder.host_part(copy=False), self._engine_stream)
-            else:
-                with self._engine_stream():
-                    self._batch = self.builder.build()
-                    self.canary.before_forward(self._batch)
-                    if self.canary.enabled:
-                        self.builder.verify_new_reads(self._batch)
+        with self.lock:
+            self._ranged("kvcanary_before", self._before_forward)
         self._before_s = time.perf_counter() - t0
+
+    def _before_forward(self) -> None:
+        io = self.bp.inputs_and_outputs
+        if self.graphs is not None and self.canary.enabled and self.graphs.usable(io):
+            self._batch = self.graphs.before(self.builder.host_part(copy=False), self._engine_stream)
+        else:
+            with self._engine_stream():
+                self._batch = self.builder.build()
+                self.canary.before_forward(self._batch)
+                if self.canary.enabled:
+                    self.builder.verify_new_reads(self._batch)
 
     def _after(self) -> None:
         t0 = time.perf_counter()
-        with self.lock, self._range("kvcanary_after"):
-            if self.graphs is not None and self.graphs.inline:
-                self.graphs.after(self._batch)
-            else:
-                with self._engine_stream():
-                    self.canary.after_forward(self._batch)
+        with self.lock:
+            self._ranged("kvcanary_after", self._after_forward)
             self.handle.forwards += 1
         after_s = time.perf_counter() - t0
         if self.timing:
             b = self._batch
             self.timings.append({"batch": b.batch_size, "tokens": b.num_tokens, "before_s": self._before_s,
                                  "forward_s": self._fwd_s, "after_s": after_s, "update_s": 0.0})
+
+    def _after_forward(self) -> None:
+        if self.graphs is not None and self.graphs.inline:
+            self.graphs.after(self._batch)
+        else:
+            with self._engine_stream():
+                self.canary.after_forward(self._batch)
 
     def _before_update(self):
         """Table index of each block (the positions it holds, for later sweeps), recorded once per
@@ -340,11 +345,15 @@ class Session:
             wait_event(stream, event)
         return cache.use(stream)
 
-    def _range(self, name: str):
-        # Ranges only while a profiler records: a range costs microseconds, and timing is on in benchmarks.
+    def _ranged(self, name: str, fn, *args) -> None:
+        """``fn(*args)`` inside the profiler range ``name`` while a profiler records (ranges are for
+        benchmarks, which turn timing on), else plainly: a context entered for nothing costs the host
+        two Python calls."""
         if self.timing and torch.autograd._profiler_enabled():
-            return torch.profiler.record_function(name)
-        return _NO_CONTEXT
+            with torch.profiler.record_function(name):
+                fn(*args)
+        else:
+            fn(*args)
 
     def _guarded(self, fn, *args):
         """Run hook work; an exception is recorded on the handle (the caller sees it) and re-raised in the engine."""
@@ -367,7 +376,7 @@ class Session:
         self.final_violations = list(self.canary.violations)
         self.final_stats = self.canary.stats()
         self.patcher.restore()
-        _release_block0(self.bp.cache, self.reserved_block0)
+        release_block0(self.bp.cache, self.reserved_block0)
         self.bp = self.canary = self.builder = self.layout = None
         self.saved.clear()
 
@@ -385,34 +394,3 @@ class Session:
 def _same_start(new, old) -> bool:
     """A request's table after the update starts as before it (or the request is gone)."""
     return new is None or new[:len(old)] == old
-
-
-def _check_fresh(cache, lay: EngineLayout) -> None:
-    held = sum(len(cm.block_table) for cm in cache.group_cache_managers)
-    cached = len(cache._block_manager._hash_to_id)
-    if held or cached:
-        raise RuntimeError("kv-canary: attach before the paged cache holds KV (its slots have no canary records), "
-                           f"got a cache with {held} request tables and {cached} cached blocks; call "
-                           "model.destroy_cached_continuous_batching_manager() or attach before the first run")
-
-
-def _reserve_block0(cache) -> bool:
-    """Keep block 0 out of the free list: its first slot is the canary's padding slot 0."""
-    free = cache._block_manager._uninit_block_ids
-    if free and free[0] == 0:
-        free.popleft()
-        return True
-    if 0 in free:
-        free.remove(0)
-        return True
-    log.warning("kv-canary: block 0 is in use; slot 0 (its first token) is not verified")
-    return False
-
-
-def _release_block0(cache, reserved: bool) -> None:
-    if not reserved:
-        return
-    free = cache._block_manager._uninit_block_ids
-    in_use = any(0 in t for cm in cache.group_cache_managers for t in cm.block_table.values())
-    if 0 not in free and not in_use:
-        free.appendleft(0)

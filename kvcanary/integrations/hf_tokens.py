@@ -11,7 +11,7 @@ tokens only.
 from __future__ import annotations
 
 import collections
-from operator import add, attrgetter, getitem, sub
+from operator import attrgetter, getitem, sub
 
 import numpy as np
 

@@ -259,7 +259,10 @@ class ForwardLauncher:
 
     def after(self, batch) -> None:
         """TAIL verify with real-KV hash, TAIL write, device step + 1 (on the side stream, after the forward)."""
-        if self._fused("tail"):
+        if not self.staged_now and self._fused("tail"):  # (staged: never fused, _fusable)
+            return
+        if self.in_side or self.on_current:  # (side() would stay where it is: no context to enter)
+            self._phase("tail")
             return
         with self.side():
             self._phase("tail")
