@@ -85,3 +85,27 @@ def test_graph_replay_clean_then_corruption_reported(backend):
     vs = canary.flush()
     assert vs and {v.slot for v in vs} == {int(rtt[1, 3]), int(rtt[2, 4])}
     assert all("verify_chain_hash" in v.reasons for v in vs)
+
+
+def test_replay_of_a_captured_graph_is_its_replay():
+    """``graphs.replay_of``: the C replay of a torch CUDA graph (no Python wrapper) runs the captured work
+    each call, as ``graph.replay()`` does; a stand-in graph keeps its own method."""
+    from kvcanary.runtime.graphs import DispatchGraph, replay_of
+
+    x = torch.zeros(4, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        x.add_(1)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    replay = replay_of(graph)
+    assert replay != graph.replay  # the C method, bound to this graph
+    replay()
+    replay()
+    graph.replay()
+    assert x.tolist() == [3.0] * 4
+    stand_in = DispatchGraph()
+    assert replay_of(stand_in) == stand_in.replay

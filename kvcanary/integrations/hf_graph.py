@@ -37,7 +37,7 @@ from contextlib import nullcontext
 import torch
 
 from kvcanary.integrations.hf_batch import table_width
-from kvcanary.runtime.graphs import capture
+from kvcanary.runtime.graphs import capture, replay_of
 from kvcanary.runtime.streams import capturing, stream_cache
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
@@ -52,10 +52,10 @@ STEADY_SIGHTINGS = 10
 
 
 class _Entry:
-    __slots__ = ("batch", "graph", "state", "keep")
+    __slots__ = ("batch", "graph", "replay", "state", "keep")
 
     def __init__(self, batch):
-        self.batch, self.graph, self.state, self.keep = batch, None, None, None
+        self.batch, self.graph, self.replay, self.state, self.keep = batch, None, None, None, None
 
 
 class StepGraphs:
@@ -126,7 +126,7 @@ class StepGraphs:
             # the last close was not an inline one on this stream, or canary work ran on the compute stream
             # since (copies, saves of records): wait for all of it
             launcher.follow(self.s.bp.inputs_and_outputs.compute_stream)
-        e.graph.replay()
+        e.replay()
         launcher.restore(e.state)
         self.replays += 1
         self.s.builder.stage.copied()
@@ -196,13 +196,13 @@ class StepGraphs:
         """Replay the entry's graph, or capture it, or run its work eagerly (a shape's first sightings)."""
         launcher = self.s.canary.launcher
         if e.graph is not None:
-            e.graph.replay()
+            e.replay()
             launcher.restore(e.state)
             self.replays += 1
         elif sightings > EAGER_SIGHTINGS:
             graph = self.graph_type()
             capture(graph, lambda: self._body(e, h), pool=self.pool)
-            e.graph, e.state = graph, launcher.state()
+            e.graph, e.replay, e.state = graph, replay_of(graph), launcher.state()
             graph.replay()  # a capture records the calls without running them
             self.captures += 1
         else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 from collections import OrderedDict
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -49,6 +50,28 @@ def capture(graph, body, pool=None) -> None:
             body()
         finally:
             graph.capture_end()
+
+
+_C_REPLAY = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
+
+
+def replay_of(graph):
+    """``graph.replay`` as one C call for a torch CUDA graph captured without input-liveness tracking
+    (its Python wrapper adds only that check, and a Python call costs the host more than the replay's
+    launch inside a step); the graph's own method for anything else (the CPU stand-ins)."""
+    if (_C_REPLAY is not None and isinstance(graph, torch.cuda.CUDAGraph)
+            and getattr(graph, "_tracker", None) is None):
+        return partial(_C_REPLAY, graph)
+    return graph.replay
+
+
+class _Replayable:
+    """A captured CUDA graph with its C replay (``replay_of``); keeps the graph alive."""
+
+    __slots__ = ("graph", "replay")
+
+    def __init__(self, graph):
+        self.graph, self.replay = graph, replay_of(graph)
 
 
 def eager(fn, *args, **kw) -> None:
@@ -134,12 +157,12 @@ class CudaGraphs(FakeGraphs):
         g = torch.cuda.CUDAGraph()
         if self.streams.current().cuda_stream != self.default:
             capture(g, lambda: body(eager))
-            return g
+            return _Replayable(g)
         if self.capture_stream is None:
             self.capture_stream = torch.cuda.Stream(device=self.device)
         with self.streams.use(self.capture_stream):
             capture(g, lambda: body(eager))
-        return g
+        return _Replayable(g)
 
 
 def graphs_for(device: torch.device, enabled: bool):
