@@ -103,6 +103,8 @@ class EagerGraphs:
 class FakeGraphs(EagerGraphs):
     """CPU stand-in: capture on a key's second sighting records the calls; replays run them."""
 
+    eager_now = None  # a check that says the sequence must run eagerly now (CudaGraphs: while capturing)
+
     def __init__(self, max_graphs: int = MAX_GRAPHS):
         super().__init__()
         self.cache: OrderedDict = OrderedDict()
@@ -112,6 +114,9 @@ class FakeGraphs(EagerGraphs):
     def run(self, key, body, seen_as=None) -> None:
         """``seen_as``: the key whose first sighting runs eagerly, when not ``key`` itself (a sequence
         keyed per snapshot slot has compiled its kernels once any slot ran it)."""
+        if self.eager_now is not None and self.eager_now():
+            body(eager)
+            return
         g = self.cache.get(key)
         if g is None:
             seen = key if seen_as is None else seen_as
@@ -146,12 +151,7 @@ class CudaGraphs(FakeGraphs):
         self.streams = stream_cache(device)
         self.default = torch.cuda.default_stream(device).cuda_stream  # (its raw handle: compared per capture)
         self.capture_stream: torch.cuda.Stream | None = None
-
-    def run(self, key, body, seen_as=None) -> None:
-        if capturing():
-            body(eager)
-            return
-        super().run(key, body, seen_as)
+        self.eager_now = capturing  # (a C call: no Python frame of a run method of its own per replay)
 
     def _capture(self, body):
         g = torch.cuda.CUDAGraph()
