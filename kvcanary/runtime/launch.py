@@ -134,12 +134,11 @@ class ForwardLauncher:
         # True while a caller that orders the current stream after the forward itself (events) wants side
         # sections to run where they are: the transformers adapter's steady decode steps (hf_graph.py)
         self.on_current = False
-        # after_forward sets defer_tail: TAIL's captured sequence then waits (deferred) for the step's
-        # snapshot and both replay as one graph (one host call fewer per step; Canary.host_after)
-        self.defer_tail = False
-        self.deferred = None
+        # set by after_forward / after_replayed: TAIL's captured sequence waits (deferred) for the step's
+        # snapshot and both replay as one graph (one host call fewer per step)
+        self.defer_tail, self.deferred = False, None
         self.token_np = None  # CPU: numpy view of the canary's token table (_refill_tokens)
-        # CPU: numpy in place of small tensor ops; off while the work is recorded for replay (tests'
+        # CPU: numpy in place of small tensor ops; off while the work is recorded for replay (the tests'
         # CPU stand-in of a CUDA graph records tensor ops only)
         self.host_ops = True
         n, groups = canary.max_tokens, len(canary.groups)
@@ -159,8 +158,7 @@ class ForwardLauncher:
     def join(self) -> None:
         """The current (engine) stream waits for the side stream's work so far; a no-op when none is pending."""
         s = self.streams
-        # inside a side section the section's owner joins once it has left it
-        if self.pending is not None and s.current() != s.side():
+        if self.pending is not None and s.current() != s.side():  # (in a side section: its owner joins later)
             s.wait(s.current(), self.pending)
             self.pending = None
 
@@ -262,8 +260,7 @@ class ForwardLauncher:
         if not self.staged_now and self._fused("tail"):  # (staged: never fused, _fusable)
             return
         if self.in_side or self.on_current:  # (side() would stay where it is: no context to enter)
-            self._phase("tail")
-            return
+            return self._phase("tail")
         with self.side():
             self._phase("tail")
 
