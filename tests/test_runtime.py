@@ -259,6 +259,17 @@ def test_mode_none_runs_nothing():
     assert e.canary.flush() == [] and int(e.canary.counters.sum()) == 0
 
 
+def test_a_replayed_close_of_a_disabled_canary_does_nothing():
+    # after_replayed is after_forward for an adapter's replayed steps: a disabled canary opened no
+    # forward, so it must return as after_forward does, not complain of a close without an open
+    e = engine(mode="none")
+    e.add(1, [1, 2, 3])
+    b = e.forward([(1, 3)])
+    e.canary.before_forward(b)
+    e.canary.launcher.run_here(e.canary.after_replayed, b, None)
+    assert e.canary.step == 0 and e.canary.flush() == []
+
+
 def test_log_mode_logs_the_structured_line(caplog):
     e = engine()
     e.add(1, [1, 2, 3])

@@ -236,9 +236,9 @@ class Canary:
         """``after_forward`` where the caller keeps side sections on the current stream (an adapter's
         replayed steps, ``ForwardLauncher.run_here``): the same TAIL and step close, with no stream
         hand-overs. A step that injects faults, sweeps, or has side-stream work pending takes
-        ``after_forward``."""
+        ``after_forward`` (as does a disabled canary: nothing to do)."""
         launcher, every = self.launcher, self.config.sweep_interval
-        if (self.injector is not None or launcher.pending is not None or not launcher.on_current
+        if (self.injector is not None or launcher.pending is not None or not launcher.on_current or not self.enabled
                 or (every and self.sweep_provider is not None and (self.step + 1) % every == 0)):
             self.after_forward(batch)
             return
