@@ -177,7 +177,7 @@ def kv_sources(tensor: torch.Tensor | None) -> tuple[RealKvSource, ...]:
     return (RealKvSource(rows, page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt),)
 
 
-def check_fresh(cache, lay: EngineLayout) -> None:
+def check_fresh(cache) -> None:
     """RuntimeError unless the cache holds no KV yet (its slots would have no canary records)."""
     held = sum(len(cm.block_table) for cm in cache.group_cache_managers)
     cached = len(cache._block_manager._hash_to_id)

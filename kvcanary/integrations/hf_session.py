@@ -26,7 +26,7 @@ from kvcanary.integrations.hf_graph import StepGraphs
 from kvcanary.integrations.hf_layout import EngineLayout, Patcher, check_fresh, release_block0, reserve_block0
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 from kvcanary.runtime.graphs import CudaGraphs
-from kvcanary.runtime.streams import stream_cache, wait_event
+from kvcanary.runtime.streams import event_wait, stream_cache
 
 log = logging.getLogger("kvcanary")
 _NO_CONTEXT = nullcontext()  # (reentrant: one serves every hook)
@@ -40,7 +40,7 @@ class Session:
         self.lock = handle.lock
         cache = bp.cache
         self.layout = lay = EngineLayout.from_cache(cache)
-        check_fresh(cache, lay)
+        check_fresh(cache)
         self.device = lay.k_full.device
         self.reserved_block0 = reserve_block0(cache)
         self.ids: dict[str, int] = {}
@@ -342,7 +342,7 @@ class Session:
         if event is None:
             stream.wait_stream(current)
         else:
-            wait_event(stream, event)
+            event_wait(event, stream)
         return cache.use(stream)
 
     def _ranged(self, name: str, fn, *args) -> None:

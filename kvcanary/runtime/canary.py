@@ -207,17 +207,14 @@ class Canary:
         self.launcher.after(batch)
 
     def host_after(self, batch: ForwardBatch) -> None:
-        """Periodic sweep, then close the step: snapshot for the one-step-late drain, health, stats.
-
-        The step's device work runs on the launcher's side stream; at the end the engine's stream
-        waits for it, so no later KV write (next forward, copies into reused slots) races TAIL's reads.
-        """
+        """Periodic sweep, then close the step: snapshot for the one-step-late drain, health, stats. The
+        step's device work runs on the launcher's side stream; at the end the engine's stream waits for
+        it, so no later KV write (next forward, copies into reused slots) races TAIL's reads."""
         self._check_open("host_after")
         self._end_forward(batch)
         try:
             with self.launcher.side():
-                every = self.config.sweep_interval
-                sweep = every and self.sweep_provider is not None and self.step % every == 0
+                sweep = self._sweep_due(self.step)
                 if self.injector is not None or sweep:
                     self.launcher.flush_tail()  # their work follows TAIL's
                 if self.injector is not None:
@@ -237,9 +234,9 @@ class Canary:
         replayed steps, ``ForwardLauncher.run_here``): the same TAIL and step close, with no stream
         hand-overs. A step that injects faults, sweeps, or has side-stream work pending takes
         ``after_forward`` (as does a disabled canary: nothing to do)."""
-        launcher, every = self.launcher, self.config.sweep_interval
+        launcher = self.launcher
         if (self.injector is not None or launcher.pending is not None or not launcher.on_current or not self.enabled
-                or (every and self.sweep_provider is not None and (self.step + 1) % every == 0)):
+                or self._sweep_due(self.step + 1)):
             self.after_forward(batch)
             return
         self._check_open("after_forward")
@@ -254,6 +251,9 @@ class Canary:
         self._snapshot()
         if self.host_times is not None:
             self._add_times(time.perf_counter() - t1, t1 - t0)
+
+    def _sweep_due(self, step: int) -> bool:
+        return bool(every := self.config.sweep_interval) and self.sweep_provider is not None and step % every == 0
 
     def _end_forward(self, batch: ForwardBatch) -> None:
         self._open = None

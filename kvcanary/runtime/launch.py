@@ -88,9 +88,7 @@ class _Side:
         self.launcher, self.switch = launcher, None
 
     def __enter__(self) -> None:
-        launcher = self.launcher
-        if launcher.in_side or launcher.on_current:  # inside another section, or kept on the current stream
-            return
+        launcher = self.launcher  # (not inside another section nor kept on the current stream: side())
         s = launcher.streams
         side = s.side()
         if side is None or not s.overlap:

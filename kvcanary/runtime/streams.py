@@ -28,32 +28,14 @@ import torch
 capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
-# Event.record / Stream.wait_event without their Python wrappers (a few calls per forward each)
+# Event record / wait / query / synchronize without torch's Python wrappers (a few calls per forward
+# each, and a Python call costs the host more than the call itself inside a step): the C methods where
+# torch has them. ``event_wait(event, stream)``: work issued to ``stream`` from now on waits for the event.
 _base = getattr(torch._C, "_CudaEventBase", None)
-_record, _wait = getattr(_base, "record", None), getattr(_base, "wait", None)
-# ``event_query(event)`` / ``event_synchronize(event)``: the same, for ``Event.query`` / ``Event.synchronize``
+record_event = getattr(_base, "record", None) or (lambda event, stream: event.record(stream))
+event_wait = getattr(_base, "wait", None) or (lambda event, stream: stream.wait_event(event))
 event_query = getattr(_base, "query", None) or (lambda event: event.query())
 event_synchronize = getattr(_base, "synchronize", None) or (lambda event: event.synchronize())
-
-
-def _record_wrapped(event, stream) -> None:
-    event.record(stream)
-
-
-def _wait_wrapped(event, stream) -> None:
-    stream.wait_event(event)
-
-
-# ``record_event(event, stream)``: ``event.record(stream)``; ``_wait_on(event, stream)``: work issued to
-# ``stream`` from now on waits for the event. The C methods themselves where torch has them: a Python
-# frame costs the host more than the call inside a step.
-record_event = _record if _record is not None else _record_wrapped
-_wait_on = _wait if _wait is not None else _wait_wrapped
-
-
-def wait_event(stream, event) -> None:
-    """``stream.wait_event(event)``: work issued to ``stream`` from now on waits for the event."""
-    _wait_on(event, stream)
 
 
 class InlineStreams:
@@ -196,7 +178,7 @@ class CudaStreams(InlineStreams):
 
     def wait(self, stream, event) -> None:
         if event is not None:
-            _wait_on(event, stream)
+            event_wait(event, stream)
 
     def use(self, stream):
         return self._cache.use(stream)
