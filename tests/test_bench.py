@@ -17,7 +17,8 @@ def test_bench_runs_a_tiny_workload_and_agrees_across_providers():
     out = bench.run(DEVICE, PROVIDERS, {"tiny": (3, 17, 5)}, progress=io.StringIO())
     rows = out["results"]
     assert {(r["provider"], r["op"], r["real_kv"]) for r in rows} == {
-        (p, op, mode) for p in PROVIDERS for op in ("verify", "write") for mode in ("none", "partial")}
+        (p, op, mode) for p in PROVIDERS for op in ("verify", "write") + (("write_hinted",) if p == "triton" else ())
+        for mode in ("none", "partial")}
     assert all(r["entries"] == (3 * 17 if r["op"] == "verify" else 3 * 5) and r["ms"] > 0 for r in rows)
     assert all(r["ms_p20"] <= r["ms"] <= r["ms_p80"] for r in rows)
     assert out["meta"]["device"] == str(DEVICE) and out["meta"]["copy_gb_per_s"] > 0

@@ -185,7 +185,7 @@ def steady_builder() -> BatchBuilder:
     return b
 
 
-@pytest.mark.parametrize("twist", [None, "short-history", "position-jump", "new-request"])
+@pytest.mark.parametrize("twist", [None, "short-history", "position-jump", "new-request", "new-state"])
 def test_steady_decode_steps_stage_what_the_general_path_stages(twist):
     # decode steps of the same requests take the kept-array path (_steady); every step must stage
     # exactly what the general path stages for the same engine state, and anything unusual (a history
@@ -198,6 +198,7 @@ def test_steady_decode_steps_stage_what_the_general_path_stages(twist):
     fast._steady = lambda *a: steady_calls.append(orig(*a)) or steady_calls[-1]
     generated = {n: [] for n in prompts}
     offset = {n: len(p) for n, p in prompts.items()}  # the first decode step feeds the last prompt token
+    states = {}
     for step in range(8):
         names = ["a", "b", "c"] + (["d"] if twist == "new-request" and step >= 5 else [])
         if "d" in names and "d" not in prompts:
@@ -212,8 +213,11 @@ def test_steady_decode_steps_stage_what_the_general_path_stages(twist):
             reqs = []
             for n in names:
                 gen = generated[n][:-1] if twist == "short-history" and step == 5 and n == "b" else generated[n]
-                state = SimpleNamespace(request_id=n, initial_tokens=prompts[n], generated_tokens=list(gen),
-                                        position_offset=offset[n] + 1, status=0)
+                # the engine keeps a request's state object and wraps it anew each step
+                state = states.get((b is fast, n))
+                if state is None or (twist == "new-state" and step == 4 and n == "a"):
+                    state = states[b is fast, n] = SimpleNamespace(request_id=n, initial_tokens=prompts[n], status=0)
+                state.generated_tokens, state.position_offset = list(gen), offset[n] + 1
                 reqs.append(SimpleNamespace(state=state, query_length=1))
             b.s.bp.inputs_and_outputs.requests_in_batch = reqs
             h = b.host_part()
@@ -224,3 +228,5 @@ def test_steady_decode_steps_stage_what_the_general_path_stages(twist):
     assert any(c is not None for c in steady_calls)  # the kept-array path ran
     if twist in ("short-history", "position-jump"):
         assert None in steady_calls[1:]  # ... and stepped aside for the twist
+    if twist in ("new-request", "new-state"):
+        assert len(steady_calls) < 7  # a step with another request or state object takes the general path

@@ -153,3 +153,79 @@ def test_direct_launch_steps_aside_only_for_a_real_launch_hook():
         assert triton_ops._launch_hooked()
     finally:
         knobs.runtime.launch_enter_hook = orig
+
+
+# The TAIL write's chain hint (ops.write chain_hint): Triton copies a request's chain fields from the hint
+# when it holds exactly what the serial walk stores, and walks otherwise. The bytes must never differ.
+
+HINT_SLOTS = 512
+
+
+def _hint_case(variant: str, device):
+    """(base buffer, plan, inputs): request 0 continues a seeded chain with 300 entries (three blocks),
+    request 1 starts a chain with 5, request 2 writes nothing; ``variant`` plants the awkward input."""
+    from ops_harness import clean_chain, poisoned_plan
+
+    base = allocate_canary_buffer(HINT_SLOTS, 48, device)
+    clean_chain(base, [3, 4], [11, 12], start_pos=0)
+    locs = list(range(100, 400)) + [40, 41, 42, 43, 44]
+    ids = [(7 * i) % 1000 for i in range(300)] + [5, 6, 7, 8, 9]
+    pos = list(range(2, 302)) + list(range(5))
+    if variant == "dup-slot":
+        locs[150] = locs[149]
+    if variant == "negative-slot":
+        locs[200] = -1
+    if variant == "slot-past-buffer":
+        locs[10] = HINT_SLOTS + 3
+    plan = poisoned_plan(4, 4, device)
+    plan.write_offsets[:4] = torch.tensor([0, 300, 305, 305], device=device)
+    plan.seed_slot[:3] = torch.tensor([4, -1, -1], device=device)
+    inputs = [torch.tensor(x, dtype=torch.int64, device=device) for x in (locs, ids, pos)]
+    return base, plan, inputs
+
+
+def _hint_write(buf, plan, inputs, sources, backend, hint=None):
+    ring, counters = ViolationRing.allocate(8, buf.device), allocate_counters(buf.device)
+    loc, ids, pos = inputs
+    ops.write(buf=buf, plan=plan, num_requests=3, out_cache_loc=loc, input_ids=ids, positions=pos, ring=ring,
+              counters=counters, launch_tag=1, sources=sources, real_kv_mode=RealKvMode.PARTIAL if sources else 0,
+              writer_ids=torch.tensor([9, 8, 7], device=buf.device), step=torch.tensor([5], device=buf.device),
+              chain_hint=hint, backend=backend)
+    return ring, counters
+
+
+HINT_VARIANTS = ["exact", "prev-flipped", "token-flipped", "seed-differs", "zeros", "dup-slot", "negative-slot",
+                 "slot-past-buffer", "with-real-kv"]
+
+
+@pytest.mark.parametrize("variant", HINT_VARIANTS)
+def test_write_chain_hint_never_changes_the_bytes(device, variant):
+    from ops_harness import kv_source
+
+    base, plan, inputs = _hint_case(variant, device)
+    sources = [kv_source(HINT_SLOTS, device=device)] if variant == "with-real-kv" else []
+    head = base.clone()
+    _hint_write(head, plan, inputs, sources, "reference")  # HEAD: the same entries, before the forward
+    words = head.view(torch.int64)
+    if variant == "prev-flipped":
+        words[250, 2] ^= 1  # an entry of request 0 in its third block
+    if variant == "token-flipped":
+        words[42, 0] += 1  # request 1
+    if variant == "zeros":
+        head.zero_()
+    tail = base.clone()
+    if variant == "seed-differs":
+        tail.view(torch.int64)[4, 0] += 1  # TAIL's seed record differs: its walk differs from HEAD's chain
+    want, want_ring = tail.clone(), None
+    want_ring, want_counters = _hint_write(want, plan, inputs, sources, "reference")
+    got = tail.clone()
+    got_ring, got_counters = _hint_write(got, plan, inputs, sources, "triton", hint=head)
+    assert torch.equal(got, want)
+    assert torch.equal(got_counters, want_counters)
+    assert int(got_ring.write_index[0]) == int(want_ring.write_index[0]) == 0
+
+
+def test_write_chain_hint_must_match_the_buffer(device):
+    base, plan, inputs = _hint_case("exact", device)
+    with pytest.raises(ValueError, match="chain_hint"):
+        _hint_write(base, plan, inputs, [], "triton", hint=base[:-1].clone())

@@ -6,6 +6,8 @@ Bytes-moved model (per entry, what a kernel must touch at minimum):
           + the predecessor's record fields 0-2 (24 B) + real-KV bytes read (16 B in PARTIAL, 0 in NONE)
   write:  inputs (out_cache_loc, input_ids, positions: 24 B) + record stored (stride B)
           + real-KV bytes read (16 B in PARTIAL)
+  write_hinted: the same write as TAIL runs it, with the HEAD buffer as ``chain_hint`` (Triton checks
+          and copies a request's chain instead of walking it serially); the same bytes model
 Results are compared across providers before any number is printed. Bandwidth is reported against
 the strongest of several references measured in the same run (``kvcanary.bench.bandwidth``).
 
@@ -102,6 +104,7 @@ class Setup:
         ops.plan(req_pool_indices=self.rows, prefix_lens=torch.full((bs,), P, device=device),
                  extend_lens=torch.full((bs,), E, device=device), req_to_token=self.rtt, out=self.plan)
         self.loc, self.ids, self.pos = self._inputs(P, E)
+        self.heads: dict | None = None  # HEAD buffers for the hinted TAIL write (write(hint=True))
 
     def _inputs(self, P, E):
         loc = self.rtt[1:, P:P + E].reshape(-1).to(torch.int64)
@@ -123,10 +126,20 @@ class Setup:
         ops.verify(buf=self.bufs[mode], entries=self.plan.entries, ring=self.ring, counters=self.counters,
                    launch_tag=LaunchTag.TAIL_K_FULL, sources=self.sources, real_kv_mode=mode, backend=backend)
 
-    def write(self, backend, mode=RealKvMode.PARTIAL):
+    def write(self, backend, mode=RealKvMode.PARTIAL, hint=False):
+        """``hint``: the TAIL write as the runtime makes it, with the HEAD buffer that already holds the
+        entries' chain (``self.heads``, made on first use)."""
+        if hint and self.heads is None:
+            self.heads = {}
+            for m in MODES:  # a HEAD buffer: the same entries written into a copy
+                self.heads[m] = self.bufs[m].clone()
+                ops.write(buf=self.heads[m], plan=self.plan, num_requests=self.bs, out_cache_loc=self.loc,
+                          input_ids=self.ids, positions=self.pos, ring=self.ring, counters=self.counters,
+                          launch_tag=LaunchTag.HEAD_K_FULL, sources=self.sources, real_kv_mode=m)
         ops.write(buf=self.bufs[mode], plan=self.plan, num_requests=self.bs, out_cache_loc=self.loc, input_ids=self.ids,
                   positions=self.pos, ring=self.ring, counters=self.counters, launch_tag=LaunchTag.TAIL_K_FULL,
-                  sources=self.sources, real_kv_mode=mode, backend=backend)
+                  sources=self.sources, real_kv_mode=mode, backend=backend,
+                  chain_hint=self.heads[mode] if hint else None)
 
 
 def run(device: torch.device, providers: list[str], workloads: dict, progress=None) -> dict:
@@ -169,6 +182,10 @@ def _run_workload(device, providers, name, bs, P, E, refs, progress) -> list[dic
             before = buf.clone()
             s.write(p, mode)
             written[p] = buf.clone()
+            if p == "triton":  # the hinted TAIL write stores the same bytes
+                buf.copy_(before)
+                s.write(p, mode, hint=True)
+                assert torch.equal(buf, written[p]), "triton's hinted write stored different records"
             buf.copy_(before)
         ref = written[providers[0]]
         for p in [p for p in providers[1:] if p not in skip]:
@@ -178,10 +195,13 @@ def _run_workload(device, providers, name, bs, P, E, refs, progress) -> list[dic
             extra = 16 if mode == RealKvMode.PARTIAL else 0
             q_v = bench(lambda: s.verify(p, mode), device)
             q_w = (float("nan"),) * 3 if p in skip else bench(lambda: s.write(p, mode), device)
+            # the TAIL write with its HEAD hint (Triton only: the other backends always walk the chain)
+            q_t = bench(lambda: s.write(p, mode, hint=True), device) if p == "triton" else (float("nan"),) * 3
             _assert_clean(s, f"{p}: timed verify and write (real_kv={mode.name.lower()})")
             bytes_v = n_verify * (32 + 32 + 24 + extra)
             bytes_w = n_write * (24 + s.bufs[mode].shape[1] + extra)
-            for op, q, n, nbytes in (("verify", q_v, n_verify, bytes_v), ("write", q_w, n_write, bytes_w)):
+            for op, q, n, nbytes in (("verify", q_v, n_verify, bytes_v), ("write", q_w, n_write, bytes_w),
+                                     ("write_hinted", q_t, n_write, bytes_w)):
                 ms = q[1]
                 if ms != ms:
                     continue

@@ -22,7 +22,7 @@ import torch
 from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.integrations.hf_staging import HostStep, Staging
-from kvcanary.integrations.hf_tokens import NAME, OFFSET, QUERY, TokenRows
+from kvcanary.integrations.hf_tokens import NAME, OFFSET, QUERY, STATE, TokenRows
 
 log = logging.getLogger("kvcanary")
 
@@ -105,15 +105,17 @@ class BatchBuilder(TokenRows):
         io = s.bp.inputs_and_outputs
         reqs = io.requests_in_batch
         bs = len(reqs)
-        names = list(map(NAME, reqs))
         extend = list(map(QUERY, reqs))
-        offsets = list(map(OFFSET, reqs))
-        T = sum(extend)
-        one_each = T == bs and (not bs or min(extend) == 1)  # a decode step: one new token per request
-        if one_each and names == self.last_names:
-            h = self._steady(io, reqs, offsets, extend, copy)
+        states = list(map(STATE, reqs))
+        one_each = extend.count(1) == bs  # a decode step: one new token per request
+        # the same request states as the last step (compared by identity first: one C loop)
+        if one_each and states == self.last_states:
+            h = self._steady(io, reqs, states, extend, copy)
             if h is not None:
                 return h
+        names = list(map(NAME, reqs))
+        offsets = list(map(OFFSET, reqs))
+        T = sum(extend)
         self.sync_sent()
         self.steady = None  # rows, ids or token cells may change below: the steady path starts again
         prefix = list(map(sub, offsets, extend))
@@ -124,6 +126,7 @@ class BatchBuilder(TokenRows):
             ids = s.ids
             rids = [ids.get(n) or s.request_id(n) for n in names]
             self.last_names, self.last_rows, self.last_rids = names, rows, rids
+        self.last_states = states
         parts = [rows + prefix + extend + rids]
         n = 4 * bs
         if self.want_history:

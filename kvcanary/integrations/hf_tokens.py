@@ -18,13 +18,17 @@ import numpy as np
 from kvcanary.integrations.hf_staging import HostStep
 from kvcanary.runtime.report import MISSING_TOKEN
 
-__all__ = ["TokenRows", "NAME", "QUERY", "OFFSET"]
+__all__ = ["TokenRows", "NAME", "QUERY", "OFFSET", "STATE"]
 
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
 # attributes of a FutureRequestState read per request, in C loops
 NAME, QUERY, OFFSET = attrgetter("state.request_id"), attrgetter("query_length"), attrgetter("state.position_offset")
 _PROMPT, _GENERATED = attrgetter("state.initial_tokens"), attrgetter("state.generated_tokens")
 _STATUS = attrgetter("state.status")
+# the same, read from the request states themselves (a steady decode step keeps the batch's states)
+STATE = attrgetter("state")
+_S_OFFSET, _S_GENERATED, _S_PROMPT = (attrgetter("position_offset"), attrgetter("generated_tokens"),
+                                      attrgetter("initial_tokens"))
 _STATUS_FIELD = attrgetter("state._status")  # the field behind the status property: no Python frame per request
 
 
@@ -36,6 +40,7 @@ class TokenRows:
         self.sent: dict[str, int] = {}  # tokens of the request already in its token table row
         self.free = list(range(num_rows - 1, 0, -1))
         self.last_names: list | None = None  # the last batch's requests, rows and ids (host_part)
+        self.last_states: list | None = None  # its request states (the steady check compares them)
         self.last_rows: list[int] = []
         self.last_rids: list[int] = []
         self.steady: _Steady | None = None  # the kept array of a batch of the same requests (_steady)
@@ -124,16 +129,17 @@ class TokenRows:
         sent.update(zip(names, need))
         return [need + rows + prefix + tokens]
 
-    def _steady(self, io, reqs, offsets: list[int], extend: list[int], copy: bool) -> HostStep | None:
+    def _steady(self, io, reqs, states: list, extend: list[int], copy: bool) -> HostStep | None:
         """A decode step of the same requests as the step before, each one position past the tokens its
         row holds: the step's values in the kept array (rows, ids and batch indices stay; positions and
         tokens change), staged as one part. None: the general path (a request's history too short, a
         position that did not advance by one, anything else). Plain lists for the checks: at these
         sizes a numpy call costs more than the whole list operation."""
-        bs = len(offsets)
+        bs = len(states)
         st = self.steady
         if st is None:
-            st = self.steady = _Steady(self, reqs)
+            st = self.steady = _Steady(self, states)
+        offsets = list(map(_S_OFFSET, states))
         prefix = list(map(sub, offsets, extend))  # (extend: all ones)
         t = st.values
         if self.want_history:
@@ -143,7 +149,7 @@ class TokenRows:
             if bs and min(at) < 0:
                 return None
             try:
-                tokens = list(map(getitem, map(_GENERATED, reqs), at))
+                tokens = list(map(getitem, map(_S_GENERATED, states), at))
             except IndexError:
                 return None
             st.need = offsets  # (prefix + extend: the offsets themselves, one new token each)
@@ -184,7 +190,7 @@ class TokenRows:
                 self.sent.pop(name, None)
                 done.append(name)
         if done:
-            self.last_names = None  # a freed row may go to another request
+            self.last_names = self.last_states = None  # a freed row may go to another request
         return done
 
 
@@ -195,8 +201,8 @@ class _Steady:
 
     __slots__ = ("values", "need", "prompt")
 
-    def __init__(self, rows: TokenRows, reqs):
-        bs, names = len(reqs), rows.last_names
+    def __init__(self, rows: TokenRows, states: list):
+        bs, names = len(states), rows.last_names
         ones = np.ones(bs, dtype=np.int64)
         parts = [rows.last_rows, ones, ones, rows.last_rids]
         if rows.want_history:
@@ -205,4 +211,4 @@ class _Steady:
         self.values = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
         # each request's tokens in its row (the next position must be this), and its prompt length
         self.need = list(map(rows.sent.get, names, [-1] * bs))
-        self.prompt = list(map(len, map(_PROMPT, reqs)))
+        self.prompt = list(map(len, map(_S_PROMPT, states)))

@@ -194,7 +194,8 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
           launch_tag: int, sources=(), real_kv_mode: int = RealKvMode.NONE,
           expected_input_ids: torch.Tensor | None = None, expected_positions: torch.Tensor | None = None,
           chain_check: torch.Tensor | None = None, writer_ids: torch.Tensor | None = None,
-          step: torch.Tensor | None = None, backend: str = "auto") -> None:
+          step: torch.Tensor | None = None, chain_hint: torch.Tensor | None = None,
+          backend: str = "auto") -> None:
     """Write the canary records of the tokens a forward writes (SPEC 4.3).
 
     Request r owns write entries ``[plan.write_offsets[r], plan.write_offsets[r+1])``; its
@@ -216,6 +217,13 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
             with a seed only; a failing entry gets its own row after the write-input row).
         writer_ids: optional int64 [bs] request ids stored in WRITER_ID (stride >= 48).
         step: optional int64 [1] forward step stored in WRITER_STEP (stride >= 48).
+        chain_hint: optional canary buffer of ``buf``'s shape that may already hold this write's chain
+            fields (the HEAD buffer, for the TAIL write of the same entries). The stored bytes never
+            depend on it: Triton checks, per request and in parallel, that the hint holds at every
+            entry's slot exactly the token, position and chain hash the serial walk would store, and
+            then copies them instead of walking (a prefill chunk's thousands of serial steps); any
+            other request walks. Used only without the HEAD-only asserts (expected inputs, chain
+            positions), whose rows come in chain order; the other backends always walk.
     """
     op = "write"
     v.check_canary_buffer(op, buf)
@@ -239,12 +247,17 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
         v.check_vector(op, "writer_ids", writer_ids, (torch.int64,), min_length=num_requests)
     if step is not None:
         v.check_vector(op, "step", step, (torch.int64,), length=1)
+    if chain_hint is not None:
+        v.check_canary_buffer(op, chain_hint, "chain_hint")
+        if chain_hint.shape != buf.shape:
+            raise v.fail_value(op, "chain_hint", f"a canary buffer of buf's shape {tuple(buf.shape)}",
+                               f"shape {tuple(chain_hint.shape)}")
     v.check_ring(op, ring, counters, buf.device)
     v.check_launch_tag(op, launch_tag, counters)
     sources = v.check_sources(op, sources, real_kv_mode, buf.device)
     v.check_device(op, buf.device, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
                    expected_input_ids=expected_input_ids, expected_positions=expected_positions,
-                   chain_check=chain_check, writer_ids=writer_ids, step=step,
+                   chain_check=chain_check, writer_ids=writer_ids, step=step, chain_hint=chain_hint,
                    **{"plan.write_offsets": plan.write_offsets, "plan.seed_slot": plan.seed_slot})
     v.check_write_offsets(op, plan.write_offsets, num_requests)
     _impl(backend, buf.device).write(
@@ -252,7 +265,7 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
         out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions, ring=ring, counters=counters,
         launch_tag=int(launch_tag), sources=sources, real_kv_mode=int(real_kv_mode),
         expected_input_ids=expected_input_ids, expected_positions=expected_positions, chain_check=chain_check,
-        writer_ids=writer_ids if buf.shape[1] >= ATTRIBUTION_STRIDE else None, step=step)
+        writer_ids=writer_ids if buf.shape[1] >= ATTRIBUTION_STRIDE else None, step=step, chain_hint=chain_hint)
 
 
 def verify(*, buf: torch.Tensor, entries: Entries, ring: ViolationRing, counters: torch.Tensor, launch_tag: int,

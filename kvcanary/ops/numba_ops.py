@@ -230,7 +230,7 @@ def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode
 
 def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_ids, positions, ring, counters,
           launch_tag, sources=(), real_kv_mode=0, expected_input_ids=None, expected_positions=None,
-          chain_check=None, writer_ids=None, step=None) -> None:
+          chain_check=None, writer_ids=None, step=None, chain_hint=None) -> None:
     locs = _i64(out_cache_loc)
     # Real-KV hashes of every entry's slot up front (one compiled pass per source); unused for skipped entries.
     fp = _fingerprints(locs, sources, int(real_kv_mode))

@@ -137,7 +137,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
 
 def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_ids, positions, ring, counters,
           launch_tag, sources=(), real_kv_mode=0, expected_input_ids=None, expected_positions=None,
-          chain_check=None, writer_ids=None, step=None) -> None:
+          chain_check=None, writer_ids=None, step=None, chain_hint=None) -> None:
     offs, seeds = write_offsets.tolist(), seed_slot.tolist()
     locs, ids, poss = out_cache_loc.tolist(), input_ids.tolist(), positions.tolist()
     exp_ids = None if expected_input_ids is None else expected_input_ids.tolist()

@@ -220,7 +220,7 @@ def _violation_rows(tag, slot, tok, pos, running, live, seeded, prev_pos, expect
 
 def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_ids, positions, ring, counters,
           launch_tag, sources=(), real_kv_mode=0, expected_input_ids=None, expected_positions=None,
-          chain_check=None, writer_ids=None, step=None) -> None:
+          chain_check=None, writer_ids=None, step=None, chain_hint=None) -> None:
     """Same as the reference for write_offsets as ``plan`` makes them (starting at 0, non-decreasing)."""
     nr, n_tok, num_slots = num_requests, out_cache_loc.shape[0], buf.shape[0]
     dev = buf.device

@@ -251,8 +251,10 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
 
 def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_ids, positions, ring, counters,
           launch_tag, sources=(), real_kv_mode=0, expected_input_ids=None, expected_positions=None,
-          chain_check=None, writer_ids=None, step=None) -> None:
+          chain_check=None, writer_ids=None, step=None, chain_hint=None) -> None:
     loc = _flat(out_cache_loc)
+    # the hint stands in for the serial walk only where the walk pushes no rows (api.write)
+    hint = chain_hint is not None and expected_input_ids is None and expected_positions is None and chain_check is None
     _launch(k._write_kernel, (max(num_requests, 1),),
         p_buf=buf, stride=buf.shape[1], num_slots=buf.shape[0], p_write_offsets=write_offsets, p_seed=seed_slot,
         num_requests=num_requests, p_loc=loc, p_ids=_flat(input_ids), p_pos=_flat(positions),
@@ -262,10 +264,11 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
         p_exp_pos=loc if expected_positions is None else _flat(expected_positions),
         p_chain_check=ring.write_index if chain_check is None else chain_check,
         p_writer_ids=loc if writer_ids is None else _flat(writer_ids),
-        p_step=counters if step is None else step,
+        p_step=counters if step is None else step, p_hint=chain_hint if hint else buf,
         HAS_EXP_IDS=expected_input_ids is not None, HAS_EXP_POS=expected_positions is not None,
         HAS_CHAIN_CHECK=chain_check is not None, ATTRIBUTION=buf.shape[1] >= ATTRIBUTION_STRIDE,
-        HAS_WRITER_IDS=writer_ids is not None, HAS_STEP=step is not None, BLOCK=WRITE_BLOCK,
+        HAS_WRITER_IDS=writer_ids is not None, HAS_STEP=step is not None, HAS_HINT=hint,
+        BLOCK=WRITE_BLOCK,
         num_warps=WRITE_WARPS,
     )
 

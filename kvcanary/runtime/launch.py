@@ -386,7 +386,8 @@ class ForwardLauncher:
                     expected_input_ids=x.exp_ids if first and cfg.input_check else None,
                     expected_positions=x.exp_pos if first and cfg.input_check else None,
                     chain_check=c.chain_check if first else None,
-                    writer_ids=x.writer_ids if self.attribution else None, step=c.step_tensor)
+                    writer_ids=x.writer_ids if self.attribution else None, step=c.step_tensor,
+                    chain_hint=g.bufs["head", kv] if tail else None)  # (HEAD wrote the same entries' chain)
 
     def _translate(self, loc: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Full-pool slots -> SWA slots through the live table (out of range passes through), in a static buffer."""
