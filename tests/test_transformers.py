@@ -116,6 +116,29 @@ def test_clean_block_sizes_and_sharing(llama, block_size, sharing):
     assert run.stats["fork_block_copies"] > 0 and run.stats["tokens_protected"] > 0
 
 
+@pytest.mark.parametrize("late", [True, False], ids=["late-hooks", "hooks-before-the-forward"])
+def test_late_hooks_run_the_canary_once_the_forward_is_enqueued(llama, llama_baseline, monkeypatch, late):
+    # late hooks (the default): each step's canary work runs after the engine enqueued its forward (on a
+    # GPU, while the device runs it); late_hooks=False runs it before. Both find the same: nothing, on a
+    # clean run, and the planted bug of test_planted_bug_is_reported.
+    from kvcanary.runtime import Canary
+
+    order = []
+    for name in ("before_forward", "after_forward"):
+        orig = getattr(Canary, name)
+        monkeypatch.setattr(Canary, name, lambda self, b, orig=orig, name=name: order.append(name) or orig(self, b))
+    orig_forward = type(llama).forward
+    monkeypatch.setattr(type(llama), "forward", lambda *a, **k: order.append("forward") or orig_forward(*a, **k))
+    run = run_workload(llama, late_hooks=late)
+    assert run.violations == [] and run.tokens == llama_baseline.tokens
+    steps = [tuple(order[i:i + 3]) for i in range(0, len(order), 3)]
+    want = ("forward", "before_forward", "after_forward") if late else ("before_forward", "forward", "after_forward")
+    assert len(steps) > 10 and set(steps) == {want}
+    order.clear()
+    bug = run_workload(llama, bug="wrong-read-index", late_hooks=late)
+    assert bug.violations and {v.launch_tag for v in bug.violations} >= {"HEAD_K_FULL"}
+
+
 def test_token_oracle_drives_generation(llama):
     handle = attach(llama, mode="raise", token_oracle=True)
     prompts = demo_prompts(512)[:4]

@@ -112,6 +112,10 @@ class StepGraphs:
             if e is not None and e.graph is not None:
                 self.entries.move_to_end(key)
                 return self._inline(e)
+        if s.ready is not None:
+            # late hooks: the forward is enqueued on the compute stream already; the staged values' copies
+            # go on the inputs' stream instead, and the side stream follows both (_general)
+            return self._general(h, shape, sightings, per_turn, width, late=True)
         with engine_stream():
             return self._general(h, shape, sightings, per_turn, width)
 
@@ -124,8 +128,12 @@ class StepGraphs:
         c.host_before(e.batch, checked=True)  # (the captured batch: shapes checked then) drains, opens the forward
         if self.quiet != (launcher.streams.current(), self.s.engine_calls):
             # the last close was not an inline one on this stream, or canary work ran on the compute stream
-            # since (copies, saves of records): wait for all of it
-            launcher.follow(self.s.bp.inputs_and_outputs.compute_stream)
+            # since (copies, saves of records): wait for all of it (with late hooks: all of it before the
+            # forward, which is enqueued there already)
+            if self.s.ready is not None:
+                launcher.streams.wait(launcher.streams.current(), self.s.ready)
+            else:
+                launcher.follow(self.s.bp.inputs_and_outputs.compute_stream)
         e.replay()
         launcher.restore(e.state)
         self.replays += 1
@@ -144,7 +152,7 @@ class StepGraphs:
             # everything the canary did since is on this stream
             self.quiet = (c.launcher.streams.current(), self.s.engine_calls)
 
-    def _general(self, h, shape: tuple, sightings: int, per_turn: bool, width: int):
+    def _general(self, h, shape: tuple, sightings: int, per_turn: bool, width: int, late: bool = False):
         """Eager, capture, or replay on the canary's side stream (on the engine's compute stream)."""
         s, b = self.s, self.s.builder
         work = h if per_turn else h._replace(packed=b.stage.to_static(h.packed))
@@ -165,8 +173,11 @@ class StepGraphs:
         on_side = nullcontext()
         if side is not None:
             streams = stream_cache(c.device)
-            # the side stream starts after the engine prepared this step's inputs (they are read below)
+            # the side stream starts after the engine prepared this step's inputs (they are read below); with
+            # late hooks, also after the compute stream's position before the forward (the canary's work there)
             side.wait_event(launcher.streams.record(streams.current()))
+            if late:
+                side.wait_event(s.ready)
             on_side = streams.use(side)
         with on_side:
             self._run(e, sightings, work)

@@ -26,7 +26,7 @@ from kvcanary.integrations.hf_graph import StepGraphs
 from kvcanary.integrations.hf_layout import EngineLayout, Patcher, check_fresh, release_block0, reserve_block0
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 from kvcanary.runtime.graphs import CudaGraphs
-from kvcanary.runtime.streams import event_wait, stream_cache
+from kvcanary.runtime.streams import event_wait, record_event, stream_cache
 
 log = logging.getLogger("kvcanary")
 _NO_CONTEXT = nullcontext()  # (reentrant: one serves every hook)
@@ -50,6 +50,10 @@ class Session:
         self.saved: dict[str, list] = {}
         self.timings: list[dict] = []  # per step with timing=True: batch, tokens, host seconds of each part
         self.timing = bool(handle.options.get("timing"))
+        self.late_hooks = bool(handle.options.get("late_hooks", True))
+        self._late = False  # this step's canary work waits for compute_batch (_late_step)
+        self.ready = None  # CUDA, late: an event on the compute stream just before the forward (_late_step)
+        self._ready_event = None
         self.closed = False
         self._compute = None  # (the engine's compute stream, its raw handle, its stream cache): _engine_stream
         self.engine_calls = 0  # _engine_stream calls so far
@@ -117,12 +121,32 @@ class Session:
         orig_copy, orig_search = cache.copy_cache, cache.search_prefix_match
         orig_offload, orig_restore = om._offload_to_cpu, om.restore_scheduled_requests
 
+        orig_compute = runner.compute_batch
+
         def step(model):
-            self._guarded(self._before)
+            # Late hooks (docs/transformers.md): the step's canary work runs once the forward is enqueued
+            # (compute_batch below) while the device runs it, instead of holding back its launch; the
+            # engine's wait for the forward's outputs comes after it.
+            late = self._late = self._guarded(self._late_step)
+            if not late:
+                self._guarded(self._before)
             t0 = time.perf_counter()
-            self._ranged("engine_forward", orig_step, model)
+            orig_step(model)
             self._fwd_s = time.perf_counter() - t0
+            if not late:
+                self._guarded(self._after)
+            elif self._late:  # (the engine never called compute_batch: the work runs now, after the forward)
+                compute_batch_done()
+
+        def compute_batch_done():
+            self._late = False
+            self._guarded(self._before)
             self._guarded(self._after)
+
+        def compute_batch(model, batch_data):
+            self._ranged("engine_forward", orig_compute, model, batch_data)
+            if self._late:
+                compute_batch_done()
 
         def update_batch():
             t0 = time.perf_counter()
@@ -166,6 +190,7 @@ class Session:
                 self._guarded(self._restore, counts)
 
         p.set(bp, "_generation_step", step)
+        p.set(runner, "compute_batch", compute_batch)
         p.set(bp, "update_batch", update_batch)
         p.set(cache, "copy_cache", copy_cache)
         p.set(cache, "search_prefix_match", search_prefix_match)
@@ -183,6 +208,30 @@ class Session:
             p.set(runner, "_sample", sample)
 
     # -- per step --------------------------------------------------------------------------------
+    def _late_step(self) -> bool:
+        """Whether this step's canary work may wait until its forward is enqueued: HEAD reads canary
+        records and the engine's inputs only (never KV), so it needs to precede nothing in the forward.
+        Not with the token oracle (the sampler reads what the before work computes), fault injection
+        (its planted faults precede the forward) or the attach option ``late_hooks=False``; on CUDA only
+        with step graphs on a usable step (their HEAD runs on a stream the forward is not on). Records
+        the compute stream's position before the forward: the HEAD work follows it (``ready``)."""
+        c = self.canary
+        self.ready = None
+        if not self.late_hooks or not c.enabled or self.builder.oracle or c.injector is not None:
+            return False
+        io = self.bp.inputs_and_outputs
+        if self.graphs is None:
+            return io.compute_stream is None  # (the CPU: nothing runs beside anything)
+        if not self.graphs.usable(io):
+            return False
+        stream = io.compute_stream
+        if stream is not None and c.device.type == "cuda":
+            if self._ready_event is None:
+                self._ready_event = torch.cuda.Event()  # (its own: the launcher's per-stream events move on)
+            record_event(self._ready_event, stream)
+            self.ready = self._ready_event
+        return True
+
     def _before(self) -> None:
         t0 = time.perf_counter()
         with self.lock:

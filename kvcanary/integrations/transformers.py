@@ -26,7 +26,7 @@ from kvcanary.runtime import CanaryConfig, Violation
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
 INTEGRATION_OPTIONS = ("token_oracle", "token_history", "timing", "max_context", "allow_unsupported_version",
-                       "step_graphs")
+                       "step_graphs", "late_hooks")
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
 
 
@@ -47,6 +47,9 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
         allow_unsupported_version: skip the transformers version gate.
         step_graphs: on CUDA, replay each batch shape's canary launches from CUDA graphs (default True;
             same results, a fraction of the host time: docs/transformers.md).
+        late_hooks: run each step's canary work once the engine has enqueued the forward, while the device
+            runs it, instead of before (default True; same results; off with the token oracle and fault
+            injection, and on CUDA without step graphs: docs/transformers.md).
 
     Returns:
         a ``TransformersHandle``; ``handle.detach()`` restores the engine.
