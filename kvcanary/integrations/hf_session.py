@@ -23,6 +23,7 @@ from kvcanary.format import oracle_token
 from kvcanary.integrations.hf_batch import BatchBuilder
 from kvcanary.integrations.hf_tokens import NAME
 from kvcanary.integrations.hf_graph import StepGraphs
+from kvcanary.integrations.hf_moves import KvMoves
 from kvcanary.integrations.hf_layout import EngineLayout, Patcher, check_fresh, release_block0, reserve_block0
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 from kvcanary.runtime.graphs import CudaGraphs
@@ -32,7 +33,7 @@ log = logging.getLogger("kvcanary")
 _NO_CONTEXT = nullcontext()  # (reentrant: one serves every hook)
 
 
-class Session:
+class Session(KvMoves):
     """The canary guarding one batch processor; created when transformers creates the processor."""
 
     def __init__(self, handle, bp):
@@ -209,12 +210,11 @@ class Session:
 
     # -- per step --------------------------------------------------------------------------------
     def _late_step(self) -> bool:
-        """Whether this step's canary work may wait until its forward is enqueued: HEAD reads canary
-        records and the engine's inputs only (never KV), so it needs to precede nothing in the forward.
-        Not with the token oracle (the sampler reads what the before work computes), fault injection
-        (its planted faults precede the forward) or the attach option ``late_hooks=False``; on CUDA only
-        with step graphs on a usable step (their HEAD runs on a stream the forward is not on). Records
-        the compute stream's position before the forward: the HEAD work follows it (``ready``)."""
+        """Whether this step's canary work may wait until its forward is enqueued: HEAD reads canary records
+        and the engine's inputs only (never KV), so it precedes nothing in the forward. Not with the token
+        oracle (the sampler reads what the before work computes), fault injection or ``late_hooks=False``;
+        on CUDA only with step graphs on a usable step (their HEAD runs off the forward's stream, after the
+        compute stream's position before the forward: ``ready``)."""
         c = self.canary
         self.ready = None
         if not self.late_hooks or not c.enabled or self.builder.oracle or c.injector is not None:
@@ -315,51 +315,6 @@ class Session:
             self.events["dedup_remaps"] += sum(a != b for a, b in zip(was, seg))
             for i, b in enumerate(seg):
                 self.block_pos[b] = i * B
-
-    def _copy_records(self, src, dst) -> None:
-        s, d = self.layout.blocks_to_slots(src, self.device), self.layout.blocks_to_slots(dst, self.device)
-        with self.lock, self._engine_stream():
-            for g in self.canary.groups:
-                self.canary.copy_records(s, d, group=g.name)
-        self.events["fork_block_copies"] += len(src)
-
-    def _all_blocks(self, rid: str) -> list[int]:
-        return [b for cm in self.bp.cache.group_cache_managers for b in cm.block_table.get(rid, [])]
-
-    def _save(self, blocks: dict[str, list[int]]) -> None:
-        with self.lock, self._engine_stream():
-            for rid, bl in blocks.items():
-                slots = self.layout.blocks_to_slots(bl, self.device)
-                self.saved[rid] = [(g.name, self.canary.save_records(slots, group=g.name))
-                                   for g in self.canary.groups]
-        self.events["offloaded_requests"] += len(blocks)
-
-    def _restore(self, counts: dict[str, list[int]]) -> None:
-        cms = self.bp.cache.group_cache_managers
-        with self.lock, self._engine_stream():
-            for rid, per_group in counts.items():
-                blocks = [b for g, n in enumerate(per_group) for b in cms[g].block_table.get(rid, [])[:n]]
-                slots = self.layout.blocks_to_slots(blocks, self.device)
-                for name, saved in self.saved.pop(rid):
-                    self.canary.restore_records(saved, slots, group=name)
-        self.events["restored_requests"] += len(counts)
-
-    def _sweep_triples(self):
-        """Idle cached blocks (freed, complete, kept for prefix reuse): their slots, positions, predecessors.
-
-        Chains are checked inside a block only (prev 0 = unreachable at a block's first slot): a cached
-        block's parent may have been evicted since.
-        """
-        bm, B = self.bp.cache._block_manager, self.layout.block_size
-        blocks = [b for b in bm._init_block_ids if b in self.block_pos]
-        if not blocks:
-            return None
-        slots = self.layout.blocks_to_slots(blocks, self.device)
-        offs = torch.arange(B, device=self.device).repeat(len(blocks))
-        base = torch.tensor([self.block_pos[b] for b in blocks], dtype=torch.int64).repeat_interleave(B)
-        positions = base.to(self.device) + offs
-        prevs = torch.where(offs == 0, torch.zeros_like(slots), slots - 1)
-        return slots, positions, prevs
 
     # -- helpers ---------------------------------------------------------------------------------
     def request_id(self, name: str) -> int:
