@@ -121,22 +121,35 @@ def test_late_hooks_run_the_canary_once_the_forward_is_enqueued(llama, llama_bas
     # late hooks (the default): each step's canary work runs after the engine enqueued its forward (on a
     # GPU, while the device runs it); late_hooks=False runs it before. Both find the same: nothing, on a
     # clean run, and the planted bug of test_planted_bug_is_reported.
-    from kvcanary.runtime import Canary
+    from kvcanary.integrations.hf_session import Session
 
     order = []
-    for name in ("before_forward", "after_forward"):
-        orig = getattr(Canary, name)
-        monkeypatch.setattr(Canary, name, lambda self, b, orig=orig, name=name: order.append(name) or orig(self, b))
+    for name in ("_before", "_after"):
+        orig = getattr(Session, name)
+        monkeypatch.setattr(Session, name, lambda self, orig=orig, name=name: order.append(name) or orig(self))
     orig_forward = type(llama).forward
     monkeypatch.setattr(type(llama), "forward", lambda *a, **k: order.append("forward") or orig_forward(*a, **k))
     run = run_workload(llama, late_hooks=late)
     assert run.violations == [] and run.tokens == llama_baseline.tokens
     steps = [tuple(order[i:i + 3]) for i in range(0, len(order), 3)]
-    want = ("forward", "before_forward", "after_forward") if late else ("before_forward", "forward", "after_forward")
+    want = ("forward", "_before", "_after") if late else ("_before", "forward", "_after")
     assert len(steps) > 10 and set(steps) == {want}
     order.clear()
     bug = run_workload(llama, bug="wrong-read-index", late_hooks=late)
     assert bug.violations and {v.launch_tag for v in bug.violations} >= {"HEAD_K_FULL"}
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["late-hooks", "hooks-before-the-forward"])
+def test_timing_records_every_step(llama, late):
+    handle = attach(llama, timing=True, late_hooks=late)
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=16, use_async_batching=False,
+                                   use_cuda_graph=False)
+    llama.generate_batch(demo_prompts(512)[:3], generation_config=gen, continuous_batching_config=cbc)
+    rows = handle.sessions[0].timings
+    handle.detach()
+    assert len(rows) == handle.forwards > 3
+    assert all(r["forward_s"] > 0 and r["before_s"] > 0 and r["after_s"] > 0 for r in rows)
 
 
 def test_token_oracle_drives_generation(llama):

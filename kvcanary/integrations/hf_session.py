@@ -53,8 +53,7 @@ class Session(KvMoves):
         self.timing = bool(handle.options.get("timing"))
         self.late_hooks = bool(handle.options.get("late_hooks", True))
         self._late = False  # this step's canary work waits for compute_batch (_late_step)
-        self.ready = None  # CUDA, late: an event on the compute stream just before the forward (_late_step)
-        self._ready_event = None
+        self.ready = self._ready_event = None  # CUDA, late: the compute stream before the forward (_late_step)
         self.closed = False
         self._compute = None  # (the engine's compute stream, its raw handle, its stream cache): _engine_stream
         self.engine_calls = 0  # _engine_stream calls so far
@@ -121,7 +120,6 @@ class Session(KvMoves):
         orig_step, orig_update = bp._generation_step, bp.update_batch
         orig_copy, orig_search = cache.copy_cache, cache.search_prefix_match
         orig_offload, orig_restore = om._offload_to_cpu, om.restore_scheduled_requests
-
         orig_compute = runner.compute_batch
 
         def step(model):
@@ -133,20 +131,22 @@ class Session(KvMoves):
                 self._guarded(self._before)
             t0 = time.perf_counter()
             orig_step(model)
-            self._fwd_s = time.perf_counter() - t0
             if not late:
+                self._fwd_s = time.perf_counter() - t0
                 self._guarded(self._after)
             elif self._late:  # (the engine never called compute_batch: the work runs now, after the forward)
+                self._fwd_s = time.perf_counter() - t0
                 compute_batch_done()
 
         def compute_batch_done():
             self._late = False
-            self._guarded(self._before)
-            self._guarded(self._after)
+            self._guarded(self._before), self._guarded(self._after)
 
         def compute_batch(model, batch_data):
+            t0 = time.perf_counter()
             self._ranged("engine_forward", orig_compute, model, batch_data)
             if self._late:
+                self._fwd_s = time.perf_counter() - t0  # (the step's timing row is made inside: _after)
                 compute_batch_done()
 
         def update_batch():
