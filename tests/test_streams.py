@@ -261,3 +261,89 @@ def test_engine_reading_records_after_before_forward(head_overlap, ready, race):
     assert bool(hits) == race
     if race:
         assert ("head", "engine_reads_records") in hits
+
+
+def instrument_late(engine: ToyEngine, streams, inline: bool, wait_ready: bool = True) -> None:
+    """The transformers adapter's late hooks (``Session._late_step``): the engine enqueues its forward on
+    its compute stream first; then the step's canary work runs. HEAD follows the compute stream's
+    position before the forward (``ready``) and the inputs' stream: on the inputs' stream itself for a
+    steady decode step (``StepGraphs._inline``), on the side stream otherwise (``StepGraphs._general``).
+    TAIL follows the forward (``run_here`` / the side stream's hand-over). ``wait_ready=False`` plants the
+    missing wait."""
+    c = engine.canary
+    c.launcher.streams = streams
+    here, compute, side = streams.current(), streams.streams["compute"], streams.streams["canary"]
+    orig_before, orig_after = c.before_forward, c.after_forward
+    pending = {}
+
+    def before(batch):
+        streams.note("engine_prepare", writes=("engine_inputs",))
+        streams.wait(compute, streams.record(here))  # the engine's own ordering of its forward after its inputs
+        pending["ready"] = streams.record(compute)  # (Session._late_step: before the forward is enqueued)
+
+    def after(batch):
+        with streams.use(compute):
+            streams.note("engine_forward", reads=("engine_inputs",), writes=("kv",))
+        ready = pending.pop("ready")
+        if inline:
+            if wait_ready:
+                streams.wait(here, ready)
+            c.launcher.on_current = True
+            try:
+                orig_before(batch)
+            finally:
+                c.launcher.on_current = False
+            c.launcher.run_here(c.after_replayed, batch, compute)
+        else:
+            if wait_ready:
+                streams.wait(side, ready)
+            orig_before(batch)  # (its side section waits for the inputs' stream)
+            streams.wait(compute, streams.record(here))
+            with streams.use(compute):
+                orig_after(batch)
+        with streams.use(compute):
+            streams.note("engine_fork_copy", reads=("kv",), writes=("kv",))
+        streams.synchronize(compute)  # the engine reads its sampled tokens (retrieve_device_outputs)
+
+    c.before_forward, c.after_forward = before, after
+
+
+def late_workload(engine: ToyEngine) -> None:
+    """Prefill, decode steps, and between two of them a record copy (a fork) and a save of records (an
+    offload: the compute stream joins the save, so only the compute stream is ordered after it)."""
+    engine.add(1, [5, 6, 7, 8])
+    engine.add(2, [9, 10, 11])
+    engine.forward([(1, 4), (2, 3)])
+    for step in range(4):
+        if step == 2:
+            with on_compute(engine.canary.launcher.streams)():
+                engine.canary.copy_records(torch.tensor([engine.slot(1, 0)]), torch.tensor([60]))
+                engine.canary.save_records(torch.tensor([engine.slot(2, 0)]))
+        engine.forward([(1, 1), (2, 1)])
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-step", "side-stream-step"])
+def test_late_hooks_have_no_race(inline):
+    engine = ToyEngine(check_v=True, real_kv="all", token_history="append", oracle=True)
+    rec = RecordingStreams(STREAMS3)
+    instrument_late(engine, rec, inline)
+    late_workload(engine)
+    assert rec.races() == []
+    ops = [(a.op, a.stream) for a in rec.log]
+    # every step's HEAD is issued after its forward (the late order), on the stream the path uses
+    heads = [i for i, (op, _) in enumerate(ops) if op == "head"]
+    forwards = [i for i, (op, _) in enumerate(ops) if op == "engine_forward"]
+    assert len(heads) == len(forwards) == 5 and all(f < h for f, h in zip(forwards, heads))
+    assert {s for op, s in ops if op == "head"} == {"engine" if inline else "canary"}
+    assert engine.canary.flush() == []
+
+
+def test_late_inline_step_without_the_ready_wait_races_the_saved_records():
+    # (a side-stream step follows the save on the side stream itself: there the wait is a second guard)
+    engine = ToyEngine(real_kv="all")
+    rec = RecordingStreams(STREAMS3)
+    instrument_late(engine, rec, inline=True, wait_ready=False)
+    late_workload(engine)
+    races = {(a.op, b.op, res) for a, b, res in rec.races()}
+    # the next step's HEAD writes records the save (joined by the compute stream only) still reads
+    assert any({a, b} == {"save_records", "head"} for a, b, _ in races)
