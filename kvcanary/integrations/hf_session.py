@@ -2,6 +2,7 @@
 
 Hooks, all instance attributes of the processor's objects (restored by ``close``):
   bp._generation_step(model)        before: build the ForwardBatch, Canary.before_forward; after: after_forward
+  model_runner.compute_batch(...)   late hooks (default): both of the above once the forward is enqueued
   bp.update_batch()                 block positions for sweeps, dedup-remap count, history clean-up
   cache.copy_cache(src, dst)        fork copies: Canary.copy_records
   cache.search_prefix_match(...)    prefix hits (counted; the HEAD verify checks what they map)
@@ -117,15 +118,13 @@ class Session(KvMoves):
     def _install(self) -> None:
         bp, p = self.bp, self.patcher
         cache, om, runner = bp.cache, bp.offloading_manager, bp.model_runner
-        orig_step, orig_update = bp._generation_step, bp.update_batch
+        orig_step, orig_update, orig_compute = bp._generation_step, bp.update_batch, runner.compute_batch
         orig_copy, orig_search = cache.copy_cache, cache.search_prefix_match
         orig_offload, orig_restore = om._offload_to_cpu, om.restore_scheduled_requests
-        orig_compute = runner.compute_batch
 
         def step(model):
-            # Late hooks (docs/transformers.md): the step's canary work runs once the forward is enqueued
-            # (compute_batch below) while the device runs it, instead of holding back its launch; the
-            # engine's wait for the forward's outputs comes after it.
+            # Late hooks (docs/transformers.md): the step's canary work runs once compute_batch (below) has
+            # enqueued the forward, while the device runs it, instead of holding back its launch.
             late = self._late = self._guarded(self._late_step)
             if not late:
                 self._guarded(self._before)
@@ -140,7 +139,8 @@ class Session(KvMoves):
 
         def compute_batch_done():
             self._late = False
-            self._guarded(self._before), self._guarded(self._after)
+            self._guarded(self._before)
+            self._guarded(self._after)
 
         def compute_batch(model, batch_data):
             t0 = time.perf_counter()
