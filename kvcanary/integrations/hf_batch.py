@@ -22,7 +22,7 @@ import torch
 from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.integrations.hf_staging import HostStep, Staging
-from kvcanary.integrations.hf_tokens import NAME, OFFSET, QUERY, STATE, TokenRows
+from kvcanary.integrations.hf_tokens import QUERY, STATE, STATE_ID, STATE_OFFSET, TokenRows
 
 log = logging.getLogger("kvcanary")
 
@@ -113,8 +113,8 @@ class BatchBuilder(TokenRows):
             h = self._steady(io, reqs, states, extend, copy)
             if h is not None:
                 return h
-        names = list(map(NAME, reqs))
-        offsets = list(map(OFFSET, reqs))
+        names = list(map(STATE_ID, states))
+        offsets = list(map(STATE_OFFSET, states))
         T = sum(extend)
         self.sync_sent()
         self.steady = None  # rows, ids or token cells may change below: the steady path starts again

@@ -138,8 +138,8 @@ class Session(KvMoves):
                 compute_batch_done()
 
         def compute_batch_done():
+            self._guarded(self._before)  # (with _late still set: _before_forward knows the step is usable)
             self._late = False
-            self._guarded(self._before)
             self._guarded(self._after)
 
         def compute_batch(model, batch_data):
@@ -240,7 +240,7 @@ class Session(KvMoves):
 
     def _before_forward(self) -> None:
         io = self.bp.inputs_and_outputs
-        if self.graphs is not None and self.canary.enabled and self.graphs.usable(io):
+        if self.graphs is not None and self.canary.enabled and (self._late or self.graphs.usable(io)):
             self._batch = self.graphs.before(self.builder.host_part(copy=False), self._engine_stream)
         else:
             with self._engine_stream():

@@ -18,17 +18,18 @@ import numpy as np
 from kvcanary.integrations.hf_staging import HostStep
 from kvcanary.runtime.report import MISSING_TOKEN
 
-__all__ = ["TokenRows", "NAME", "QUERY", "OFFSET", "STATE"]
+__all__ = ["TokenRows", "NAME", "QUERY", "STATE", "STATE_ID", "STATE_OFFSET"]
 
 _STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
 # attributes of a FutureRequestState read per request, in C loops
-NAME, QUERY, OFFSET = attrgetter("state.request_id"), attrgetter("query_length"), attrgetter("state.position_offset")
+NAME, QUERY = attrgetter("state.request_id"), attrgetter("query_length")
 _PROMPT, _GENERATED = attrgetter("state.initial_tokens"), attrgetter("state.generated_tokens")
 _STATUS = attrgetter("state.status")
-# the same, read from the request states themselves (a steady decode step keeps the batch's states)
+# read from the request states themselves (host_part reads the batch's states once; a steady decode step
+# compares them with the last step's)
 STATE = attrgetter("state")
-_S_OFFSET, _S_GENERATED, _S_PROMPT = (attrgetter("position_offset"), attrgetter("generated_tokens"),
-                                      attrgetter("initial_tokens"))
+STATE_ID, STATE_OFFSET = attrgetter("request_id"), attrgetter("position_offset")
+_S_GENERATED, _S_PROMPT = attrgetter("generated_tokens"), attrgetter("initial_tokens")
 _STATUS_FIELD = attrgetter("state._status")  # the field behind the status property: no Python frame per request
 
 
@@ -139,7 +140,7 @@ class TokenRows:
         st = self.steady
         if st is None:
             st = self.steady = _Steady(self, states)
-        offsets = list(map(_S_OFFSET, states))
+        offsets = list(map(STATE_OFFSET, states))
         prefix = list(map(sub, offsets, extend))  # (extend: all ones)
         t = st.values
         if self.want_history:
