@@ -54,14 +54,24 @@ def graphed_run(model, monkeypatch, **kw):
 STEADY = dict(max_new_tokens=16, num_return_sequences=1)
 
 
-@pytest.mark.parametrize("steady", [0, None], ids=["graph-per-turn", "default"])
+@pytest.mark.parametrize("steady,fused", [(0, True), (0, False), (None, True)],
+                         ids=["fused", "graph-per-turn", "default"])
 @pytest.mark.parametrize("bug", [None, "new-token-read-index"])
-def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, steady):
+def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, steady, fused):
     from kvcanary.integrations import hf_graph
     from kvcanary.integrations.hf_batch import BatchBuilder
+    from kvcanary.integrations.hf_fused import FusedSteps
 
-    if steady is not None:  # every decode shape takes the graph-per-turn path at once
+    if steady is not None:  # every decode shape takes the graph-per-turn (or fused) path at once
         monkeypatch.setattr(hf_graph, "STEADY_SIGHTINGS", steady)
+    fused_steps = []
+    fused_step = FusedSteps.step
+
+    def counting_fused(self, e, key, h):  # a steady step's before and after work as one replay
+        fused_steps.append(key)
+        return fused_step(self, e, key, h)
+
+    monkeypatch.setattr(FusedSteps, "step", counting_fused)
     per_turn = []
     run = StepGraphs._run
 
@@ -84,10 +94,16 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
     verify = BatchBuilder.verify_new_reads
     monkeypatch.setattr(BatchBuilder, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
     eager = run_workload(llama, backend="triton", bug=bug, step_graphs=False, **STEADY)
-    graphed, made = graphed_run(llama, monkeypatch, bug=bug, **STEADY)
+    graphed, made = graphed_run(llama, monkeypatch, bug=bug, fused_steps=fused, **STEADY)
     assert made and isinstance(made[0], StepGraphs)
-    assert sum(g.replays for g in made) > 0 and sum(g.captures for g in made) > 0
-    assert any(per_turn) == (steady == 0)  # the default keeps this short run's changing shapes per shape
+    parts = made + [g.fused for g in made if g.fused is not None]
+    assert sum(g.replays for g in parts) > 0 and sum(g.captures for g in parts) > 0
+    # the default keeps this short run's changing shapes per shape
+    assert any(per_turn) == (steady == 0 and not fused)
+    assert bool(fused_steps) == (steady == 0 and fused)
+    if fused_steps:  # each (turn, slot) pair captured once, then replayed
+        f = made[0].fused
+        assert f.replays == len(fused_steps) and f.captures == len(set(fused_steps)) < len(fused_steps)
     assert graphed.tokens == eager.tokens
     assert graphed.log_lines == eager.log_lines
     assert [v.block() for v in graphed.violations] == [v.block() for v in eager.violations]

@@ -263,13 +263,14 @@ def test_engine_reading_records_after_before_forward(head_overlap, ready, race):
         assert ("head", "engine_reads_records") in hits
 
 
-def instrument_late(engine: ToyEngine, streams, inline: bool, wait_ready: bool = True) -> None:
+def instrument_late(engine: ToyEngine, streams, inline: bool, wait_ready: bool = True, fused: bool = False) -> None:
     """The transformers adapter's late hooks (``Session._late_step``): the engine enqueues its forward on
     its compute stream first; then the step's canary work runs. HEAD follows the compute stream's
     position before the forward (``ready``) and the inputs' stream: on the inputs' stream itself for a
     steady decode step (``StepGraphs._inline``), on the side stream otherwise (``StepGraphs._general``).
     TAIL follows the forward (``run_here`` / the side stream's hand-over). ``wait_ready=False`` plants the
-    missing wait."""
+    missing wait. ``fused``: the whole step on the inputs' stream after the forward (``FusedSteps.step``:
+    that stream waits for the compute stream's position after the forward; ``wait_ready=False`` drops it)."""
     c = engine.canary
     c.launcher.streams = streams
     here, compute, side = streams.current(), streams.streams["compute"], streams.streams["canary"]
@@ -285,7 +286,17 @@ def instrument_late(engine: ToyEngine, streams, inline: bool, wait_ready: bool =
         with streams.use(compute):
             streams.note("engine_forward", reads=("engine_inputs",), writes=("kv",))
         ready = pending.pop("ready")
-        if inline:
+        if fused:
+            if wait_ready:
+                streams.wait(here, streams.record(compute))
+            c.launcher.on_current = True
+            try:
+                orig_before(batch)
+                c.after_replayed(batch)
+            finally:
+                c.launcher.on_current = False
+            streams.wait(compute, streams.record(here))
+        elif inline:
             if wait_ready:
                 streams.wait(here, ready)
             c.launcher.on_current = True
@@ -322,11 +333,12 @@ def late_workload(engine: ToyEngine) -> None:
         engine.forward([(1, 1), (2, 1)])
 
 
-@pytest.mark.parametrize("inline", [True, False], ids=["inline-step", "side-stream-step"])
-def test_late_hooks_have_no_race(inline):
+@pytest.mark.parametrize("inline, fused", [(True, False), (False, False), (True, True)],
+                         ids=["inline-step", "side-stream-step", "fused-step"])
+def test_late_hooks_have_no_race(inline, fused):
     engine = ToyEngine(check_v=True, real_kv="all", token_history="append", oracle=True)
     rec = RecordingStreams(STREAMS3)
-    instrument_late(engine, rec, inline)
+    instrument_late(engine, rec, inline, fused=fused)
     late_workload(engine)
     assert rec.races() == []
     ops = [(a.op, a.stream) for a in rec.log]
@@ -347,3 +359,13 @@ def test_late_inline_step_without_the_ready_wait_races_the_saved_records():
     races = {(a.op, b.op, res) for a, b, res in rec.races()}
     # the next step's HEAD writes records the save (joined by the compute stream only) still reads
     assert any({a, b} == {"save_records", "head"} for a, b, _ in races)
+
+
+def test_fused_step_without_the_wait_for_the_forward_races_its_kv_writes():
+    engine = ToyEngine(real_kv="all")
+    rec = RecordingStreams(STREAMS3)
+    instrument_late(engine, rec, inline=True, wait_ready=False, fused=True)
+    late_workload(engine)
+    races = {(a.op, b.op, res) for a, b, res in rec.races()}
+    # TAIL hashes the KV the forward writes on the compute stream
+    assert ("engine_forward", "tail", "kv") in races or ("tail", "engine_forward", "kv") in races

@@ -14,11 +14,12 @@ token per request, a shape seen more than ``STEADY_SIGHTINGS`` times) the turn i
 each turn has its own batch and graph, which read that turn's buffer and fill that batch's read
 table. That batch is also the one the monitor remembers for
 reports (up to ``KEEP_BATCHES`` steps late), and the same turn comes back only after
-``KEEP_BATCHES + 1`` steps, so no copy of the staged values or the read table is made per step, and
+``STAGING_TURNS`` steps, so no copy of the staged values or the read table is made per step, and
 the graph itself holds the copy of the staged values from the turn's pinned buffer: a
-steady decode batch costs ``KEEP_BATCHES + 1`` captures, once. Other steps — prefill chunks, decode
+steady decode batch costs ``STAGING_TURNS`` captures, once. With late hooks such a step's before and
+after work run as one graph per (turn, snapshot slot) instead (``hf_fused.py``). Other steps — prefill chunks, decode
 shapes that come and go as requests arrive and finish — recur too rarely for a graph per turn (the
-prefill chunks' many shapes times five turns overflowed the kept graphs and were captured again and
+prefill chunks' many shapes times the turns overflowed the kept graphs and were captured again and
 again in the H200 prefill benchmark): their graph, one per shape, reads a static copy of the staged
 values, and the monitor gets the turn's values and a copy of the read table.
 
@@ -37,6 +38,7 @@ from contextlib import nullcontext
 import torch
 
 from kvcanary.integrations.hf_batch import table_width
+from kvcanary.integrations.hf_fused import FusedSteps
 from kvcanary.runtime.graphs import capture, replay_of
 from kvcanary.runtime.streams import capturing, stream_cache
 
@@ -71,7 +73,7 @@ class StepGraphs:
         # One memory pool for every captured step: their temporaries (index grids, gathered slots) are
         # dead when a replay ends and replays run one after another on one stream, so captures may
         # reuse each other's memory; a pool per graph would hold 32 copies of the largest of them.
-        self.pool = torch.cuda.graph_pool_handle() if graph_type is None else None
+        self.pool = self.new_pool()
         # a stand-in graph on the CPU replays tensor ops only: the launcher's numpy shortcuts stay off
         session.canary.launcher.host_ops = graph_type is None
         self.entries: OrderedDict = OrderedDict()
@@ -80,6 +82,13 @@ class StepGraphs:
         self.captures = self.replays = 0
         self.inline = False  # this step's before work was replayed by _inline: its after hook is ``after``
         self.quiet = None  # (stream, session.engine_calls) of the last inline close (_inline, after)
+        # steady decode steps as one replay after the forward (hf_fused.py; attach option fused_steps)
+        self.fused = FusedSteps(self) if session.handle.options.get("fused_steps", True) else None
+        self.fused_now = False  # this step ran fused: its after hook has nothing left to do
+
+    def new_pool(self):
+        """A CUDA-graph memory pool (None for the CPU stand-in)."""
+        return torch.cuda.graph_pool_handle() if self.graph_type is torch.cuda.CUDAGraph else None
 
     def usable(self, io) -> bool:
         c = self.s.canary
@@ -109,6 +118,13 @@ class StepGraphs:
         if per_turn:
             key = shape + (h.packed.data_ptr(),)
             e = self.entries.get(key)
+            if self.fused is not None and self.fused.usable():
+                if e is None:
+                    e = self._entry(key, h, width)
+                else:
+                    self.entries.move_to_end(key)
+                self.inline = self.fused_now = True
+                return self.fused.step(e, key, h)
             if e is not None and e.graph is not None:
                 self.entries.move_to_end(key)
                 return self._inline(e)
@@ -146,6 +162,9 @@ class StepGraphs:
         stream after the forward; the engine's compute stream then waits for them (its next forward and
         every later KV write come after TAIL's reads)."""
         self.inline = False
+        if self.fused_now:  # (its close ran with it: FusedSteps.step)
+            self.fused_now = False
+            return
         c = self.s.canary
         if c.launcher.run_here(c.after_replayed, batch, self.s.bp.inputs_and_outputs.compute_stream):
             # until the engine stream is used for canary work again, the next inline step needs no wait:
@@ -159,10 +178,7 @@ class StepGraphs:
         key = shape + (work.packed.data_ptr(),)
         e = self.entries.get(key)
         if e is None:
-            e = _Entry(b.assemble(work, width))
-            self.entries[key] = e
-            while len(self.entries) > MAX_ENTRIES:
-                self.entries.popitem(last=False)  # its graph goes; a remembered batch keeps its tensors
+            e = self._entry(key, work, width)
         else:
             self.entries.move_to_end(key)
         report = e.batch if per_turn else self._report(h, width)
@@ -188,6 +204,12 @@ class StepGraphs:
             # HEAD runs beside the forward; the step's close makes the engine stream wait for it
             launcher.pending = launcher.streams.record(side)
         return report
+
+    def _entry(self, key: tuple, h, width: int) -> _Entry:
+        e = self.entries[key] = _Entry(self.s.builder.assemble(h, width))
+        while len(self.entries) > MAX_ENTRIES:
+            self.entries.popitem(last=False)  # its graph goes; a remembered batch keeps its tensors
+        return e
 
     def _report(self, h, width: int):
         """A multi-token step's batch for the monitor: views into this turn's staged buffer and its own

@@ -10,9 +10,15 @@ from typing import NamedTuple
 import torch
 
 from kvcanary.runtime.monitor import KEEP_BATCHES
+from kvcanary.runtime.observer import NUM_SLOTS
 from kvcanary.runtime.streams import capturing, event_synchronize, record_event, stream_cache
 
-__all__ = ["HostStep", "Staging"]
+__all__ = ["HostStep", "Staging", "STAGING_TURNS"]
+
+# Staging turns: a remembered batch's buffer is not refilled for KEEP_BATCHES steps (and a spare),
+# rounded up to a multiple of the snapshot slots, so a steady step's (turn, slot) pair comes back every
+# STAGING_TURNS steps (a fused graph per pair: hf_fused.py)
+STAGING_TURNS = -(-(KEEP_BATCHES + 1) // NUM_SLOTS) * NUM_SLOTS
 
 
 class HostStep(NamedTuple):
@@ -39,13 +45,14 @@ class Staging:
     Device buffers take turns over ``depth`` steps: a batch's tensors are views into one of them, and
     the monitor reads a remembered batch when its violations arrive steps later (reader attribution),
     so a buffer must not be refilled while that batch may still be read: ``KEEP_BATCHES`` turns and
-    a spare (few turns also mean few CUDA-graph captures, ``hf_graph.py``). Each turn has its own
+    a spare, rounded up to a multiple of the snapshot slots (``STAGING_TURNS``; few turns also mean few
+    CUDA-graph captures, ``hf_graph.py``). Each turn has its own
     pinned buffer too, so a step graph per turn can hold the copy itself (``copy`` inside a capture:
     it replays from the same host address), and the host never refills a pinned buffer whose copy
     may still be in flight (the turn's event). On the CPU the values go straight into the turn's buffer.
     """
 
-    def __init__(self, device: torch.device, depth: int = KEEP_BATCHES + 1):
+    def __init__(self, device: torch.device, depth: int = STAGING_TURNS):
         self.device, self.cuda, self.depth = device, device.type == "cuda", depth
         self.size = 0
         self.host: list[torch.Tensor] = []  # CUDA: the pinned buffer of each turn

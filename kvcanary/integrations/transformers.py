@@ -26,7 +26,7 @@ from kvcanary.runtime import CanaryConfig, Violation
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
 INTEGRATION_OPTIONS = ("token_oracle", "token_history", "timing", "max_context", "allow_unsupported_version",
-                       "step_graphs", "late_hooks")
+                       "step_graphs", "late_hooks", "fused_steps")
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
 
 
@@ -50,6 +50,9 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
         late_hooks: run each step's canary work once the engine has enqueued the forward, while the device
             runs it, instead of before (default True; same results; off with the token oracle and fault
             injection, and on CUDA without step graphs: docs/transformers.md).
+        fused_steps: with step graphs and late hooks, run a steady decode step's whole canary work (HEAD,
+            TAIL, the step's snapshot) as one graph replayed after the forward (default True; same
+            results, less host time per step: docs/transformers.md, "Fused steady steps").
 
     Returns:
         a ``TransformersHandle``; ``handle.detach()`` restores the engine.

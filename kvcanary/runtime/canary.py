@@ -25,6 +25,7 @@ from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.inject import Injector
 from kvcanary.runtime.launch import ForwardLauncher, check_batch
 from kvcanary.runtime.monitor import Monitor
+from kvcanary.runtime.moves import RecordMoves
 from kvcanary.runtime.report import Violation, memory_bytes
 
 SweepProvider = Callable[[], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
@@ -51,7 +52,7 @@ class _Group:
         return self._tags[phase, kv]
 
 
-class Canary:
+class Canary(RecordMoves):
     """KV-cache sanitizer state for one engine: canary buffers, ring, counters, static plans.
 
     Args:
@@ -252,6 +253,31 @@ class Canary:
         if self.host_times is not None:
             self._add_times(time.perf_counter() - t1, t1 - t0)
 
+    def fusable(self) -> bool:
+        """Whether the next forward may be one sequence an adapter replays after it (``replayed_step``): no
+        forward open, no side-stream work pending, no fault injection, no sweep due at its close."""
+        return (self.enabled and self._open is None and self.injector is None and self.launcher.pending is None
+                and not self._sweep_due(self.step + 1))
+
+    def check_replayed(self, batch: ForwardBatch) -> None:
+        """``host_before``'s value checks for a batch an earlier call checked (its shapes), where configured."""
+        if self._check_values:
+            check_batch_values(batch, num_rows=self.num_rows, num_slots=self.pool.num_slots,
+                               max_context=self.max_context)
+
+    def replayed_step(self, batch: ForwardBatch, slot=None, done=()) -> None:
+        """The host side of a whole step an adapter captured as one sequence and replayed after the forward
+        (``device_before``, ``device_after`` and, given ``slot`` from ``HostObserver.take_slot``, the
+        snapshot copy into it; ``done``: what taking the slot drained): the step closes as
+        ``after_replayed`` closes it. Without ``slot`` the snapshot is taken here. Drains at the latest
+        when the slot comes round again (no poll before the forward)."""
+        self._end_forward(batch)
+        self._sweeps_unsnapshotted = False
+        if slot is None:
+            self.monitor.close_step()
+        else:
+            self.monitor.close_taken(slot, list(done))
+
     def _sweep_due(self, step: int) -> bool:
         return bool(every := self.config.sweep_interval) and self.sweep_provider is not None and step % every == 0
 
@@ -302,56 +328,6 @@ class Canary:
         if self.injector is None:
             return tokens
         return self.injector.perturb_next_tokens(request_ids, tokens, positions)
-
-    # -- KV movement -----------------------------------------------------------------------------
-    def copy_records(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, group: str = "full") -> None:
-        """The engine copied KV from src_slots to dst_slots (fork, defragmentation): carry the records."""
-        g = self._group(group)
-        src = slots_tensor("copy_records", "src_slots", src_slots, g.num_slots, self.device)
-        dst = slots_tensor("copy_records", "dst_slots", dst_slots, g.num_slots, self.device, length=src.shape[0])
-        self.launcher.hand_over(src, dst)
-        with self.launcher.side():
-            self.launcher.streams.note("copy_records", reads=("head_bufs", "tail_bufs"),
-                                       writes=("head_bufs", "tail_bufs"))
-            for buf in g.bufs.values():
-                buf.index_copy_(0, dst, buf.index_select(0, src))
-        if self.injector is not None:
-            self.injector.follow_copy(src, dst, group)
-
-    def save_records(self, slots: torch.Tensor, group: str = "full") -> dict:
-        """Records of slots whose KV is offloaded (a copy per buffer, on the canary's device)."""
-        g = self._group(group)
-        idx = slots_tensor("save_records", "slots", slots, g.num_slots, self.device)
-        self.launcher.hand_over(idx)
-        with self.launcher.side():
-            self.launcher.streams.note("save_records", reads=("head_bufs", "tail_bufs"))
-            saved = {key: buf.index_select(0, idx) for key, buf in g.bufs.items()}
-        # the copies are read back on the engine's stream as well (restore, offload to host memory)
-        self.launcher.join()
-        return saved
-
-    def restore_records(self, saved: dict, slots: torch.Tensor, group: str = "full") -> None:
-        """The offloaded KV came back into ``slots`` (same order as saved): restore its records."""
-        g = self._group(group)
-        idx = slots_tensor("restore_records", "slots", slots, g.num_slots, self.device)
-        if not isinstance(saved, dict) or set(saved) != set(g.bufs):
-            raise TypeError(f"kv-canary: restore_records saved must be the dict save_records returned for group "
-                            f"{group!r}, got {type(saved).__name__}"
-                            + (f" with keys {sorted(saved)}" if isinstance(saved, dict) else ""))
-        for key, buf in g.bufs.items():
-            rec = saved[key]
-            shape = (idx.shape[0], buf.shape[1])
-            if not isinstance(rec, torch.Tensor) or rec.dtype != torch.uint8 or tuple(rec.shape) != shape:
-                raise ValueError(f"kv-canary: restore_records saved[{key}] must be uint8 records of shape {shape} "
-                                 f"(one per slot), got {getattr(rec, 'dtype', type(rec).__name__)} "
-                                 f"{tuple(getattr(rec, 'shape', ()))}")
-        self.launcher.hand_over(idx, *saved.values())
-        with self.launcher.side():
-            self.launcher.streams.note("restore_records", writes=("head_bufs", "tail_bufs"))
-            for key, buf in g.bufs.items():
-                buf.index_copy_(0, idx, saved[key].to(self.device))
-        if self.injector is not None:
-            self.injector.follow_restore(saved, idx, group)
 
     # -- reporting -------------------------------------------------------------------------------
     @property

@@ -72,10 +72,21 @@ class Monitor:
         """Snapshot the step for the one-step-late drain; ``health=False`` only takes the ring (a flush
         after sweeps outside a forward); ``before``: a deferred launch sequence (key, body) that runs
         first, in the same captured graph (``HostObserver.snapshot``)."""
-        meta = {"forwards": self.forwards, "sweeps": dict(self.sweeps)}
-        self._process(self.observer.snapshot(self.canary.step, meta, before))
-        if not health:
-            return
+        self._process(self.observer.snapshot(self.canary.step, self._meta(), before))
+        if health:
+            self._periodic()
+
+    def close_taken(self, slot, done: list[Observation]) -> None:
+        """``close_step`` of a step whose snapshot copy into ``slot`` (``HostObserver.take_slot``, which
+        also gave ``done``) ran inside the caller's own captured sequence (the transformers adapter's
+        fused steady steps): record it on the current stream, drain, periodic checks."""
+        self._process(done + self.observer.taken(slot, self.canary.step, self._meta()))
+        self._periodic()
+
+    def _meta(self) -> dict:
+        return {"forwards": self.forwards, "sweeps": dict(self.sweeps)}
+
+    def _periodic(self) -> None:
         cfg, step = self.canary.config, self.canary.step
         if cfg.health_interval and step >= cfg.warmup_steps and step % cfg.health_interval == 0:
             self.check_health()

@@ -79,13 +79,11 @@ class HostObserver:
         ``before``: a deferred launch sequence ``(key, body)`` (the step's TAIL) to run first; where
         graphs are on, it and the snapshot are captured and replayed as one sequence.
         """
-        if not self.cuda and type(self.graphs) is EagerGraphs:  # (tests replay the snapshot through FakeGraphs)
+        if self.eager_read:  # (tests replay the snapshot through FakeGraphs)
             if before is not None:
                 before[1](eager)
             return [self._read_now(step, host_meta)]
-        slot = self.slots[self.next]
-        self.next = (self.next + 1) % len(self.slots)
-        done = self._finish(slot) if slot.pending is not None else []
+        slot, done = self.take_slot()
         # static buffers only: replayed as one captured sequence where graphs are on (runtime/graphs.py)
         key = slot.key
         if before is None:
@@ -97,12 +95,28 @@ class HostObserver:
                 body(call)
                 self._copy(slot, call)
             self.graphs.run(key0 + key, both, seen_as=key0)
+        return done + self.taken(slot, step, host_meta)
+
+    @property
+    def eager_read(self) -> bool:
+        """The CPU without captured sequences: a step's close reads the ring in place (no slots)."""
+        return not self.cuda and type(self.graphs) is EagerGraphs
+
+    def take_slot(self) -> tuple[_Slot, list[Observation]]:
+        """The slot the next snapshot copies into, and the observation it held (finished first: the
+        copy overwrites it). ``_copy`` into it, then ``taken``."""
+        slot = self.slots[self.next]
+        self.next = (self.next + 1) % len(self.slots)
+        return slot, (self._finish(slot) if slot.pending is not None else [])
+
+    def taken(self, slot: _Slot, step: int, host_meta: dict) -> list[Observation]:
+        """The snapshot copy into ``slot`` was issued on the current stream (``take_slot``)."""
         slot.pending = (step, host_meta)
         self.order.append(slot)
         if not self.cuda:
-            return done + self.collect(block=True)
+            return self.collect(block=True)
         record_event(slot.event, self.streams.current())  # after the copy into pinned memory (_copy)
-        return done
+        return []
 
     def _read_now(self, step: int, host_meta: dict) -> Observation:
         """On the CPU nothing runs ahead of the host: read the ring and the watched tensors in place

@@ -1,0 +1,114 @@
+"""Fused steady decode steps: a step's whole canary work captured as one graph, replayed once after the forward.
+
+With late hooks (``hf_session.py``) a step's before and after work run back to back, once transformers
+has enqueued the forward. For a steady decode step (``hf_graph.py``: the same requests as the step
+before, one new token each, a shape seen often) the two replays of the unfused path (HEAD beside the
+forward, then TAIL and the step's snapshot after it), their stream hand-overs and the runtime's
+per-step bookkeeping around each become one replay on the hook's stream behind the forward: the staged
+values' copy, the read table, HEAD verify and write, the new tokens' read check, TAIL verify and write,
+and the snapshot copy into its slot. HEAD then runs after the forward instead of beside it (a few small
+kernels at decode); TAIL reads what the forward wrote, as before.
+
+A graph reads one staging turn and copies into one snapshot slot, so its key is (shape, turn, slot).
+The turns are a multiple of the slots (``hf_staging.STAGING_TURNS``): steady steps cycle through that
+many pairs, one capture each per shape. A step's observation is drained when its slot comes round
+again (``NUM_SLOTS`` steps later at most; the unfused path also polls before each forward).
+
+Not fused (the unfused path runs the step): hooks that are not late (``late_hooks=False``, the token
+oracle, fault injection, CUDA without the engine's compute stream), a sweep due at the step's close,
+side-stream work pending, or the attach option ``fused_steps=False``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvcanary.runtime.graphs import capture, eager, replay_of
+
+MAX_FUSED = 48  # fused graphs kept: a few shapes, each in every (turn, slot) pair
+
+
+class _Fused:
+    __slots__ = ("entry", "graph", "replay", "state")
+
+    def __init__(self, entry, graph, state):
+        # the StepGraphs entry: its batch's tensors and the buffers its capture read (the graph keeps none)
+        self.entry, self.graph, self.replay, self.state = entry, graph, replay_of(graph), state
+
+
+class FusedSteps:
+    """The fused graphs of one session's ``StepGraphs`` and their replay (``step``)."""
+
+    def __init__(self, graphs):
+        self.g, self.s = graphs, graphs.s
+        self.entries: OrderedDict = OrderedDict()
+        # their own memory pool: fused replays run one after another on one stream, which the unfused
+        # step graphs (sharing theirs) do not
+        self.pool = graphs.new_pool()
+        self.captures = self.replays = 0
+
+    def usable(self) -> bool:
+        """This step may run fused: late hooks, and the runtime has nothing to run between HEAD and TAIL."""
+        s = self.s
+        if not s._late or not s.canary.fusable():
+            return False
+        return s.device.type != "cuda" or s.bp.inputs_and_outputs.compute_stream is not None
+
+    def step(self, e, key: tuple, h):
+        """Run steady step ``h`` fused (``e``: its StepGraphs entry under ``key``); returns its batch."""
+        s = self.s
+        c, launcher, b = s.canary, s.canary.launcher, s.builder
+        obs = c.monitor.observer
+        # the slot first: the observation it holds is read before the replay's copy overwrites it
+        slot, done = (None, ()) if obs.eager_read else obs.take_slot()
+        fkey = key + (None if slot is None else slot.key[1],)
+        f = self.entries.get(fkey)
+        if f is None:
+            f = self._capture(e, h, slot)
+            self.entries[fkey] = f
+            while len(self.entries) > MAX_FUSED:
+                self.entries.popitem(last=False)
+        else:
+            self.entries.move_to_end(fkey)
+        c.check_replayed(e.batch)
+        streams = launcher.streams
+        here = streams.current()
+        compute = s.bp.inputs_and_outputs.compute_stream
+        if here is not None and compute is not None:
+            streams.wait(here, streams.record(compute))  # after the forward: TAIL reads what it wrote
+        f.replay()
+        self.replays += 1
+        launcher.restore(f.state)
+        b.stage.copied()  # (the staged values' copy is in the graph: its turn's event, on this stream)
+        c.replayed_step(e.batch, slot, done)
+        if here is not None and compute is not None:
+            # the engine's next forward and every later KV write come after TAIL's reads
+            streams.wait(compute, streams.record(here))
+        self.g.quiet = None  # a later unfused step waits for the compute stream (which now follows this one)
+        return e.batch
+
+    def _capture(self, e, h, slot) -> _Fused:
+        """Record the step's whole canary work into a graph (on the canary's side stream on CUDA: the
+        hook's own may be the legacy default stream, which cannot capture; a capture runs nothing)."""
+        g, launcher = self.g, self.s.canary.launcher
+        obs = self.s.canary.monitor.observer
+        graph = g.graph_type()
+
+        def body():
+            launcher.on_current = True  # the runtime's side sections stay on the capturing stream
+            try:
+                g._body(e, h)  # staged values' copy, read table, HEAD, the new tokens' read check
+                launcher.after(e.batch)  # TAIL verify and write, the device step
+                if slot is not None:
+                    obs._copy(slot, eager)
+            finally:
+                launcher.on_current = False
+
+        side = launcher.streams.side() if self.s.device.type == "cuda" else None
+        if side is None:
+            capture(graph, body, pool=self.pool)
+        else:
+            with launcher.streams.use(side):
+                capture(graph, body, pool=self.pool)
+        self.captures += 1
+        return _Fused(e, graph, launcher.state())
