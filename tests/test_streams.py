@@ -263,14 +263,16 @@ def test_engine_reading_records_after_before_forward(head_overlap, ready, race):
         assert ("head", "engine_reads_records") in hits
 
 
-def instrument_late(engine: ToyEngine, streams, inline: bool, wait_ready: bool = True, fused: bool = False) -> None:
+def instrument_late(engine: ToyEngine, streams, inline: bool, wait_ready: bool = True, fused: bool = False,
+                    join: bool = True) -> None:
     """The transformers adapter's late hooks (``Session._late_step``): the engine enqueues its forward on
     its compute stream first; then the step's canary work runs. HEAD follows the compute stream's
     position before the forward (``ready``) and the inputs' stream: on the inputs' stream itself for a
     steady decode step (``StepGraphs._inline``), on the side stream otherwise (``StepGraphs._general``).
     TAIL follows the forward (``run_here`` / the side stream's hand-over). ``wait_ready=False`` plants the
-    missing wait. ``fused``: the whole step on the inputs' stream after the forward (``FusedSteps.step``:
-    that stream waits for the compute stream's position after the forward; ``wait_ready=False`` drops it)."""
+    missing wait. ``fused``: the whole step on the side stream after the inputs and the forward
+    (``FusedSteps.step``; ``wait_ready=False`` drops the wait for the forward), joined by the engine's
+    streams before they next touch KV (``FusedSteps.join``; ``join=False`` drops it)."""
     c = engine.canary
     c.launcher.streams = streams
     here, compute, side = streams.current(), streams.streams["compute"], streams.streams["canary"]
@@ -287,15 +289,17 @@ def instrument_late(engine: ToyEngine, streams, inline: bool, wait_ready: bool =
             streams.note("engine_forward", reads=("engine_inputs",), writes=("kv",))
         ready = pending.pop("ready")
         if fused:
+            streams.wait(side, streams.record(here))
             if wait_ready:
-                streams.wait(here, streams.record(compute))
+                streams.wait(side, streams.record(compute))
             c.launcher.on_current = True
             try:
-                orig_before(batch)
-                c.after_replayed(batch)
+                with streams.use(side):
+                    orig_before(batch)
+                    c.after_replayed(batch)
             finally:
                 c.launcher.on_current = False
-            streams.wait(compute, streams.record(here))
+            pending["fused"] = streams.record(side)
         elif inline:
             if wait_ready:
                 streams.wait(here, ready)
@@ -312,9 +316,13 @@ def instrument_late(engine: ToyEngine, streams, inline: bool, wait_ready: bool =
             streams.wait(compute, streams.record(here))
             with streams.use(compute):
                 orig_after(batch)
+        streams.synchronize(compute)  # the engine reads its sampled tokens (retrieve_device_outputs)
+        if fused and join:  # (FusedSteps.join: before the engine next touches KV or its inputs)
+            event = pending.pop("fused")
+            streams.wait(compute, event)
+            streams.wait(here, event)
         with streams.use(compute):
             streams.note("engine_fork_copy", reads=("kv",), writes=("kv",))
-        streams.synchronize(compute)  # the engine reads its sampled tokens (retrieve_device_outputs)
 
     c.before_forward, c.after_forward = before, after
 
@@ -346,7 +354,7 @@ def test_late_hooks_have_no_race(inline, fused):
     heads = [i for i, (op, _) in enumerate(ops) if op == "head"]
     forwards = [i for i, (op, _) in enumerate(ops) if op == "engine_forward"]
     assert len(heads) == len(forwards) == 5 and all(f < h for f, h in zip(forwards, heads))
-    assert {s for op, s in ops if op == "head"} == {"engine" if inline else "canary"}
+    assert {s for op, s in ops if op == "head"} == {"engine" if inline and not fused else "canary"}
     assert engine.canary.flush() == []
 
 
@@ -361,11 +369,13 @@ def test_late_inline_step_without_the_ready_wait_races_the_saved_records():
     assert any({a, b} == {"save_records", "head"} for a, b, _ in races)
 
 
-def test_fused_step_without_the_wait_for_the_forward_races_its_kv_writes():
+@pytest.mark.parametrize("wait_ready, join, other", [(False, True, "engine_forward"), (True, False, "engine_fork_copy")],
+                         ids=["no-wait-for-the-forward", "no-join"])
+def test_fused_step_without_its_waits_races_the_kv_writes(wait_ready, join, other):
     engine = ToyEngine(real_kv="all")
     rec = RecordingStreams(STREAMS3)
-    instrument_late(engine, rec, inline=True, wait_ready=False, fused=True)
+    instrument_late(engine, rec, inline=True, wait_ready=wait_ready, fused=True, join=join)
     late_workload(engine)
     races = {(a.op, b.op, res) for a, b, res in rec.races()}
-    # TAIL hashes the KV the forward writes on the compute stream
-    assert ("engine_forward", "tail", "kv") in races or ("tail", "engine_forward", "kv") in races
+    # TAIL hashes the KV the forward writes, and the fork copy after the step overwrites KV
+    assert (other, "tail", "kv") in races or ("tail", other, "kv") in races

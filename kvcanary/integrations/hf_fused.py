@@ -4,10 +4,13 @@ With late hooks (``hf_session.py``) a step's before and after work run back to b
 has enqueued the forward. For a steady decode step (``hf_graph.py``: the same requests as the step
 before, one new token each, a shape seen often) the two replays of the unfused path (HEAD beside the
 forward, then TAIL and the step's snapshot after it), their stream hand-overs and the runtime's
-per-step bookkeeping around each become one replay on the hook's stream behind the forward: the staged
-values' copy, the read table, HEAD verify and write, the new tokens' read check, TAIL verify and write,
+per-step bookkeeping around each become one replay behind the forward, on the canary's side stream: the
+staged values' copy, the read table, HEAD verify and write, the new tokens' read check, TAIL verify and write,
 and the snapshot copy into its slot. HEAD then runs after the forward instead of beside it (a few small
-kernels at decode); TAIL reads what the forward wrote, as before.
+kernels at decode); TAIL reads what the forward wrote, as before. The engine's streams wait for it
+only where they next touch KV or the inputs (``join``: the next step, fork copies, offloads, restores,
+the end of ``update_batch``), so the replay overlaps the engine's host work between steps instead of
+lengthening the wait for the sampled tokens.
 
 A graph reads one staging turn and copies into one snapshot slot, so its key is (shape, turn, slot).
 The turns are a multiple of the slots (``hf_staging.STAGING_TURNS``): steady steps cycle through that
@@ -46,6 +49,7 @@ class FusedSteps:
         # step graphs (sharing theirs) do not
         self.pool = graphs.new_pool()
         self.captures = self.replays = 0
+        self.pending = None  # CUDA: the side stream's event after the last fused step, not yet joined (join)
 
     def usable(self) -> bool:
         """This step may run fused: late hooks, and the runtime has nothing to run between HEAD and TAIL."""
@@ -57,7 +61,7 @@ class FusedSteps:
     def step(self, e, key: tuple, h):
         """Run steady step ``h`` fused (``e``: its StepGraphs entry under ``key``); returns its batch."""
         s = self.s
-        c, launcher, b = s.canary, s.canary.launcher, s.builder
+        c, launcher = s.canary, s.canary.launcher
         obs = c.monitor.observer
         # the slot first: the observation it holds is read before the replay's copy overwrites it
         slot, done = (None, ()) if obs.eager_read else obs.take_slot()
@@ -72,20 +76,40 @@ class FusedSteps:
             self.entries.move_to_end(fkey)
         c.check_replayed(e.batch)
         streams = launcher.streams
-        here = streams.current()
         compute = s.bp.inputs_and_outputs.compute_stream
-        if here is not None and compute is not None:
-            streams.wait(here, streams.record(compute))  # after the forward: TAIL reads what it wrote
+        side = streams.side() if compute is not None else None
+        if side is None:  # (the CPU: nothing runs beside anything)
+            self._replay(f, e, slot, done)
+            return e.batch
+        # on the side stream, after the engine's inputs (HEAD reads them) and the forward (TAIL reads the KV
+        # it wrote); the engine's streams wait for it only before they next touch KV or inputs (join)
+        streams.wait(side, streams.record(streams.current()))
+        streams.wait(side, streams.record(compute))
+        with streams.use(side):
+            self._replay(f, e, slot, done)
+        self.pending = streams.record(side)
+        self.g.quiet = None  # a later unfused step waits for the compute stream (which will follow this one)
+        return e.batch
+
+    def _replay(self, f: _Fused, e, slot, done) -> None:
+        c = self.s.canary
         f.replay()
         self.replays += 1
-        launcher.restore(f.state)
-        b.stage.copied()  # (the staged values' copy is in the graph: its turn's event, on this stream)
+        c.launcher.restore(f.state)
+        self.s.builder.stage.copied()  # (the staged values' copy is in the graph: its turn's event, this stream)
         c.replayed_step(e.batch, slot, done)
-        if here is not None and compute is not None:
-            # the engine's next forward and every later KV write come after TAIL's reads
-            streams.wait(compute, streams.record(here))
-        self.g.quiet = None  # a later unfused step waits for the compute stream (which now follows this one)
-        return e.batch
+
+    def join(self) -> None:
+        """The engine's compute stream and the current stream wait for the last fused step: called before
+        the engine next writes KV (its next forward, fork copies, restores) or its inputs (the next batch's
+        preparation, after ``update_batch``), and before canary work on the engine's streams. Until then the
+        step's canary work runs beside the engine's host work between steps (reading the sampled tokens
+        waits for the compute stream only)."""
+        event, self.pending = self.pending, None
+        if event is not None:
+            streams = self.s.canary.launcher.streams
+            streams.wait(self.s.bp.inputs_and_outputs.compute_stream, event)
+            streams.wait(streams.current(), event)
 
     def _capture(self, e, h, slot) -> _Fused:
         """Record the step's whole canary work into a graph (on the canary's side stream on CUDA: the

@@ -1,9 +1,14 @@
 """The transformers session's hooks where the engine moves KV between steps: fork copies, offloads to and
-restores from CPU memory, and the idle cached blocks a periodic sweep verifies (``Session`` mixes them in)."""
+restores from CPU memory, the idle cached blocks a periodic sweep verifies, and the update hooks that
+record which positions each block holds (``Session`` mixes them in)."""
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import torch
+
+from kvcanary.integrations.hf_tokens import NAME
 
 __all__ = ["KvMoves"]
 
@@ -56,3 +61,57 @@ class KvMoves:
         positions = base.to(self.device) + offs
         prevs = torch.where(offs == 0, torch.zeros_like(slots), slots - 1)
         return slots, positions, prevs
+
+    def _before_update(self):
+        """Table index of each block (the positions it holds, for later sweeps), recorded once per
+        block; and a copy of each request's table: the update may remap entries in place (a block
+        completed and shared). Per-request work runs in C loops (``map``): a decode step adds no
+        block to most tables, so the Python loop below visits only the tables that grew."""
+        io, lay = self.bp.inputs_and_outputs, self.layout
+        cm = self.bp.cache.group_cache_managers[lay.full_group]
+        if not getattr(cm, "uses_block_sharing", True):
+            # Without block sharing a freed block is never kept for reuse (no sweep reads its positions)
+            # and no table entry is remapped: nothing to record, at no per-request cost.
+            return None
+        names = list(map(NAME, io.requests_in_batch))
+        tables = list(map(cm.block_table.get, names, repeat((), len(names))))
+        lens = list(map(len, tables))
+        recorded = self.recorded
+        if list(map(recorded.get, names, repeat(0, len(names)))) != lens:
+            B = lay.block_size
+            for name, table, m in zip(names, tables, lens):
+                n = recorded.get(name, 0)
+                if n == m:
+                    continue
+                if n > m:  # the request lost blocks (a soft reset): its table starts again
+                    n = 0
+                for i in range(n, m):
+                    self.block_pos[table[i]] = i * B
+                recorded[name] = m
+        return names, list(map(list, tables))
+
+    def _after_update(self, snap) -> None:
+        if snap is not None:
+            names, old = snap
+            new = list(map(self.bp.cache.group_cache_managers[self.layout.full_group].block_table.get, names))
+            if new != old:  # (one comparison in C; a finished request's table is gone: None)
+                self._remapped(new, old)
+        for name in self.builder.forget_finished():
+            self.recorded.pop(name, None)
+
+    def _remapped(self, new: list, old: list) -> None:
+        """Entries the update changed (a completed block replaced by an identical shared one): the new
+        block holds the old one's positions."""
+        B = self.layout.block_size
+        for cur, was in zip(new, old):
+            if _same_start(cur, was):
+                continue
+            seg = cur[:len(was)]
+            self.events["dedup_remaps"] += sum(a != b for a, b in zip(was, seg))
+            for i, b in enumerate(seg):
+                self.block_pos[b] = i * B
+
+
+def _same_start(new, old) -> bool:
+    """A request's table after the update starts as before it (or the request is gone)."""
+    return new is None or new[:len(old)] == old

@@ -16,13 +16,11 @@ import collections
 import logging
 import time
 from contextlib import nullcontext
-from itertools import repeat
 
 import torch
 
 from kvcanary.format import oracle_token
 from kvcanary.integrations.hf_batch import BatchBuilder
-from kvcanary.integrations.hf_tokens import NAME
 from kvcanary.integrations.hf_graph import StepGraphs
 from kvcanary.integrations.hf_moves import KvMoves
 from kvcanary.integrations.hf_layout import EngineLayout, Patcher, check_fresh, release_block0, reserve_block0
@@ -63,6 +61,7 @@ class Session(KvMoves):
         self.canary = self._build_canary()
         self.builder = BatchBuilder(self)
         self.graphs = self._step_graphs()
+        self.fused = None if self.graphs is None else self.graphs.fused
         self.patcher = Patcher()
         self._install()
 
@@ -123,6 +122,7 @@ class Session(KvMoves):
         orig_offload, orig_restore = om._offload_to_cpu, om.restore_scheduled_requests
 
         def step(model):
+            self._join()
             # Late hooks (docs/transformers.md): the step's canary work runs once compute_batch (below) has
             # enqueued the forward, while the device runs it, instead of holding back its launch.
             late = self._late = self._guarded(self._late_step)
@@ -156,10 +156,12 @@ class Session(KvMoves):
             orig_update()
             t2 = time.perf_counter()
             self._guarded(self._after_update, snap)
+            self._join()  # (the next batch's inputs are prepared next: after the last fused step's reads)
             if self.timings:
                 self.timings[-1]["update_s"] = t1 - t0 + time.perf_counter() - t2
 
         def copy_cache(src, dst):
+            self._join()
             orig_copy(src, dst)
             self._guarded(self._copy_records, src, dst)
 
@@ -170,6 +172,7 @@ class Session(KvMoves):
             return n
 
         def offload_to_cpu(victims):
+            self._join()
             blocks = {st.request_id: self._all_blocks(st.request_id) for st in victims}
             done = orig_offload(victims)
             for st in victims:  # offloaded or soft reset: either way its blocks come back elsewhere
@@ -186,6 +189,7 @@ class Session(KvMoves):
                 rid = fs.state.request_id
                 if fs.state.is_cpu_offloaded and rid in self.saved:
                     counts[rid] = list(om._request_id_to_group_block_counts.get(rid, []))
+            self._join()
             orig_restore(requests_in_batch)
             if counts:
                 self._guarded(self._restore, counts)
@@ -267,55 +271,6 @@ class Session(KvMoves):
             with self._engine_stream():
                 self.canary.after_forward(self._batch)
 
-    def _before_update(self):
-        """Table index of each block (the positions it holds, for later sweeps), recorded once per
-        block; and a copy of each request's table: the update may remap entries in place (a block
-        completed and shared). Per-request work runs in C loops (``map``): a decode step adds no
-        block to most tables, so the Python loop below visits only the tables that grew."""
-        io, lay = self.bp.inputs_and_outputs, self.layout
-        cm = self.bp.cache.group_cache_managers[lay.full_group]
-        if not getattr(cm, "uses_block_sharing", True):
-            # Without block sharing a freed block is never kept for reuse (no sweep reads its positions)
-            # and no table entry is remapped: nothing to record, at no per-request cost.
-            return None
-        names = list(map(NAME, io.requests_in_batch))
-        tables = list(map(cm.block_table.get, names, repeat((), len(names))))
-        lens = list(map(len, tables))
-        recorded = self.recorded
-        if list(map(recorded.get, names, repeat(0, len(names)))) != lens:
-            B = lay.block_size
-            for name, table, m in zip(names, tables, lens):
-                n = recorded.get(name, 0)
-                if n == m:
-                    continue
-                if n > m:  # the request lost blocks (a soft reset): its table starts again
-                    n = 0
-                for i in range(n, m):
-                    self.block_pos[table[i]] = i * B
-                recorded[name] = m
-        return names, list(map(list, tables))
-
-    def _after_update(self, snap) -> None:
-        if snap is not None:
-            names, old = snap
-            new = list(map(self.bp.cache.group_cache_managers[self.layout.full_group].block_table.get, names))
-            if new != old:  # (one comparison in C; a finished request's table is gone: None)
-                self._remapped(new, old)
-        for name in self.builder.forget_finished():
-            self.recorded.pop(name, None)
-
-    def _remapped(self, new: list, old: list) -> None:
-        """Entries the update changed (a completed block replaced by an identical shared one): the new
-        block holds the old one's positions."""
-        B = self.layout.block_size
-        for cur, was in zip(new, old):
-            if _same_start(cur, was):
-                continue
-            seg = cur[:len(was)]
-            self.events["dedup_remaps"] += sum(a != b for a, b in zip(was, seg))
-            for i, b in enumerate(seg):
-                self.block_pos[b] = i * B
-
     # -- helpers ---------------------------------------------------------------------------------
     def request_id(self, name: str) -> int:
         """Stable int id of an engine request id (first seen = 1); soft resets keep theirs."""
@@ -332,6 +287,7 @@ class Session(KvMoves):
         canary's kernels go there too (after the default stream's batch preparation), so they are ordered
         with every KV write and read."""
         self.engine_calls += 1  # (a steady decode step's inline replay waits for the compute stream after any)
+        self._join()
         stream = self.bp.inputs_and_outputs.compute_stream
         if stream is None:
             return _NO_CONTEXT
@@ -348,6 +304,11 @@ class Session(KvMoves):
         else:
             event_wait(event, stream)
         return cache.use(stream)
+
+    def _join(self) -> None:
+        """The engine's streams wait for the last fused step's canary work (``FusedSteps.join``), if any."""
+        if self.fused is not None and self.fused.pending is not None:
+            self.fused.join()
 
     def _ranged(self, name: str, fn, *args) -> None:
         """``fn(*args)`` inside the profiler range ``name`` while a profiler records (ranges are for
@@ -373,6 +334,7 @@ class Session(KvMoves):
             return
         self.closed = True
         try:
+            self._join()
             with self.lock:
                 self.canary.flush()
         except BaseException as e:
@@ -394,7 +356,3 @@ class Session(KvMoves):
     def violations(self) -> list:
         return self.final_violations if self.closed else self.canary.violations
 
-
-def _same_start(new, old) -> bool:
-    """A request's table after the update starts as before it (or the request is gone)."""
-    return new is None or new[:len(old)] == old
