@@ -42,15 +42,16 @@ _TIMED = {
     "kvcanary.integrations.hf_session:Session": ("_before", "_after", "_before_update", "_after_update",
                                                  "_engine_stream"),
     "kvcanary.integrations.hf_batch:BatchBuilder": ("host_part", "_rows", "_token_cells", "forget_finished"),
-    "kvcanary.integrations.hf_staging:Staging": ("send",),
+    "kvcanary.integrations.hf_staging:Staging": ("send", "copied"),
     "kvcanary.integrations.hf_graph:StepGraphs": ("before", "_run"),
-    "kvcanary.integrations.hf_fused:FusedSteps": ("step", "_capture"),
+    "kvcanary.integrations.hf_fused:FusedSteps": ("step", "_capture", "_replay", "usable", "join"),
     "kvcanary.runtime.canary:Canary": ("host_before", "after_forward", "device_after", "host_after",
                                        "replayed_step"),
     "kvcanary.runtime.launch:ForwardLauncher": ("join", "side"),
-    "kvcanary.runtime.monitor:Monitor": ("poll", "close_step"),
+    "kvcanary.runtime.monitor:Monitor": ("poll", "close_step", "close_taken"),
     "kvcanary.runtime.graphs:CudaGraphs": ("run",),
-    "kvcanary.runtime.observer:HostObserver": ("snapshot", "collect"),
+    "kvcanary.runtime.observer:HostObserver": ("snapshot", "collect", "take_slot"),
+    "kvcanary.runtime.streams:CudaStreams": ("record", "wait", "use"),
 }
 _CALLS: dict[str, list[float]] = {}
 _STEADY = [False]  # the current step is a steady decode step (_steady): the only steps timed or profiled
