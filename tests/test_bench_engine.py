@@ -147,6 +147,16 @@ def test_canary_options_configure_the_canary_over_the_environment(monkeypatch):
         canary_config(["check_v"])
 
 
+def test_attach_options_switch_adapter_mechanisms():
+    from kvcanary.bench.workload import attach_options
+
+    assert attach_options(["fused_steps=false", "late_hooks=1"]) == {"fused_steps": False, "late_hooks": True}
+    assert attach_options(None) == {}
+    for bad in (["fused_steps"], ["timing=true"], ["fused_steps=maybe"]):
+        with pytest.raises(ValueError, match="--attach-option must be KEY=true\\|false"):
+            attach_options(bad)
+
+
 def test_bench_engine_passes_canary_options_to_every_workload(monkeypatch, capsys):
     commands = []
     def run(cmd, **kw):

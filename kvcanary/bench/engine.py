@@ -37,7 +37,8 @@ import time
 import torch
 
 from kvcanary.bench import suite as bench_suite
-from kvcanary.bench.workload import SIZES, VOCAB, Workload, build_model, canary_config, environment, quantiles
+from kvcanary.bench.workload import (SIZES, VOCAB, Workload, attach_options, build_model, canary_config, environment,
+                                     quantiles)
 
 __all__ = ["SIZES", "VOCAB", "Workload", "build_model", "canary_config", "environment", "main", "quantiles",
            "run_once"]
@@ -62,7 +63,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     gen = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1)
     sync()
     t_start = time.perf_counter()
-    handle = attach(model, config=wl.canary_config, mode="log", timing=True) if canary else None
+    handle = attach(model, config=wl.canary_config, mode="log", timing=True, **wl.attach_options) if canary else None
     manager = bp = session = None
     steps, parts, outputs, phases = [], [], {}, {}
     prof = ranges = None
@@ -202,9 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE",
                     help="canary configuration for the runs with the canary, a CanaryConfig field each "
                          "(e.g. real_kv=all, check_v=true); repeatable; KV_CANARY_* variables apply first")
+    ap.add_argument("--attach-option", action="append", default=[], metavar="KEY=BOOL",
+                    help="an adapter mechanism on or off for the runs with the canary (step_graphs, late_hooks, "
+                         "fused_steps, token_history), e.g. fused_steps=false; repeatable")
     args = ap.parse_args(argv)
     try:
         canary_config(args.canary_option)  # a bad option fails before a model is built
+        attach_options(args.attach_option)
     except ValueError as e:
         ap.error(str(e))
     device = torch.device(args.device)
@@ -286,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                      "rounds": r,
                      "attention": "paged|kvc_varlen" if args.attention == "varlen" else "paged|sdpa", "cuda_graphs": False,
                      "async_batching": False, "canary_options": args.canary_option,
+                     "attach_options": args.attach_option,
                      "canary_config": dataclasses.asdict(wl.canary_config)},
         "environment": {**environment(device), "device": str(device)},
         "correctness": {"tokens_identical": ok, "violations": violations},

@@ -61,6 +61,7 @@ class Workload:
                        max_memory_percent=0.9)
 
         self.canary_config = canary_config(args.canary_option)
+        self.attach_options = attach_options(getattr(args, "attach_option", None))
 
     def measured(self, batch: int, tokens: int) -> bool:
         """Steps that count: pure decode steps of the whole batch, or prefill chunks."""
@@ -82,6 +83,19 @@ def canary_config(options: list[str] | None):
                              f"field ({', '.join(fields)}), got {opt!r}")
         env[ENV_PREFIX + key.upper()] = value
     return CanaryConfig.from_env(env)
+
+
+def attach_options(options: list[str] | None) -> dict:
+    """``KEY=VALUE`` adapter options of ``attach`` that switch a mechanism on or off (booleans)."""
+    allowed = ("step_graphs", "late_hooks", "fused_steps", "token_history")
+    out = {}
+    for opt in options or []:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in allowed or value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"kv-canary: bench_engine --attach-option must be KEY=true|false with KEY one of "
+                             f"{', '.join(allowed)}, got {opt!r}")
+        out[key] = value.lower() in ("true", "1")
+    return out
 
 
 def quantiles(xs: list[float]) -> dict:

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from kvcanary.runtime.graphs import capture, eager, replay_of
+from kvcanary.runtime.streams import event_wait, record_event, stream_cache
 
 MAX_FUSED = 48  # fused graphs kept: a few shapes, each in every (turn, slot) pair
 
@@ -50,13 +53,15 @@ class FusedSteps:
         self.pool = graphs.new_pool()
         self.captures = self.replays = 0
         self.pending = None  # CUDA: the side stream's event after the last fused step, not yet joined (join)
+        cuda = self.s.device.type == "cuda"
+        self.cache = stream_cache(self.s.device) if cuda else None
+        # after the inputs, after the forward, after the fused step (each recorded once per step)
+        self.events = tuple(torch.cuda.Event() for _ in range(3)) if cuda else ()
 
     def usable(self) -> bool:
-        """This step may run fused: late hooks, and the runtime has nothing to run between HEAD and TAIL."""
-        s = self.s
-        if not s._late or not s.canary.fusable():
-            return False
-        return s.device.type != "cuda" or s.bp.inputs_and_outputs.compute_stream is not None
+        """This step may run fused (its hooks late): the runtime has nothing to run between HEAD and TAIL."""
+        s = self.s  # (the caller checked that the hooks are late this step)
+        return s.canary.fusable() and (self.cache is None or s.bp.inputs_and_outputs.compute_stream is not None)
 
     def step(self, e, key: tuple, h):
         """Run steady step ``h`` fused (``e``: its StepGraphs entry under ``key``); returns its batch."""
@@ -75,19 +80,27 @@ class FusedSteps:
         else:
             self.entries.move_to_end(fkey)
         c.check_replayed(e.batch)
-        streams = launcher.streams
         compute = s.bp.inputs_and_outputs.compute_stream
-        side = streams.side() if compute is not None else None
+        side = launcher.streams.side() if compute is not None else None
         if side is None:  # (the CPU: nothing runs beside anything)
             self._replay(f, e, slot, done)
             return e.batch
         # on the side stream, after the engine's inputs (HEAD reads them) and the forward (TAIL reads the KV
-        # it wrote); the engine's streams wait for it only before they next touch KV or inputs (join)
-        streams.wait(side, streams.record(streams.current()))
-        streams.wait(side, streams.record(compute))
-        with streams.use(side):
+        # it wrote); the engine's streams wait for it only before they next touch KV or inputs (join). Its
+        # own events and the raw stream switch: a few C calls (this is every steady step's host path)
+        cache, (inputs, forward, done_ev) = self.cache, self.events
+        here = cache.current()
+        record_event(inputs, here)
+        event_wait(inputs, side)
+        record_event(forward, compute)
+        event_wait(forward, side)
+        cache.set(side)
+        try:
             self._replay(f, e, slot, done)
-        self.pending = streams.record(side)
+        finally:
+            cache.set(here)
+        record_event(done_ev, side)
+        self.pending = done_ev
         self.g.quiet = None  # a later unfused step waits for the compute stream (which will follow this one)
         return e.batch
 
@@ -107,9 +120,8 @@ class FusedSteps:
         waits for the compute stream only)."""
         event, self.pending = self.pending, None
         if event is not None:
-            streams = self.s.canary.launcher.streams
-            streams.wait(self.s.bp.inputs_and_outputs.compute_stream, event)
-            streams.wait(streams.current(), event)
+            event_wait(event, self.s.bp.inputs_and_outputs.compute_stream)
+            event_wait(event, self.cache.current())
 
     def _capture(self, e, h, slot) -> _Fused:
         """Record the step's whole canary work into a graph (on the canary's side stream on CUDA: the

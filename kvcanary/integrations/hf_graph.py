@@ -118,7 +118,7 @@ class StepGraphs:
         if per_turn:
             key = shape + (h.packed.data_ptr(),)
             e = self.entries.get(key)
-            if self.fused is not None and self.fused.usable():
+            if self.fused is not None and s._late and self.fused.usable():
                 if e is None:
                     e = self._entry(key, h, width)
                 else:

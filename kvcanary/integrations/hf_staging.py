@@ -64,10 +64,11 @@ class Staging:
         self.stream = stream_cache(device) if self.cuda else None
         self.pending: tuple | None = None  # (device slice, pinned slice, turn) filled but not yet copied
 
-    def send(self, parts: list, copy: bool = True) -> tuple[torch.Tensor, int]:
+    def send(self, parts: list, copy: bool = True, last: int | None = None) -> tuple[torch.Tensor, int]:
         """``parts`` (lists of ints or int64 arrays) back to back in one device buffer; returns the
-        buffer and where the last part starts. ``copy=False``: the host-to-device copy waits for
-        ``copy()`` (issued eagerly, or inside a captured step)."""
+        buffer and where the last part starts (``last``: the length of the last part, when the caller
+        passes it joined to the others). ``copy=False``: the host-to-device copy waits for ``copy()``
+        (issued eagerly, or inside a captured step)."""
         n = sum(len(p) for p in parts)
         turn = self.turn
         if self.cuda:
@@ -97,7 +98,7 @@ class Staging:
             self.pending = (out, host, turn)
             if copy:
                 self.copy()
-        return out, n - len(parts[-1])
+        return out, n - (len(parts[-1]) if last is None else last)
 
     def copy(self) -> None:
         """Issue the last ``send``'s host-to-device copy on the current stream (a no-op once issued, and

@@ -159,8 +159,8 @@ class TokenRows:
             t[7 * bs:8 * bs] = tokens
             self.unsynced = True
         t[bs:2 * bs] = prefix
-        cut = t.shape[0] - bs  # (the batch indices: the last part, as in the general path)
-        packed, small = self.stage.send([t[:cut], t[cut:]], copy)
+        # (the batch indices, the last bs values: the last part, as in the general path)
+        packed, small = self.stage.send([t], copy, last=bs)
         return HostStep(io, reqs, bs, bs, prefix, extend, self.last_rids, packed, 4 * bs, small,
                         max(prefix) + 1 if bs else 0, sum(prefix) + bs)
 
