@@ -20,7 +20,7 @@ from kvcanary import ops
 from kvcanary.ops import validate as v
 from kvcanary.format import RealKvMode, launch_tag
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec
-from kvcanary.runtime.checks import canary_device, check_batch_sizes, check_batch_values, slots_tensor
+from kvcanary.runtime.checks import canary_device, check_batch_sizes, check_batch_values
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.inject import Injector
 from kvcanary.runtime.launch import ForwardLauncher, check_batch
@@ -291,34 +291,6 @@ class Canary(RecordMoves):
         self._sweeps_unsnapshotted = False
         self.launcher.streams.note("snapshot", reads=("ring", "counters", "plan"), writes=("ring",))
         self.monitor.close_step(before=self.launcher.take_tail())
-
-    def sweep(self, slots: torch.Tensor, positions: torch.Tensor, prevs: torch.Tensor, group: str = "full") -> None:
-        """Verify slots held by the engine's prefix cache (SPEC 4.5) against the TAIL buffers.
-
-        Args: slots, positions, prevs: int32/int64 [n] triples from the engine's cache walker
-        (prev = slot of position - 1, -1 at position 0). More than ``sweep_capacity`` triples are
-        verified in several launches. Violations reach ``flush()`` at once, or the next step's drain.
-        """
-        if not self.enabled:
-            return
-        g = self._group(group)
-        slots = slots_tensor("sweep", "slots", slots, g.num_slots, self.device)
-        n = slots.shape[0]
-        for name, t in (("positions", positions), ("prevs", prevs)):
-            v.check_vector("sweep", name, v.check_tensor("sweep", name, t), v.INDEX_DTYPES, length=n)
-        cap = g.sweep_entries.capacity
-        self.launcher.hand_over(slots, positions, prevs)
-        with self.launcher.side():
-            self.launcher.streams.note("sweep", reads=("tail_bufs", "kv"), writes=("sweep_entries",),
-                                       atomic=("ring", "counters"))
-            for at in range(0, n, cap) if n else [0]:
-                ops.fill_entries(g.sweep_entries, slots[at:at + cap], positions[at:at + cap], prevs[at:at + cap])
-                for kv in g.kvs:
-                    ops.verify(buf=g.bufs["tail", kv], entries=g.sweep_entries, ring=self.ring,
-                               counters=self.counters, launch_tag=g.tag("sweep", kv), sources=g.sources[kv],
-                               real_kv_mode=self._mode(g, kv), backend=self.config.backend)
-        self._sweeps_unsnapshotted = self._open is None
-        self.monitor.note_sweep(group)
 
     def perturb_next_tokens(self, request_ids, tokens, positions=None):
         """Pass the engine's sampled next tokens through fault injection (token oracle engines).

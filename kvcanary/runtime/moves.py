@@ -1,18 +1,51 @@
-"""KV movement outside a forward: the records follow the engine's copies, offloads and restores.
+"""Records outside a forward: the sweep of held slots, and the engine's KV copies, offloads and restores.
 
-``RecordMoves`` is a part of ``Canary`` (``canary.py``): a fork or defragmentation copy carries the
-source slots' records to the destination slots, an offload saves the records of the slots it
-empties, a restore writes them into the slots the KV came back to.
+``RecordMoves`` is a part of ``Canary`` (``canary.py``): a sweep verifies slots the engine's prefix
+cache holds against the TAIL records; a fork or defragmentation copy carries the source slots'
+records to the destination slots, an offload saves the records of the slots it empties, a restore
+writes them into the slots the KV came back to.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvcanary import ops
+from kvcanary.ops import validate as v
 from kvcanary.runtime.checks import slots_tensor
 
 
 class RecordMoves:
+    """Needs the canary's ``groups``, ``launcher``, ``ring``, ``counters``, ``monitor``, ``injector``."""
+
+    def sweep(self, slots: torch.Tensor, positions: torch.Tensor, prevs: torch.Tensor, group: str = "full") -> None:
+        """Verify slots held by the engine's prefix cache (SPEC 4.5) against the TAIL buffers.
+
+        Args: slots, positions, prevs: int32/int64 [n] triples from the engine's cache walker
+        (prev = slot of position - 1, -1 at position 0). More than ``sweep_capacity`` triples are
+        verified in several launches. Violations reach ``flush()`` at once, or the next step's drain.
+        """
+        if not self.enabled:
+            return
+        g = self._group(group)
+        slots = slots_tensor("sweep", "slots", slots, g.num_slots, self.device)
+        n = slots.shape[0]
+        for name, t in (("positions", positions), ("prevs", prevs)):
+            v.check_vector("sweep", name, v.check_tensor("sweep", name, t), v.INDEX_DTYPES, length=n)
+        cap = g.sweep_entries.capacity
+        self.launcher.hand_over(slots, positions, prevs)
+        with self.launcher.side():
+            self.launcher.streams.note("sweep", reads=("tail_bufs", "kv"), writes=("sweep_entries",),
+                                       atomic=("ring", "counters"))
+            for at in range(0, n, cap) if n else [0]:
+                ops.fill_entries(g.sweep_entries, slots[at:at + cap], positions[at:at + cap], prevs[at:at + cap])
+                for kv in g.kvs:
+                    ops.verify(buf=g.bufs["tail", kv], entries=g.sweep_entries, ring=self.ring,
+                               counters=self.counters, launch_tag=g.tag("sweep", kv), sources=g.sources[kv],
+                               real_kv_mode=self._mode(g, kv), backend=self.config.backend)
+        self._sweeps_unsnapshotted = self._open is None
+        self.monitor.note_sweep(group)
+
     def copy_records(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, group: str = "full") -> None:
         """The engine copied KV from src_slots to dst_slots (fork, defragmentation): carry the records."""
         g = self._group(group)
