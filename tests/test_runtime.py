@@ -424,3 +424,77 @@ def test_token_failure_names_the_request_that_reads_the_wrong_kv():
     assert [(v.reasons, v.slot, v.expected_token) for v in vs] == [(("verify_token",), e.slot(1, 2), 99)]
     assert vs[0].reader_request == 2 and vs[0].reader_position == 2 and vs[0].writer_request == 1
     assert "read by request 2 at position 2" in vs[0].block() and "last written by request 1 at step 1" in vs[0].block()
+
+
+def replayed_steps(e, fused: list) -> None:
+    """An adapter that runs each step's whole canary work after the forward, as one sequence (the
+    transformers adapter's fused steady steps): ``device_before``, ``device_after``, ``replayed_step``,
+    wherever ``fusable`` allows; the ordinary hooks otherwise. ``fused`` collects its choices."""
+    c = e.canary
+    before, after = c.before_forward, c.after_forward
+    state = {}
+
+    def on_before(batch):
+        state["fuse"] = c.fusable()
+        fused.append(state["fuse"])
+        if not state["fuse"]:
+            before(batch)
+
+    def on_after(batch):
+        if not state["fuse"]:
+            return after(batch)
+        c.check_replayed(batch)
+        c.device_before(batch)
+        c.device_after(batch)
+        c.replayed_step(batch)
+
+    c.before_forward, c.after_forward = on_before, on_after
+
+
+def replayed_workload(e) -> list:
+    e.add(1, [1, 2, 3, 4])
+    e.add(2, [7, 8, 9])
+    e.forward([(1, 4), (2, 3)])
+    target = e.slot(1, 1)
+    for step in range(6):
+        corrupt = (lambda eng: eng.k.view(torch.uint8)[target, 0, 5].add_(1)) if step == 2 else None
+        e.forward([(1, 1), (2, 1)], corrupt=corrupt)
+        if step == 4:
+            e.rtt[e.reqs[2]["row"], 1] = e.slot(1, 2)  # a stale table entry: the next HEAD reads another's slot
+    return e.canary.flush()
+
+
+def test_a_step_replayed_after_the_forward_reports_what_the_hooks_report():
+    plain = engine(token_history="append", check_v=True, real_kv="all")
+    expected = replayed_workload(plain)
+    e = engine(token_history="append", check_v=True, real_kv="all")
+    fused = []
+    replayed_steps(e, fused)
+    got = replayed_workload(e)
+    assert all(fused) and len(fused) == 7
+    assert expected and [v.block() for v in got] == [v.block() for v in expected]
+    assert e.canary.step == plain.canary.step == 7
+    assert e.canary.stats()["entries_checked"] == plain.canary.stats()["entries_checked"]
+
+
+@pytest.mark.parametrize("why", ["sweep-due", "injecting", "open-forward"])
+def test_a_step_is_not_fusable_where_the_runtime_has_work_between_head_and_tail(why):
+    kw = {"sweep-due": dict(sweep_interval=2), "injecting": dict(inject_kv_prob=0.5)}.get(why, {})
+    e = engine(**kw)
+    c = e.canary
+    if why == "sweep-due":
+        c.sweep_provider = lambda: None
+    e.add(1, [1, 2, 3])
+    b = e.forward([(1, 3)])
+    if why == "sweep-due":  # a sweep runs at the close of every second step: not inside a fused sequence
+        assert c.step == 1 and not c.fusable()
+        e.forward([(1, 1)])
+        assert c.step == 2 and c.fusable()
+    elif why == "open-forward":
+        assert c.fusable()
+        c.before_forward(b)  # (the same batch again: a forward is open until its after_forward)
+        assert not c.fusable()
+        c.after_forward(b)
+        assert c.fusable()
+    else:
+        assert not c.fusable()
