@@ -141,7 +141,7 @@ class FusedSteps:
             finally:
                 launcher.on_current = False
 
-        side = launcher.streams.side() if self.s.device.type == "cuda" else None
+        side = launcher.streams.side() if self.cache is not None else None  # (CUDA)
         if side is None:
             capture(graph, body, pool=self.pool)
         else:

@@ -184,8 +184,7 @@ class Canary(RecordMoves):
             self._check_sizes(batch)
         if self._check_values:
             check_batch(batch, self.device)  # the values are read below: their metadata first
-            check_batch_values(batch, num_rows=self.num_rows, num_slots=self.pool.num_slots,
-                               max_context=self.max_context)
+            self.check_replayed(batch)
             self.launcher.checked = batch  # device_before need not check the same batch's metadata again
         self.launcher.join()
         if self.injector is not None:
