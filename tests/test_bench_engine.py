@@ -82,6 +82,8 @@ def test_bench_engine_runs_a_cpu_workload_and_reports_correctness(tmp_path, caps
 
     row = engine_matrix.table([{"name": "tiny", **r}]).splitlines()[2]
     assert row.startswith("| TINY | decode, batch 4,") and row.endswith("| True, 0 |")
+    overhead = row.split(" | ")[2]  # the column right after the workload: the end-to-end overhead
+    assert overhead == f"{r['overhead_pct']:+.2f}% / {r['overhead_pct_paired']:+.2f}%"
 
 
 def test_bench_engine_rejects_an_unknown_workload(capsys):

@@ -498,3 +498,26 @@ def test_a_step_is_not_fusable_where_the_runtime_has_work_between_head_and_tail(
         assert c.fusable()
     else:
         assert not c.fusable()
+
+
+def test_a_slot_fence_asks_cuda_only_while_its_record_may_be_in_flight(monkeypatch):
+    """``SlotFence`` (what a fused step's staged-values copy waits on before its turn's buffer is refilled):
+    complete once the slot's observation was finished or the slot was taken again, otherwise it
+    synchronizes the slot's event."""
+    from types import SimpleNamespace
+
+    from kvcanary.runtime import observer
+
+    synced = []
+    monkeypatch.setattr(observer, "event_synchronize", synced.append)
+    slot = SimpleNamespace(records=3, pending=(7, {}), event="event-of-step-7")
+    fence = observer.SlotFence(slot)
+    fence.wait()  # the observation of step 7 is not read yet: its copy may still be in flight
+    assert synced == ["event-of-step-7"]
+    slot.pending = None  # read (its event synchronized, or found complete)
+    fence.wait()
+    assert synced == ["event-of-step-7"]
+    slot.records, slot.pending = 4, (10, {})  # taken again (which reads step 7 first), step 10 in flight
+    fence.wait()
+    assert synced == ["event-of-step-7"]
+    assert observer.SlotFence(slot).records == 4

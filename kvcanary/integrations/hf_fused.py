@@ -29,6 +29,7 @@ from collections import OrderedDict
 import torch
 
 from kvcanary.runtime.graphs import capture, eager, replay_of
+from kvcanary.runtime.observer import SlotFence
 from kvcanary.runtime.streams import event_wait, record_event, stream_cache
 
 MAX_FUSED = 48  # fused graphs kept: a few shapes, each in every (turn, slot) pair
@@ -52,10 +53,12 @@ class FusedSteps:
         # step graphs (sharing theirs) do not
         self.pool = graphs.new_pool()
         self.captures = self.replays = 0
+        self.records = None  # the step's slot's events recorded before its close (_replay)
         self.pending = None  # CUDA: the side stream's event after the last fused step, not yet joined (join)
         cuda = self.s.device.type == "cuda"
         self.cache = stream_cache(self.s.device) if cuda else None
-        # after the inputs, after the forward, after the fused step (each recorded once per step)
+        # after the inputs, after the forward (each recorded once per step), after the fused step (recorded
+        # only where the step's snapshot slot has no event to stand for it: _replay)
         self.events = tuple(torch.cuda.Event() for _ in range(3)) if cuda else ()
 
     def usable(self) -> bool:
@@ -96,22 +99,37 @@ class FusedSteps:
         record_event(forward, compute)
         event_wait(forward, side)
         cache.set(side)
+        self.records = None
         try:
             self._replay(f, e, slot, done)
         finally:  # (a violation raised in mode "raise" too: the engine's streams still join what was issued)
             cache.set(here)
-            record_event(done_ev, side)
-            self.pending = done_ev
+            if self.records is not None and slot.records != self.records:
+                # the slot's event, recorded on the side stream after the replay, is the step's end: the
+                # engine's streams join it (no event of its own: one CUDA call fewer per step)
+                self.pending = slot.event
+            else:
+                record_event(done_ev, side)
+                self.pending = done_ev
         self.g.quiet = None  # a later unfused step waits for the compute stream (which will follow this one)
         return e.batch
 
     def _replay(self, f: _Fused, e, slot, done) -> None:
-        c = self.s.canary
+        c, stage = self.s.canary, self.s.builder.stage
         f.replay()
         self.replays += 1
         c.launcher.restore(f.state)
-        self.s.builder.stage.copied()  # (the staged values' copy is in the graph: its turn's event, this stream)
-        c.replayed_step(e.batch, slot, done)
+        if slot is None:
+            stage.copied()  # (the staged values' copy is in the graph: its turn's event, this stream)
+            c.replayed_step(e.batch, slot, done)
+            return
+        self.records = slot.records
+        try:
+            c.replayed_step(e.batch, slot, done)  # records the slot's event after the replay, on this stream
+        finally:
+            # the staged values' copy precedes that event: it stands for the turn's (SlotFence), so the turn's
+            # next refill needs no CUDA call once the slot's observation has been read
+            stage.copied(SlotFence(slot) if slot.records != self.records else None)
 
     def join(self) -> None:
         """The engine's compute stream and the current stream wait for the last fused step: called before

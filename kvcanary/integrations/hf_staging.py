@@ -61,6 +61,8 @@ class Staging:
         self.static: torch.Tensor | None = None  # the one buffer a captured multi-token step reads (hf_graph.py)
         self.turn = 0
         self.events = [torch.cuda.Event() for _ in range(depth)] if self.cuda else []
+        # or, per turn, a later point its copy is known to precede (copied's fence): no CUDA call to check it
+        self.fences: list = [None] * depth
         self.stream = stream_cache(device) if self.cuda else None
         self.pending: tuple | None = None  # (device slice, pinned slice, turn) filled but not yet copied
 
@@ -69,10 +71,14 @@ class Staging:
         buffer and where the last part starts (``last``: the length of the last part, when the caller
         passes it joined to the others). ``copy=False``: the host-to-device copy waits for ``copy()``
         (issued eagerly, or inside a captured step)."""
-        n = sum(len(p) for p in parts)
+        n = len(parts[0]) if len(parts) == 1 else sum(map(len, parts))
         turn = self.turn
-        if self.cuda:
-            event_synchronize(self.events[turn])  # this turn's last copy has long finished; never overwrite it in flight
+        if self.cuda:  # this turn's last copy has long finished; never overwrite it in flight
+            fence = self.fences[turn]
+            if fence is None:
+                event_synchronize(self.events[turn])
+            else:
+                fence.wait()
         if self.size < n:
             self.size = max(n, 2 * self.size, 1024)
             if self.cuda:
@@ -110,10 +116,16 @@ class Staging:
         if not capturing():
             self.copied()
 
-    def copied(self) -> None:
-        """The copy was issued on the current stream (eagerly, or by a graph's replay): its turn's event."""
+    def copied(self, fence=None) -> None:
+        """The copy was issued on the current stream (eagerly, or by a graph's replay): its turn's event.
+        ``fence``: a point recorded on the same stream after the copy (``observer.SlotFence``), which stands
+        for the event (one CUDA call fewer per step, and none when the turn comes round if it is known
+        complete by then)."""
         if self.pending is not None:
-            record_event(self.events[self.pending[2]], self.stream.current())
+            turn = self.pending[2]
+            if fence is None:
+                record_event(self.events[turn], self.stream.current())
+            self.fences[turn] = fence
             self.pending = None
 
     def to_static(self, packed: torch.Tensor) -> torch.Tensor:

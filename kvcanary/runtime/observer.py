@@ -52,7 +52,26 @@ class _Slot:
         self.host_np = self.host_small.numpy() if cuda else None  # read without a tensor call
         self.event = torch.cuda.Event() if cuda else None
         self.pending: tuple[int, dict] | None = None
+        self.records = 0  # events recorded (taken): a SlotFence names one of them
         self.key = ("snapshot", index)  # its captured sequence's key (graphs.run)
+
+
+class SlotFence:
+    """The stream position of a slot's event as ``taken`` recorded it: known complete, with no CUDA call,
+    once that observation was finished (its event synchronized or found complete) or the slot was taken
+    again (``take_slot`` finishes it first). Work issued on the same stream before that record (a fused
+    step's staged-values copy) is complete then too (``Staging.copied``)."""
+
+    __slots__ = ("slot", "records")
+
+    def __init__(self, slot: _Slot):
+        self.slot, self.records = slot, slot.records
+
+    def wait(self) -> None:
+        """Block until the position is complete (a CUDA call only while it may not be)."""
+        slot = self.slot
+        if slot.records == self.records and slot.pending is not None:
+            event_synchronize(slot.event)
 
 
 class HostObserver:
@@ -115,6 +134,7 @@ class HostObserver:
         self.order.append(slot)
         if not self.cuda:
             return self.collect(block=True)
+        slot.records += 1
         record_event(slot.event, self.streams.current())  # after the copy into pinned memory (_copy)
         return []
 
