@@ -11,6 +11,7 @@ tokens only.
 from __future__ import annotations
 
 import collections
+from array import array
 from operator import attrgetter, getitem, sub
 
 import numpy as np
@@ -142,7 +143,10 @@ class TokenRows:
             st = self.steady = _Steady(self, states)
         offsets = list(map(STATE_OFFSET, states))
         prefix = list(map(sub, offsets, extend))  # (extend: all ones)
-        t = st.values
+        t, words = st.values, st.words
+        # (the lists cross as int64 arrays: ``array`` converts Python ints faster than numpy, and the positions,
+        # written twice, are converted once)
+        positions = array("q", prefix)
         if self.want_history:
             if prefix != st.need:
                 return None
@@ -154,11 +158,11 @@ class TokenRows:
             except IndexError:
                 return None
             st.need = offsets  # (prefix + extend: the offsets themselves, one new token each)
-            t[4 * bs:5 * bs] = offsets
-            t[6 * bs:7 * bs] = prefix
-            t[7 * bs:8 * bs] = tokens
+            words[4 * bs:5 * bs] = array("q", offsets)
+            words[6 * bs:7 * bs] = positions
+            words[7 * bs:8 * bs] = array("q", tokens)
             self.unsynced = True
-        t[bs:2 * bs] = prefix
+        words[bs:2 * bs] = positions
         # (the batch indices, the last bs values: the last part, as in the general path)
         packed, small = self.stage.send([t], copy, last=bs)
         return HostStep(io, reqs, bs, bs, prefix, extend, self.last_rids, packed, 4 * bs, small,
@@ -200,7 +204,7 @@ class _Steady:
     new tokens (1 each), ids, then (with a token history) valid lengths, cell rows, cell columns,
     cell tokens, then each new token's batch index; and what the next steady step checks."""
 
-    __slots__ = ("values", "need", "prompt")
+    __slots__ = ("values", "words", "need", "prompt")
 
     def __init__(self, rows: TokenRows, states: list):
         bs, names = len(states), rows.last_names
@@ -210,6 +214,7 @@ class _Steady:
             parts += [ones, rows.last_rows, ones, ones]
         parts.append(np.arange(bs, dtype=np.int64))
         self.values = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+        self.words = memoryview(self.values).cast("B").cast("q")  # the same memory, written from ``array``s
         # each request's tokens in its row (the next position must be this), and its prompt length
         self.need = list(map(rows.sent.get, names, [-1] * bs))
         self.prompt = list(map(len, map(_S_PROMPT, states)))
