@@ -114,7 +114,9 @@ def test_trace_ranges_attribute_kernels_to_the_range_that_launched_them(tmp_path
         rng("kvcanary_after", 120, 10), launch(121, 5), launch(140, 6),  # 6: launched after the range
         # kernels run later than their launch, and the GPU-side annotation twin must not count
         kernel(50, 1, 3.0), kernel(60, 2, 4.0, "gpu_memcpy"), kernel(70, 3, 100.0), kernel(200, 4, 50.0),
-        kernel(210, 5, 2.5), kernel(220, 6, 1000.0),
+        kernel(210, 5, 1.0), kernel(220, 6, 1000.0),
+        # 5 is a CUDA graph's replay: each of its kernels and copies carries the replay's correlation id
+        kernel(211, 5, 1.0), kernel(212, 5, 0.5, "gpu_memcpy"),
         {"cat": "gpu_user_annotation", "name": "kvcanary_before", "ts": 50, "dur": 500},
     ]
     path = tmp_path / "t.json.gz"

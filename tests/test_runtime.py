@@ -446,7 +446,7 @@ def replayed_steps(e, fused: list) -> None:
         c.check_replayed(batch)
         c.device_before(batch)
         c.device_after(batch)
-        c.replayed_step(batch)
+        c.replayed_step(batch, launch_s=0.25)  # (the host seconds the adapter says launching took)
 
     c.before_forward, c.after_forward = on_before, on_after
 
@@ -470,8 +470,10 @@ def test_a_step_replayed_after_the_forward_reports_what_the_hooks_report():
     e = engine(token_history="append", check_v=True, real_kv="all")
     fused = []
     replayed_steps(e, fused)
+    e.canary.host_times = {"runtime_s": 0.0, "launch_s": 0.0}  # (benchmarks: host time split by part)
     got = replayed_workload(e)
     assert all(fused) and len(fused) == 7
+    assert e.canary.host_times["launch_s"] == 7 * 0.25 and e.canary.host_times["runtime_s"] > 0
     assert expected and [v.block() for v in got] == [v.block() for v in expected]
     assert e.canary.step == plain.canary.step == 7
     assert e.canary.stats()["entries_checked"] == plain.canary.stats()["entries_checked"]

@@ -26,7 +26,8 @@ _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def trace_ranges(path: str, names=RANGES) -> dict:
     """Per named profiler range of a chrome trace: device microseconds of the kernels and copies
-    launched inside it (matched to their launch by correlation id), host microseconds, count.
+    launched inside it (matched to their launch by correlation id: all of a graph replay's), host
+    microseconds, count.
 
     The profiler's own per-event device totals were not reliable for these ranges (one H200 run
     counted 2.4x the traced kernel time, another 0.4x); the trace's kernels are the ground truth.
@@ -36,8 +37,12 @@ def trace_ranges(path: str, names=RANGES) -> dict:
         events = json.load(f)["traceEvents"]
     launches = sorted((e["ts"], e["args"]["correlation"]) for e in events
                       if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {}))
-    device_us = {e["args"]["correlation"]: e["dur"] for e in events
-                 if e.get("cat") in _DEVICE_CATS and "correlation" in e.get("args", {})}
+    # summed per launch: every kernel and copy of a CUDA graph's replay carries the replay's correlation id
+    device_us: dict = {}
+    for e in events:
+        if e.get("cat") in _DEVICE_CATS and "correlation" in e.get("args", {}):
+            c = e["args"]["correlation"]
+            device_us[c] = device_us.get(c, 0.0) + e["dur"]
     starts = [t for t, _ in launches]
     out = {n: {"device_us": 0.0, "cpu_us": 0.0, "count": 0} for n in names}
     for e in events:

@@ -24,6 +24,7 @@ side-stream work pending, or the attach option ``fused_steps=False``.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import torch
@@ -116,16 +117,18 @@ class FusedSteps:
 
     def _replay(self, f: _Fused, e, slot, done) -> None:
         c, stage = self.s.canary, self.s.builder.stage
+        t0 = time.perf_counter()
         f.replay()
+        launch_s = time.perf_counter() - t0  # (the runtime adds it to its launch time where benchmarks ask)
         self.replays += 1
         c.launcher.restore(f.state)
         if slot is None:
             stage.copied()  # (the staged values' copy is in the graph: its turn's event, this stream)
-            c.replayed_step(e.batch, slot, done)
+            c.replayed_step(e.batch, slot, done, launch_s)
             return
         self.records = slot.records
         try:
-            c.replayed_step(e.batch, slot, done)  # records the slot's event after the replay, on this stream
+            c.replayed_step(e.batch, slot, done, launch_s)  # records the slot's event after the replay, here
         finally:
             # the staged values' copy precedes that event: it stands for the turn's (SlotFence), so the turn's
             # next refill needs no CUDA call once the slot's observation has been read
