@@ -395,6 +395,27 @@ def test_planted_bug_is_reported(llama, bug):
     EXPECTED[bug](lambda rid: run.names.get(rid, ""), run.violations)
 
 
+def test_a_planted_bug_reports_whatever_the_allocator_left_in_the_pool(llama, monkeypatch):
+    """transformers allocates the paged cache with ``torch.empty``; a never-written slot then holds whatever
+    was in that memory. With NaNs there, attention's output made the sampler fail before the canary's work
+    of that step ran (a device-side assert on CUDA, an error ending the generation loop on the CPU): the
+    planted-bug harness zeroes the pool first, so the run is the canary's report, not the allocator's luck."""
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    class NanAllocator:  # the cache module's torch, with empty() returning NaN-filled memory
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*shape, **kw):
+            return torch.full(*shape, float("nan"), **kw) if len(shape) == 1 else torch.empty(*shape, **kw)
+
+    monkeypatch.setattr(cb_cache, "torch", NanAllocator())
+    run = run_workload(llama, bug="never-written")
+    assert run.violations and all(toks for toks in run.tokens.values())
+    check_never_written(run.violations)
+
+
 def test_raise_mode_surfaces_the_violation_to_the_caller(llama):
     undo = hf_bugs.plant(llama, "flip-kv")
     handle = attach(llama, mode="raise")

@@ -54,6 +54,7 @@ def plant(model, name: str) -> Callable[[], None]:
             bp = orig_create()
             if not getattr(bp, "_kvcanary_bug", None):
                 bp._kvcanary_bug = name
+                _zero_pool(bp)
                 _PLANTERS[name.replace("-", "_")](bp, state)
             return bp
 
@@ -69,6 +70,16 @@ def plant(model, name: str) -> Callable[[], None]:
             vars(model).pop("init_continuous_batching", None)
 
     return undo
+
+
+def _zero_pool(bp) -> None:
+    """Zero the paged cache before a planted bug runs. transformers allocates it with ``torch.empty``, and a
+    planted bug makes attention read slots nothing wrote: uninitialised bytes that may decode as NaN or
+    inf, which the sampler rejects (a device-side assert on CUDA, an error ending the generation loop on
+    the CPU) before the canary's work of that step has run. Zeros keep the forward finite, so each run
+    shows the canary's report, whatever the allocator left in that memory."""
+    for t in (*bp.cache.key_cache, *bp.cache.value_cache):
+        t.zero_()
 
 
 def _once(state) -> bool:
