@@ -523,3 +523,28 @@ def test_a_slot_fence_asks_cuda_only_while_its_record_may_be_in_flight(monkeypat
     fence.wait()
     assert synced == ["event-of-step-7"]
     assert observer.SlotFence(slot).records == 4
+
+
+def test_check_before_forward_reports_what_the_hooks_report_without_counting_twice():
+    plain = engine(token_history="append", check_v=True, real_kv="all")
+    expected = replayed_workload(plain)
+    early = engine(token_history="append", check_v=True, real_kv="all", check_before_forward=True)
+    got = replayed_workload(early)
+    # the stale table entry's HEAD rows come before the forward, the flipped byte's TAIL rows at its close:
+    # each once, with the same step, reader and writer
+    assert expected and sorted(v.block() for v in got) == sorted(v.block() for v in expected)
+    assert early.canary.stats()["entries_checked"] == plain.canary.stats()["entries_checked"]
+
+
+def test_check_before_forward_raises_before_the_engine_runs_the_forward():
+    e = engine(mode="raise", check_before_forward=True)
+    e.add(1, [1, 2, 3, 4])
+    e.add(2, [7, 8, 9])
+    e.forward([(1, 4), (2, 3)])
+    e.rtt[e.reqs[2]["row"], 1] = e.slot(1, 2)  # a stale table entry: request 2 reads request 1's slot
+    ran = []
+    with pytest.raises(KvCanaryViolationError) as err:
+        e.forward([(1, 1), (2, 1)], corrupt=lambda eng: ran.append(True))  # (corrupt: called by the forward)
+    assert not ran and e.canary.step == 1  # the forward never ran, and never closed
+    v = err.value.violations[0]
+    assert v.step == 2 and v.launch_tag.startswith("HEAD") and v.reader_request == 2

@@ -395,14 +395,11 @@ def test_planted_bug_is_reported(llama, bug):
     EXPECTED[bug](lambda rid: run.names.get(rid, ""), run.violations)
 
 
-def test_a_planted_bug_reports_whatever_the_allocator_left_in_the_pool(llama, monkeypatch):
-    """transformers allocates the paged cache with ``torch.empty``; a never-written slot then holds whatever
-    was in that memory. With NaNs there, attention's output made the sampler fail before the canary's work
-    of that step ran (a device-side assert on CUDA, an error ending the generation loop on the CPU): the
-    planted-bug harness zeroes the pool first, so the run is the canary's report, not the allocator's luck."""
+def nan_filled_cache(monkeypatch) -> None:
+    """transformers' paged cache allocated NaN-filled (its ``torch.empty`` leaves whatever memory held)."""
     from transformers.generation.continuous_batching import cache as cb_cache
 
-    class NanAllocator:  # the cache module's torch, with empty() returning NaN-filled memory
+    class NanAllocator:  # the cache module's torch, with empty(shape) returning NaN-filled memory
         def __getattr__(self, name):
             return getattr(torch, name)
 
@@ -411,9 +408,30 @@ def test_a_planted_bug_reports_whatever_the_allocator_left_in_the_pool(llama, mo
             return torch.full(*shape, float("nan"), **kw) if len(shape) == 1 else torch.empty(*shape, **kw)
 
     monkeypatch.setattr(cb_cache, "torch", NanAllocator())
+
+
+def test_a_planted_bug_reports_whatever_the_allocator_left_in_the_pool(llama, monkeypatch):
+    """transformers allocates the paged cache with ``torch.empty``; a never-written slot then holds whatever
+    was in that memory. With NaNs there, attention's output made the sampler fail before the canary's work
+    of that step ran (a device-side assert on CUDA, an error ending the generation loop on the CPU): the
+    planted-bug harness zeroes the pool first, so the run is the canary's report, not the allocator's luck."""
+    nan_filled_cache(monkeypatch)
     run = run_workload(llama, bug="never-written")
     assert run.violations and all(toks for toks in run.tokens.values())
     check_never_written(run.violations)
+
+
+def test_check_before_forward_raises_before_a_forward_that_would_fail_on_what_it_reads(llama, monkeypatch):
+    """The same NaN-filled pool without the harness's zeroing: by default the sampler fails on the forward's
+    NaN output before the canary's report of that step; with ``check_before_forward`` (mode "raise") the
+    canary raises the never-written read before the forward runs."""
+    nan_filled_cache(monkeypatch)
+    monkeypatch.setattr(hf_bugs, "_zero_pool", lambda bp: None)
+    late = run_workload(llama, bug="never-written")
+    assert not late.violations and not any(late.tokens.values())  # the sampler ended the run first
+    with pytest.raises(KvCanaryViolationError) as err:
+        run_workload(llama, bug="never-written", mode="raise", check_before_forward=True)
+    check_never_written(err.value.violations)
 
 
 def test_raise_mode_surfaces_the_violation_to_the_caller(llama):

@@ -221,7 +221,8 @@ class Session(KvMoves):
         compute stream's position before the forward: ``ready``)."""
         c = self.canary
         self.ready = None
-        if not self.late_hooks or not c.enabled or self.builder.oracle or c.injector is not None:
+        if (not self.late_hooks or not c.enabled or self.builder.oracle or c.injector is not None
+                or c.config.check_before_forward):  # (that check must precede the forward)
             return False
         io = self.bp.inputs_and_outputs
         if self.graphs is None:
@@ -252,6 +253,9 @@ class Session(KvMoves):
                 self.canary.before_forward(self._batch)
                 if self.canary.enabled:
                     self.builder.verify_new_reads(self._batch)
+        if self.canary.config.check_before_forward:  # (the new tokens' read check included)
+            with self._engine_stream():
+                self.canary.check_reads_now()
 
     def _after(self) -> None:
         t0 = time.perf_counter()

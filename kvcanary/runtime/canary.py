@@ -144,6 +144,22 @@ class Canary(RecordMoves):
             raise
         if self.host_times is not None:
             self._add_times(t1 - t0, time.perf_counter() - t1)
+        if self.config.check_before_forward:
+            self.check_reads_now()
+
+    def check_reads_now(self) -> None:
+        """Report what the open forward's HEAD found before the engine runs it (``check_before_forward``; an
+        adapter whose own before work adds checks calls it after them): the ring so far is read at once as
+        the forward's own observation (a device sync on CUDA), so in mode "raise" a bad read raises before
+        the forward reads wrong KV, or fails on it. What TAIL finds stays in the step's close."""
+        if not self.enabled or self._open is None:
+            return
+        self.launcher.join()  # the current stream after HEAD's launches (the snapshot copies the ring there)
+        if self.device.type == "cuda":
+            # and after every stream's: an adapter may replay its before work on a stream of its own, and
+            # the snapshot resets the ring, which must not overtake a verify still appending to it
+            torch.cuda.synchronize(self.device)
+        self.monitor.drain_open(self._open, self.step + 1)
 
     def after_forward(self, batch: ForwardBatch) -> None:
         """Device part, then host part, after the engine's forward wrote KV."""

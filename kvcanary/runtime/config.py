@@ -67,6 +67,7 @@ class CanaryConfig:
         inject_group: address space the KV-byte flips target: "full" | "swa".
         overlap: on CUDA, run verify and write launches on a side stream beside the forward (same results).
         launch_graphs: with overlap, replay each batch shape's verify and write launches from a CUDA graph (not faster on H200).
+        check_before_forward: read what HEAD found before the engine's forward runs (a device sync per forward on CUDA), so a bad read is reported, in mode "raise" raised, before the forward can fail on it.
     """
 
     mode: str = "log"
@@ -96,6 +97,7 @@ class CanaryConfig:
     inject_group: str = "full"
     overlap: bool = True
     launch_graphs: bool = False
+    check_before_forward: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -83,6 +83,13 @@ class Monitor:
         self._process(done + self.observer.taken(slot, self.canary.step, self._meta()))
         self._periodic()
 
+    def drain_open(self, batch, step: int) -> None:
+        """The ring so far as the open forward's (``step``, reading ``batch``) own observation, drained with
+        every pending one (``Canary.check_reads_now``); the ring starts again for the step's close."""
+        self.batches[step] = batch  # reader attribution before the forward closes (note_forward sets it again)
+        self._process(self.observer.snapshot(step, self._meta()))
+        self.flush()
+
     def _meta(self) -> dict:
         return {"forwards": self.forwards, "sweeps": dict(self.sweeps)}
 
