@@ -67,7 +67,7 @@ def fused_step(monkeypatch, fail_close: bool = False):
     session = SimpleNamespace(canary=canary, builder=SimpleNamespace(stage=stage),
                               bp=SimpleNamespace(inputs_and_outputs=SimpleNamespace(compute_stream="compute")))
     fs = FusedSteps.__new__(FusedSteps)
-    fs.s, fs.g, fs.cache, fs.pending, fs.records = session, SimpleNamespace(quiet=1), streams, None, None
+    fs.s, fs.g, fs.cache, fs.pending = session, SimpleNamespace(quiet=1), streams, None
     fs.events, fs.replays = ("inputs", "forward", "done"), 0
     key = ("shape",)
     fs.entries = OrderedDict({key + (1,): SimpleNamespace(replay=lambda: calls.append(("replay", streams.current())),

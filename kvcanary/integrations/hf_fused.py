@@ -54,7 +54,6 @@ class FusedSteps:
         # step graphs (sharing theirs) do not
         self.pool = graphs.new_pool()
         self.captures = self.replays = 0
-        self.records = None  # the step's slot's events recorded before its close (_replay)
         self.pending = None  # CUDA: the side stream's event after the last fused step, not yet joined (join)
         cuda = self.s.device.type == "cuda"
         self.cache = stream_cache(self.s.device) if cuda else None
@@ -100,12 +99,12 @@ class FusedSteps:
         record_event(forward, compute)
         event_wait(forward, side)
         cache.set(side)
-        self.records = None
+        records = None if slot is None else slot.records  # the slot's events recorded before this step's close
         try:
             self._replay(f, e, slot, done)
         finally:  # (a violation raised in mode "raise" too: the engine's streams still join what was issued)
             cache.set(here)
-            if self.records is not None and slot.records != self.records:
+            if slot is not None and slot.records != records:
                 # the slot's event, recorded on the side stream after the replay, is the step's end: the
                 # engine's streams join it (no event of its own: one CUDA call fewer per step)
                 self.pending = slot.event
@@ -126,13 +125,13 @@ class FusedSteps:
             stage.copied()  # (the staged values' copy is in the graph: its turn's event, this stream)
             c.replayed_step(e.batch, slot, done, launch_s)
             return
-        self.records = slot.records
+        records = slot.records
         try:
             c.replayed_step(e.batch, slot, done, launch_s)  # records the slot's event after the replay, here
         finally:
             # the staged values' copy precedes that event: it stands for the turn's (SlotFence), so the turn's
             # next refill needs no CUDA call once the slot's observation has been read
-            stage.copied(SlotFence(slot) if slot.records != self.records else None)
+            stage.copied(SlotFence(slot) if slot.records != records else None)
 
     def join(self) -> None:
         """The engine's compute stream and the current stream wait for the last fused step: called before
