@@ -32,18 +32,22 @@ from kvcanary.integrations.hf_staging import STAGING_TURNS  # noqa: E402
 # decode rounds skip those steps in both runs and time the steady state (the captures' cost is in the
 # whole-generation rows)
 WARM = ["--skip", str(STEADY_SIGHTINGS + STAGING_TURNS + 2)]
+# Steps, not runs, are paired wherever two engines' KV caches fit the GPU (kvcanary/bench/lockstep.py):
+# a shared host drifts more between two runs than the canary costs
+LOCK = ["--lockstep"]
 # name: (size, batch, context, mode, extra bench_engine arguments, budget weight)
 MATRIX = {
-    "1b-decode-b1-c2k": ("1b", 1, 2048, "decode", ["--steps", "64", *WARM], 1.0),
-    "1b-decode-b1-c8k": ("1b", 1, 8192, "decode", ["--steps", "64", *WARM], 1.0),
-    "1b-decode-b64-c2k": ("1b", 64, 2048, "decode", ["--steps", "24", *WARM], 1.0),
-    "1b-decode-b64-c8k": ("1b", 64, 8192, "decode", ["--steps", "16", *WARM], 1.5),
-    "1b-prefill-b8-c8k": ("1b", 8, 8192, "prefill", [], 0.8),
-    "8b-decode-b1-c2k": ("8b", 1, 2048, "decode", ["--steps", "48", *WARM], 1.2),
-    "8b-decode-b1-c8k": ("8b", 1, 8192, "decode", ["--steps", "48", *WARM], 1.2),
-    "8b-decode-b64-c2k": ("8b", 64, 2048, "decode", ["--steps", "16", *WARM], 1.5),
-    "8b-prefill-b8-c8k": ("8b", 8, 8192, "prefill", [], 1.2),
-    # last: the heaviest (a 19 s prefill per generation), it takes what the others left
+    "1b-decode-b1-c2k": ("1b", 1, 2048, "decode", ["--steps", "64", *WARM, *LOCK], 1.0),
+    "1b-decode-b1-c8k": ("1b", 1, 8192, "decode", ["--steps", "64", *WARM, *LOCK], 1.0),
+    "1b-decode-b64-c2k": ("1b", 64, 2048, "decode", ["--steps", "24", *WARM, *LOCK], 1.0),
+    "1b-decode-b64-c8k": ("1b", 64, 8192, "decode", ["--steps", "16", *WARM, *LOCK], 1.5),
+    "1b-prefill-b8-c8k": ("1b", 8, 8192, "prefill", LOCK, 0.8),
+    "8b-decode-b1-c2k": ("8b", 1, 2048, "decode", ["--steps", "48", *WARM, *LOCK], 1.2),
+    "8b-decode-b1-c8k": ("8b", 1, 8192, "decode", ["--steps", "48", *WARM, *LOCK], 1.2),
+    "8b-decode-b64-c2k": ("8b", 64, 2048, "decode", ["--steps", "16", *WARM, *LOCK], 1.5),
+    "8b-prefill-b8-c8k": ("8b", 8, 8192, "prefill", LOCK, 1.2),
+    # last: the heaviest (a 19 s prefill per generation), it takes what the others left; two of its KV
+    # caches (73 GB each) do not fit one H200, so its runs, not steps, are paired
     "8b-decode-b64-c8k": ("8b", 64, 8192, "decode", ["--steps", "12", *WARM], 3.0),
 }
 FIXED_S = 25  # per workload, outside the rounds: process start, model build, warm-up, profiled run
@@ -101,8 +105,8 @@ def line(d: dict) -> str:
 def table(results: list[dict]) -> str:
     # the end-to-end overhead first: what a user of the engine pays
     head = ("| model | workload | end-to-end overhead (pooled / paired) | step without | step with | "
-            "tokens/s without / with | canary host per step (integration + runtime + launches) | GPU share | "
-            "steps | tokens identical, violations |")
+            "tokens/s without / with (whole generation) | canary host per step (integration + runtime + launches) | GPU share | "
+            "steps (rounds, pairing) | tokens identical, violations |")
     out = [head, "|" + "---|" * 10]
     for d in results:
         if d.get("error") and "workload" not in d:
@@ -111,6 +115,7 @@ def table(results: list[dict]) -> str:
         w, g, p = d["workload"], d.get("generation", {}), d.get("canary_host_us_by_part", {})
         gpu = (d.get("gpu_time") or {}).get("canary_over_forward")
         wl = f"{w['mode']}, batch {w['batch']}, {w['context'] // 1024}K"
+        pairs = f"{w['rounds']} rounds, " + ("steps paired" if w.get("pairing") == "steps" else "runs paired")
         out.append(
             f"| {w['model_size'].upper()} | {wl} | {d['overhead_pct']:+.2f}% / {d.get('overhead_pct_paired') or 0:+.2f}% | "
             f"{d['step_without_canary']['median_ms']:.2f} ms | {d['step_with_canary']['median_ms']:.2f} ms | "
@@ -118,7 +123,7 @@ def table(results: list[dict]) -> str:
             f"{g.get('tokens_per_s_with') or 0:.0f} | {p.get('total', 0):.0f} us ({p.get('integration', 0):.0f} + "
             f"{p.get('runtime', 0):.0f} + {p.get('launch', 0):.0f}) | "
             f"{'n/a' if gpu is None else f'{100 * gpu:.2f}%'} | {d['step_without_canary']['n']} + "
-            f"{d['step_with_canary']['n']} | {d['correctness']['tokens_identical']}, "
+            f"{d['step_with_canary']['n']} ({pairs}) | {d['correctness']['tokens_identical']}, "
             f"{d['correctness']['violations']} |")
     return "\n".join(out)
 

@@ -178,3 +178,40 @@ def test_bench_engine_passes_canary_options_to_every_workload(monkeypatch, capsy
     assert cli.main(["bench", "--engine", "--device", "cpu", "--canary-option", "real_kv=maybe"]) == 2
     assert "--canary-option real_kv must be one of ('none', 'partial', 'all'), got 'maybe'" in capsys.readouterr().err
     assert len(commands) == spawned  # rejected before any workload process
+
+
+def test_lockstep_pairs_each_canary_step_with_its_twin(tmp_path, capsys):
+    from kvcanary.bench import engine
+
+    out = tmp_path / "lock.json"
+    rc = engine.main(["--device", "cpu", "--model-size", "tiny", "--batch", "3", "--context", "24", "--steps", "6",
+                      "--skip", "1", "--rounds", "2", "--lockstep", "--no-profile", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["workload"]["pairing"] == "steps" and r["workload"]["rounds"] == 2
+    assert r["correctness"] == {"tokens_identical": True, "violations": 0} and r["unpaired_steps"] == 0
+    # 11 new tokens per request (prefill steps 2 + skip 1 + steps 6 + 2): the prefill samples the first, 10
+    # whole-batch decode steps sample the rest, the first skipped: 9 pairs per round, both sides alike
+    assert r["step_without_canary"]["n"] == r["step_with_canary"]["n"] == 2 * 9
+    parts = r["step_parts_us"]
+    assert all(parts[side][k] > 0 for side in ("without", "with") for k in ("prepare", "step", "update"))
+    assert len(r["canary_host_time_in_step"]) and r["canary_host_us_by_part"]["total"] > 0
+    assert r["generation"]["tokens_per_s_with"] > 0 and r["overhead_pct_paired"] is not None
+    capsys.readouterr()
+
+
+def test_lockstep_summary_pairs_by_step_and_skips_what_does_not_match():
+    from kvcanary.bench.lockstep import summarize
+
+    def steps(*rows):  # (batch, tokens, measured, seconds): the three timed parts share it, no collection
+        return [(b, t, m, (s / 2, s / 4, s / 4, 0.0)) for b, t, m, s in rows]
+
+    a = steps((2, 2, True, 1.0), (2, 2, True, 2.0), (2, 2, False, 9.0), (2, 2, True, 4.0), (1, 1, True, 1.0))
+    b = steps((2, 2, True, 1.1), (2, 2, True, 2.4), (2, 2, False, 1.0), (2, 9, True, 4.0), (1, 1, True, 1.3))
+    out = {"outputs": {"r0": [1, 2, 3]}}
+    s = summarize([{"without": {"steps": a, **out}, "with": {"steps": b, **out}}])
+    assert s["off"] == [1.0, 2.0, 1.0] and s["on"] == [1.1, 2.4, 1.3]  # the unmeasured step is not timed
+    assert s["unpaired"] == 1  # the step whose batches differ
+    assert abs(s["paired_pct"] - 20.0) < 1e-9  # ratios 1.1, 1.2, 1.3: median 1.2
+    assert s["parts_us"]["with"]["prepare"] == 1e6 * 1.3 / 2  # (halves of 1.1, 2.4, 1.3)
+    assert abs(s["tokens_per_s"]["without"] - 3 / 17.0) < 1e-12  # every step of a generation counts

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from kvcanary.bench import lockstep
 from kvcanary.bench import suite as bench_suite
 from kvcanary.bench.workload import (SIZES, VOCAB, Workload, attach_options, build_model, canary_config, environment,
                                      quantiles)
@@ -188,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="after --rounds, keep adding rounds while one more (of the average length) fits in this "
                          "many seconds of rounds (0 = exactly --rounds)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="pair steps, not runs: two engines (without and with the canary) on one model step in "
+                         "turn and each step is compared with its twin (bench/lockstep.py; twice the KV memory)")
     ap.add_argument("--max-rounds", type=int, default=40, help="most rounds under --budget-s")
     ap.add_argument("--attention", choices=("varlen", "sdpa"), default=None,
                     help="paged attention: varlen (kvcanary.integrations.varlen_attention; default on cuda) or the engine's "
@@ -251,8 +255,23 @@ def main(argv: list[str] | None = None) -> int:
         spent = time.perf_counter() - t_rounds
         return spent + spent / r <= args.budget_s  # another round of the average length still fits
 
+    lock = None
+    if args.lockstep:  # two engines stepping in turn, each round's steps paired (bench/lockstep.py)
+        lock = []
+        while more_rounds():
+            t1 = time.perf_counter()
+            res = lockstep.run_lockstep(model, wl, first_canary=bool(r % 2))
+            lock.append(res)
+            parts += res["parts"]
+            ok &= res["without"]["outputs"] == res["with"]["outputs"]
+            violations += res["violations"]
+            print(f"round {r} (lockstep): {time.perf_counter() - t1:.2f} s, {len(res['with']['steps'])} steps",
+                  file=sys.stderr)
+            r += 1
+        paired = lockstep.summarize(lock)
+        off, on = paired["off"], paired["on"]
     # Alternating whole generations (A B, then B A, ...): at least --rounds, more while --budget-s lasts.
-    while more_rounds():
+    while lock is None and more_rounds():
         order = (False, True) if r % 2 == 0 else (True, False)
         res = {}
         for c in order:
@@ -288,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"model_size": args.model_size, **SIZES[args.model_size], "vocab_size": VOCAB,
                      "dtype": str(dtype).replace("torch.", ""), "batch": args.batch, "context": args.context,
                      "mode": args.mode, "max_batch_tokens": args.chunk, "block_size": args.block_size,
-                     "rounds": r,
+                     "rounds": r, "pairing": "steps" if lock is not None else "runs",
                      "attention": "paged|kvc_varlen" if args.attention == "varlen" else "paged|sdpa", "cuda_graphs": False,
                      "async_batching": False, "canary_options": args.canary_option,
                      "attach_options": args.attach_option,
@@ -316,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         # end to end: pooled medians, and the median over rounds of each round's with/without ratio
         result["overhead_pct"] = 100 * (q_on["median_ms"] / q_off["median_ms"] - 1)
         result["overhead_pct_paired"] = 100 * statistics.median(pair_overheads) if pair_overheads else None
+        if lock is not None:  # paired step by step; whole generations as each engine's summed steps
+            result["overhead_pct_paired"] = paired["paired_pct"]
+            result["step_parts_us"], result["unpaired_steps"] = paired["parts_us"], paired["unpaired"]
+            tps = paired["tokens_per_s"]
+            result["generation"].update(tokens_per_s_without=tps["without"], tokens_per_s_with=tps["with"])
         result["canary_share_of_step"] = q_c["median_ms"] / q_on["median_ms"] if q_c.get("n") else None
         g = result["generation"]
         if g["tokens_per_s_without"] and g["tokens_per_s_with"]:

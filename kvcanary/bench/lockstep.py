@@ -1,0 +1,170 @@
+"""Step-interleaved A/B: two engines on one model, one with the canary, stepping in turn.
+
+Alternating whole generations (``engine.run_once``) leaves each pair of runs seconds apart, and a
+shared host's speed drifts by more than the canary's cost over seconds (one 1B batch-1 workload
+ranged from 42 to 85 tokens/s between rounds of one call). Here two continuous-batching managers
+over the same model and the same prompts run side by side: engine A without the canary, engine B
+with it, and their steps alternate (A B, then B A, ...), so each step of B is paired with the same
+step of A a few milliseconds away. The pairs' ratio cancels the host's drift; its median over many
+pairs is the end-to-end overhead.
+
+Each step is timed from its ``prepare_next_batch`` to the end of its ``update_batch`` followed by a
+device synchronize: the canary's side-stream work that would otherwise run beside the engine's host
+work between steps is charged to its own step in full (a conservative count), and none of it runs
+while the other engine's step is timed. Every step is split into its parts (batch preparation,
+generation step with the forward and the canary's hooks, update) and the garbage collector's time
+inside it, so where the canary's cost lands is visible. The two engines' steps must schedule the
+same batches (same requests, same tokens); a step where they do not is reported, not paired.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+__all__ = ["run_lockstep", "summarize"]
+
+PARTS = ("prepare", "step", "update", "gc")
+
+
+def _gc_clock():
+    """A callback for ``gc.callbacks`` and the seconds it has seen collections take."""
+    total, start = [0.0], [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            total[0] += time.perf_counter() - start[0]
+
+    return cb, total
+
+
+def run_lockstep(model, wl, first_canary: bool = False) -> dict:
+    """One generation of the workload on two engines stepping in turn (``first_canary``: which engine
+    takes the first step; the order alternates every step after it).
+
+    Returns per engine (False: without the canary, True: with it) the timed steps (``steps``: one
+    ``(batch, tokens, measured, seconds by part)`` per step), outputs, the canary's host seconds per
+    measured step (``parts``) and violations found."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from kvcanary.integrations.transformers import attach
+
+    cuda = wl.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    gen = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1)
+    managers, bps, handle, session = {}, {}, None, None
+    cb, gc_s = _gc_clock()
+    out = {c: {"steps": [], "outputs": {}} for c in (False, True)}
+    parts, violations = [], 0
+    try:
+        for c in (False, True):
+            m = model.init_continuous_batching(gen, ContinuousBatchingConfig(**wl.cb))
+            if c:
+                handle = attach(m, config=wl.canary_config, mode="log", timing=True, **wl.attach_options)
+            bps[c] = m.batch_processor = m._create_batch_processor()
+            managers[c] = m
+            for i, p in enumerate(wl.prompts):
+                m.add_request(p, request_id=f"r{i}", max_new_tokens=wl.new_tokens)
+        session = handle.sessions[-1]
+        session.canary.host_times = {"runtime_s": 0.0, "launch_s": 0.0}
+        live, seen = {False: True, True: True}, {False: 0, True: 0}
+        gc.callbacks.append(cb)
+        sync()
+        i = 0
+        while live[False] or live[True]:
+            order = (first_canary, not first_canary) if i % 2 == 0 else (not first_canary, first_canary)
+            for c in order:
+                if not live[c]:
+                    continue
+                bp, m = bps[c], managers[c]
+                g0 = gc_s[0]
+                t0 = time.perf_counter()
+                if not bp.prepare_next_batch():
+                    live[c] = False
+                    continue
+                io = bp.inputs_and_outputs
+                batch, tokens = len(io.requests_in_batch), io.total_seqlen_q
+                t1 = time.perf_counter()
+                host = dict(session.canary.host_times) if c else None
+                m._generation_step()
+                t2 = time.perf_counter()
+                bp.update_batch()
+                sync()
+                t3 = time.perf_counter()
+                measured = wl.measured(batch, tokens)
+                take = measured and seen[c] >= wl.args.skip
+                seen[c] += measured
+                out[c]["steps"].append((batch, tokens, take, (t1 - t0, t2 - t1, t3 - t2, gc_s[0] - g0)))
+                if c and take:
+                    t, h = session.timings[-1], session.canary.host_times
+                    runtime, launch = h["runtime_s"] - host["runtime_s"], h["launch_s"] - host["launch_s"]
+                    total = t["before_s"] + t["after_s"] + t["update_s"]
+                    parts.append({"integration_s": total - runtime - launch, "runtime_s": runtime,
+                                  "launch_s": launch, "total_s": total})
+            i += 1
+        for c in (False, True):
+            for st in list(bps[c].scheduler.active_requests.values()):
+                out[c]["outputs"][st.request_id] = st.generated_tokens
+            q = managers[c].output_router.output_queue
+            while not q.empty():
+                o = q.get_nowait()
+                out[c]["outputs"][o.request_id] = list(o.generated_tokens)
+        handle.flush()
+        violations = len(handle.violations)
+    finally:
+        if cb in gc.callbacks:
+            gc.callbacks.remove(cb)
+        if handle is not None:
+            handle.detach()
+        managers = bps = session = handle = None  # every reference to the engines before the cache is emptied
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return {"without": out[False], "with": out[True], "parts": parts, "violations": violations}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Pair the rounds' steps (step i of B with step i of A, both measured and of the same batch).
+
+    Returns the paired steps' seconds (``off``, ``on``), the median of the pairs' ratios less one
+    (``paired_pct``), the median microseconds of each step part per engine, whole-generation tokens per
+    second of each engine (tokens over the sum of all its steps) and the steps that did not pair."""
+    off, on, ratios, unpaired = [], [], [], 0
+    by_part = {False: {k: [] for k in PARTS}, True: {k: [] for k in PARTS}}
+    gen_tps = {False: [], True: []}
+    for r in rounds:
+        a, b = r["without"]["steps"], r["with"]["steps"]
+        unpaired += abs(len(a) - len(b))
+        for sa, sb in zip(a, b):
+            if sa[:2] != sb[:2]:
+                unpaired += 1
+                continue
+            if not (sa[2] and sb[2]):
+                continue
+            ta, tb = sum(sa[3][:3]), sum(sb[3][:3])
+            off.append(ta)
+            on.append(tb)
+            ratios.append(tb / ta)
+            for c, s in ((False, sa), (True, sb)):
+                for k, v in zip(PARTS, s[3]):
+                    by_part[c][k].append(v)
+        for c, key in ((False, "without"), (True, "with")):
+            steps = r[key]["steps"]
+            tokens = sum(len(v) for v in r[key]["outputs"].values())
+            total = sum(sum(s[3][:3]) for s in steps)
+            if total:
+                gen_tps[c].append(tokens / total)
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {
+        "off": off, "on": on, "unpaired": unpaired,
+        "paired_pct": 100 * (med(ratios) - 1) if ratios else None,
+        "parts_us": {("with" if c else "without"): {k: round(1e6 * med(v), 1) if v else None for k, v in d.items()}
+                     for c, d in by_part.items()},
+        "tokens_per_s": {("with" if c else "without"): med(v) for c, v in gen_tps.items()},
+    }
