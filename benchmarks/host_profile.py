@@ -40,17 +40,17 @@ class _NoKernels:
 
 _TIMED = {
     "kvcanary.integrations.hf_session:Session": ("_before", "_after", "_before_update", "_after_update",
-                                                 "_engine_stream"),
-    "kvcanary.integrations.hf_batch:BatchBuilder": ("host_part", "_rows", "_token_cells", "forget_finished"),
+                                                 "_engine_stream", "_late_step", "_join"),
+    "kvcanary.integrations.hf_batch:BatchBuilder": ("host_part", "_rows", "_token_cells", "forget_finished", "_steady"),
     "kvcanary.integrations.hf_staging:Staging": ("send", "copied"),
     "kvcanary.integrations.hf_graph:StepGraphs": ("before", "_run"),
     "kvcanary.integrations.hf_fused:FusedSteps": ("step", "_capture", "_replay", "usable", "join"),
     "kvcanary.runtime.canary:Canary": ("host_before", "after_forward", "device_after", "host_after",
-                                       "replayed_step"),
+                                       "replayed_step", "check_replayed"),
     "kvcanary.runtime.launch:ForwardLauncher": ("join", "side"),
     "kvcanary.runtime.monitor:Monitor": ("poll", "close_step", "close_taken"),
     "kvcanary.runtime.graphs:CudaGraphs": ("run",),
-    "kvcanary.runtime.observer:HostObserver": ("snapshot", "collect", "take_slot"),
+    "kvcanary.runtime.observer:HostObserver": ("snapshot", "collect", "take_slot", "taken"),
     "kvcanary.runtime.streams:CudaStreams": ("record", "wait", "use"),
 }
 _CALLS: dict[str, list[float]] = {}

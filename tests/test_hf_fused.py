@@ -46,7 +46,7 @@ def fused_step(monkeypatch, fail_close: bool = False):
     stage.host = [torch.empty(stage.size, dtype=torch.int64) for _ in range(stage.depth)]
     stage.cuda, stage.stream, stage.events = True, streams, [f"turn-{i}" for i in range(stage.depth)]
     stage.views, stage.turn = {}, 0
-    slot = SimpleNamespace(records=4, pending=None, event="slot-event", key=("snapshot", 1))
+    slot = SimpleNamespace(records=4, known=0, pending=None, event="slot-event", key=("snapshot", 1))
 
     def take_slot():
         return slot, []
@@ -95,11 +95,20 @@ def test_a_fused_step_lets_the_slots_event_stand_for_its_end_and_its_staged_valu
     calls.clear()
     fs.join()  # the engine's streams wait for the step's end: the slot's event
     assert calls == [("wait", "slot-event", "compute"), ("wait", "slot-event", "default")] and fs.pending is None
+    # the position joined (the engine's synchronize after its next forward completes it: Session.step)
+    assert fs.joined.slot is slot and fs.joined.records == fence.records == 5
     # the turn comes round again: while the slot's observation is unread, its event is synchronized ...
     calls.clear()
     stage.turn = 0
     stage.send([[4, 5, 6]], copy=False)
     assert calls == [("sync", "slot-event")]
+    # ... unless the position is known complete (the compute stream that waited for it was synchronized) ...
+    calls.clear()
+    fence.complete()
+    stage.turn = 0
+    stage.send([[4, 5, 6]], copy=False)
+    assert calls == []
+    slot.known = 0
     # ... and once the slot was taken again (which reads it first), CUDA is not asked
     calls.clear()
     slot.records += 1

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -512,7 +513,7 @@ def test_a_slot_fence_asks_cuda_only_while_its_record_may_be_in_flight(monkeypat
 
     synced = []
     monkeypatch.setattr(observer, "event_synchronize", synced.append)
-    slot = SimpleNamespace(records=3, pending=(7, {}), event="event-of-step-7")
+    slot = SimpleNamespace(records=3, pending=(7, {}), event="event-of-step-7", known=0)
     fence = observer.SlotFence(slot)
     fence.wait()  # the observation of step 7 is not read yet: its copy may still be in flight
     assert synced == ["event-of-step-7"]
@@ -523,6 +524,35 @@ def test_a_slot_fence_asks_cuda_only_while_its_record_may_be_in_flight(monkeypat
     fence.wait()
     assert synced == ["event-of-step-7"]
     assert observer.SlotFence(slot).records == 4
+    # known complete (a stream that waited for it was synchronized since): no CUDA call although unread
+    later = observer.SlotFence(slot)
+    later.complete()
+    later.wait()
+    assert synced == ["event-of-step-7"] and slot.known == 4
+    fence.complete()  # an older position known complete says nothing of the newer one
+    assert slot.known == 4
+
+
+def test_reading_a_slot_known_complete_asks_cuda_nothing(monkeypatch):
+    """``HostObserver._finish``: a slot whose recorded event a ``SlotFence`` marked complete is read without
+    synchronizing it; one recorded again since is synchronized as before."""
+    import numpy as np
+
+    from kvcanary.runtime import observer
+
+    synced = []
+    monkeypatch.setattr(observer, "event_synchronize", synced.append)
+    obs = observer.HostObserver.__new__(observer.HostObserver)
+    obs.ring, obs.layout = SimpleNamespace(capacity=4), {}
+    slot = SimpleNamespace(records=2, known=0, pending=(5, {}), event="event-of-step-5",
+                           host_np=np.array([0, 9], dtype=np.int64))
+    obs.order = [slot]
+    observer.SlotFence(slot).complete()
+    (got,) = obs._finish(slot)
+    assert synced == [] and got.step == 5 and got.count == 0 and got.small == [0, 9]
+    slot.records, slot.pending, obs.order = 3, (6, {}), [slot]  # recorded again, not known complete
+    obs._finish(slot)
+    assert synced == ["event-of-step-5"]
 
 
 def test_check_before_forward_reports_what_the_hooks_report_without_counting_twice():

@@ -424,11 +424,13 @@ def test_a_planted_bug_reports_whatever_the_allocator_left_in_the_pool(llama, mo
 def test_check_before_forward_raises_before_a_forward_that_would_fail_on_what_it_reads(llama, monkeypatch):
     """The same NaN-filled pool without the harness's zeroing: by default the sampler fails on the forward's
     NaN output before the canary's report of that step; with ``check_before_forward`` (mode "raise") the
-    canary raises the never-written read before the forward runs."""
+    canary raises the never-written read before the forward runs. (The default run only on the CPU: on
+    CUDA the sampler's failure is a device-side assert, which ends the process.)"""
     nan_filled_cache(monkeypatch)
     monkeypatch.setattr(hf_bugs, "_zero_pool", lambda bp: None)
-    late = run_workload(llama, bug="never-written")
-    assert not late.violations and not any(late.tokens.values())  # the sampler ended the run first
+    if DEVICE.type != "cuda":
+        late = run_workload(llama, bug="never-written")
+        assert not late.violations and not any(late.tokens.values())  # the sampler ended the run first
     with pytest.raises(KvCanaryViolationError) as err:
         run_workload(llama, bug="never-written", mode="raise", check_before_forward=True)
     check_never_written(err.value.violations)

@@ -55,6 +55,8 @@ class FusedSteps:
         self.pool = graphs.new_pool()
         self.captures = self.replays = 0
         self.pending = None  # CUDA: the side stream's event after the last fused step, not yet joined (join)
+        self.fence = None  # the snapshot slot's position standing for ``pending``, where it is a slot's event
+        self.joined = None  # that position of the last join (Session: complete once the engine synced after it)
         cuda = self.s.device.type == "cuda"
         self.cache = stream_cache(self.s.device) if cuda else None
         # after the inputs, after the forward (each recorded once per step), after the fused step (recorded
@@ -107,10 +109,10 @@ class FusedSteps:
             if slot is not None and slot.records != records:
                 # the slot's event, recorded on the side stream after the replay, is the step's end: the
                 # engine's streams join it (no event of its own: one CUDA call fewer per step)
-                self.pending = slot.event
+                self.pending, self.fence = slot.event, SlotFence(slot)
             else:
                 record_event(done_ev, side)
-                self.pending = done_ev
+                self.pending, self.fence = done_ev, None
         self.g.quiet = None  # a later unfused step waits for the compute stream (which will follow this one)
         return e.batch
 
@@ -141,6 +143,7 @@ class FusedSteps:
         waits for the compute stream only)."""
         event, self.pending = self.pending, None
         if event is not None:
+            self.joined = self.fence
             event_wait(event, self.s.bp.inputs_and_outputs.compute_stream)
             event_wait(event, self.cache.current())
 

@@ -85,6 +85,8 @@ class StepGraphs:
         # steady decode steps as one replay after the forward (hf_fused.py; attach option fused_steps)
         self.fused = FusedSteps(self) if session.handle.options.get("fused_steps", True) else None
         self.fused_now = False  # this step ran fused: its after hook has nothing left to do
+        self.last_fused = False  # the last step ran fused (the next one likely will: Session._late_step)
+        self._ptrs = None  # (the engine's four input storages, their data pointers): before's shape key
 
     def new_pool(self):
         """A CUDA-graph memory pool (None for the CPU stand-in)."""
@@ -105,8 +107,7 @@ class StepGraphs:
         g = s.layout.full_group
         width = table_width(h.width, s.canary.max_context, WIDTH_STEP)
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
-                 io.input_ids.data_ptr(), io.position_ids.data_ptr(), io.read_index_storage.data_ptr(),
-                 io.write_index_storage.data_ptr())  # (whole storages: a row view per step costs a tensor call)
+                 *self._storages(io))
         # a steady decode shape: a graph per turn (see the module's docstring); anything else reads a
         # static copy of the staged values, and the monitor keeps the turn's values and a copy of the
         # read table (such shapes recur too rarely to fill a graph per turn)
@@ -115,15 +116,16 @@ class StepGraphs:
             self.sightings.clear()
         self.sightings[shape] = sightings
         per_turn = h.T == h.bs and sightings > STEADY_SIGHTINGS
+        self.last_fused = False
         if per_turn:
-            key = shape + (h.packed.data_ptr(),)
+            key = shape + (s.builder.stage.last_ptr,)  # (the staged buffer's address, known without a call)
             e = self.entries.get(key)
             if self.fused is not None and s._late and self.fused.usable():
                 if e is None:
                     e = self._entry(key, h, width)
                 else:
                     self.entries.move_to_end(key)
-                self.inline = self.fused_now = True
+                self.inline = self.fused_now = self.last_fused = True
                 return self.fused.step(e, key, h)
             if e is not None and e.graph is not None:
                 self.entries.move_to_end(key)
@@ -134,6 +136,19 @@ class StepGraphs:
             return self._general(h, shape, sightings, per_turn, width, late=True)
         with engine_stream():
             return self._general(h, shape, sightings, per_turn, width)
+
+    def _storages(self, io) -> tuple:
+        """The data pointers of the engine's input storages, asked of torch only when a storage tensor is
+        not the one seen before (transformers allocates them once): each ``data_ptr`` is a tensor call,
+        tens of microseconds together inside the engine's step."""
+        p, a, b, c, d = self._ptrs or (None,) * 5
+        if a is not io.input_ids or b is not io.position_ids or c is not io.read_index_storage \
+                or d is not io.write_index_storage:
+            a, b, c, d = io.input_ids, io.position_ids, io.read_index_storage, io.write_index_storage
+            # (whole storages: a row view per step costs a tensor call)
+            p = (a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr())
+            self._ptrs = (p, a, b, c, d)
+        return p
 
     def _inline(self, e: _Entry):
         """A captured steady decode step replayed on the hook's own stream, which the engine prepared the

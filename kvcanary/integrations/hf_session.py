@@ -62,6 +62,10 @@ class Session(KvMoves):
         self.builder = BatchBuilder(self)
         self.graphs = self._step_graphs()
         self.fused = None if self.graphs is None else self.graphs.fused
+        # the engine's step ends in a synchronize of its compute stream (transformers' synchronous inputs and
+        # outputs): whatever that stream waited for before the step's forward is complete afterwards (step)
+        io = bp.inputs_and_outputs
+        self.step_syncs = io.compute_stream is not None and type(io).__name__ == "ContinuousBatchingIOs"
         self.patcher = Patcher()
         self._install()
 
@@ -123,6 +127,8 @@ class Session(KvMoves):
 
         def step(model):
             self._join()
+            # the last fused step's position the compute stream now waits for (FusedSteps.join)
+            joined = self.fused.joined if self.fused is not None and self.step_syncs else None
             # Late hooks (docs/transformers.md): the step's canary work runs once compute_batch (below) has
             # enqueued the forward, while the device runs it, instead of holding back its launch.
             late = self._late = self._guarded(self._late_step)
@@ -136,6 +142,9 @@ class Session(KvMoves):
             elif self._late:  # (the engine never called compute_batch: the work runs now, after the forward)
                 self._fwd_s = time.perf_counter() - t0
                 compute_batch_done()
+            if joined is not None:
+                # the step synchronized the compute stream after its wait: reading that slot asks CUDA nothing
+                joined.complete()
 
         def compute_batch_done():
             self._guarded(self._before)  # (with _late still set: _before_forward knows the step is usable)
@@ -230,7 +239,9 @@ class Session(KvMoves):
         if not self.graphs.usable(io):
             return False
         stream = io.compute_stream
-        if stream is not None and c.device.type == "cuda":
+        # (a step after a fused one is likely fused too, and needs no such event: one CUDA call fewer; if it
+        # is not, its HEAD follows the compute stream, forward included, instead of running beside it)
+        if stream is not None and c.device.type == "cuda" and not self.graphs.last_fused:
             if self._ready_event is None:
                 self._ready_event = torch.cuda.Event()  # (its own: the launcher's per-stream events move on)
             record_event(self._ready_event, stream)

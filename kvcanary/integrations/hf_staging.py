@@ -65,6 +65,7 @@ class Staging:
         self.fences: list = [None] * depth
         self.stream = stream_cache(device) if self.cuda else None
         self.pending: tuple | None = None  # (device slice, pinned slice, turn) filled but not yet copied
+        self.last_ptr = 0  # the data pointer of the last send's device buffer (a graph key's part)
 
     def send(self, parts: list, copy: bool = True, last: int | None = None) -> tuple[torch.Tensor, int]:
         """``parts`` (lists of ints or int64 arrays) back to back in one device buffer; returns the
@@ -93,8 +94,8 @@ class Staging:
                 self.views.clear()
             out = self.ring[turn][:n]
             host = self.host[turn][:n] if self.cuda else None
-            views = self.views[turn, n] = (out, host, host.numpy() if self.cuda else out.numpy())
-        out, host, dst = views  # slices made once per (turn, size): each costs the host a tensor call
+            views = self.views[turn, n] = (out, host, host.numpy() if self.cuda else out.numpy(), out.data_ptr())
+        out, host, dst, self.last_ptr = views  # slices made once per (turn, size): each costs a tensor call
         self.turn = (turn + 1) % self.depth
         at = 0
         for p in parts:

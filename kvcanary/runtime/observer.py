@@ -53,6 +53,7 @@ class _Slot:
         self.event = torch.cuda.Event() if cuda else None
         self.pending: tuple[int, dict] | None = None
         self.records = 0  # events recorded (taken): a SlotFence names one of them
+        self.known = 0  # the last of them known complete without asking CUDA (SlotFence.complete)
         self.key = ("snapshot", index)  # its captured sequence's key (graphs.run)
 
 
@@ -70,8 +71,14 @@ class SlotFence:
     def wait(self) -> None:
         """Block until the position is complete (a CUDA call only while it may not be)."""
         slot = self.slot
-        if slot.records == self.records and slot.pending is not None:
+        if slot.records == self.records and slot.pending is not None and slot.known < self.records:
             event_synchronize(slot.event)
+
+    def complete(self) -> None:
+        """The caller knows the position complete (a stream that waited for it was synchronized since): reading
+        the slot's observation then asks CUDA nothing."""
+        slot = self.slot
+        slot.known = max(slot.known, self.records)
 
 
 class HostObserver:
@@ -176,7 +183,7 @@ class HostObserver:
         if slot.pending is None:
             return []
         if slot.event is not None:
-            if not landed:
+            if not landed and slot.known < slot.records:
                 event_synchronize(slot.event)
             small = slot.host_np.tolist()
         else:
