@@ -12,6 +12,15 @@ pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
+try:
+    # The in-process runs below drop every module they imported afterwards (pytester restores sys.modules);
+    # numba registers types globally when it first loads these lazily, and a second load raises "duplicate
+    # registration". Loaded here, before any run, they stay.
+    import numba.np.polynomial.polynomial_core  # noqa: F401
+    import numba.np.polynomial.polynomial_functions  # noqa: F401
+except ImportError:
+    pass
+
 
 def run(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
     pytester.makepyfile(test_engine=source)
