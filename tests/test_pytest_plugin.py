@@ -16,8 +16,9 @@ try:
     # The in-process runs below drop every module they imported afterwards (pytester restores sys.modules);
     # numba registers types globally when it first loads these lazily, and a second load raises "duplicate
     # registration". Loaded here, before any run, they stay.
-    import numba.np.polynomial.polynomial_core  # noqa: F401
-    import numba.np.polynomial.polynomial_functions  # noqa: F401
+    from numba.core.registry import cpu_target
+
+    cpu_target.target_context.refresh()  # (imports every registry numba loads lazily)
 except ImportError:
     pass
 
