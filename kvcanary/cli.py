@@ -210,6 +210,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE",
                    help="with --engine: canary configuration of the runs, a CanaryConfig field each "
                         "(e.g. real_kv=all, check_v=true); repeatable")
+    p.add_argument("--lockstep", action="store_true",
+                   help="with --engine: pair steps, not runs (two engines, without and with the canary, step in "
+                        "turn on one model: twice the KV memory; docs/benchmarks.md, 'Step pairing')")
 
 
 @command("bench", "op throughput, or with --engine the canary's cost inside transformers CB; JSON and PNG",
@@ -225,6 +228,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.canary_option:
         raise ValueError(f"kv-canary: --canary-option applies to --engine runs only, got {args.canary_option} "
                          "without --engine")
+    if args.lockstep:
+        raise ValueError("kv-canary: --lockstep applies to --engine runs only, got it without --engine")
     import torch
 
     from kvcanary.bench.ops import bench_main
@@ -266,7 +271,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
             if f"kv-canary: {var} " in str(e):
                 raise ValueError(str(e).replace(var, f"--canary-option {key}", 1)) from None
         raise
-    out = bench_suite.run_engine(device, args.engine, args.timeout, canary_options=args.canary_option)
+    out = bench_suite.run_engine(device, args.engine, args.timeout, canary_options=args.canary_option,
+                                 lockstep=args.lockstep)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

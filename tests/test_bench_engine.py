@@ -178,6 +178,11 @@ def test_bench_engine_passes_canary_options_to_every_workload(monkeypatch, capsy
     assert cli.main(["bench", "--engine", "--device", "cpu", "--canary-option", "real_kv=maybe"]) == 2
     assert "--canary-option real_kv must be one of ('none', 'partial', 'all'), got 'maybe'" in capsys.readouterr().err
     assert len(commands) == spawned  # rejected before any workload process
+    bench_suite.run_engine("cpu", ["tiny-decode-b4-c64"], 10, lockstep=True)
+    assert commands[-1][-1] == "--lockstep" and "--lockstep" not in commands[0]
+    capsys.readouterr()
+    assert cli.main(["bench", "--lockstep"]) == 2
+    assert "--lockstep applies to --engine runs only" in capsys.readouterr().err
 
 
 def test_lockstep_pairs_each_canary_step_with_its_twin(tmp_path, capsys):

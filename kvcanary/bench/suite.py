@@ -92,9 +92,10 @@ CPU_ENGINE_WORKLOADS = {
 
 
 def run_engine(device: str, names: list[str] | None, timeout_s: float, progress=None,
-               canary_options: list[str] | None = None) -> dict:
+               canary_options: list[str] | None = None, lockstep: bool = False) -> dict:
     """Run the named workloads (default: all of the device's list); one result row per workload.
-    ``canary_options`` (``KEY=VALUE``, CanaryConfig fields) configure the canary of every run."""
+    ``canary_options`` (``KEY=VALUE``, CanaryConfig fields) configure the canary of every run;
+    ``lockstep`` pairs steps instead of runs (``kvcanary.bench.lockstep``)."""
     progress = progress if progress is not None else sys.stderr
     registry = CPU_ENGINE_WORKLOADS if device == "cpu" else ENGINE_WORKLOADS
     known = {**ENGINE_WORKLOADS, **CPU_ENGINE_WORKLOADS}
@@ -113,6 +114,8 @@ def run_engine(device: str, names: list[str] | None, timeout_s: float, progress=
                    "--batch", str(batch), "--context", str(ctx), "--mode", mode, "--json", path]
             for opt in canary_options or []:
                 cmd += ["--canary-option", opt]
+            if lockstep:
+                cmd.append("--lockstep")
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
                 error = None if os.path.exists(path) else (proc.stderr.strip().splitlines() or ["no output"])[-1]
