@@ -202,14 +202,15 @@ def test_lockstep_pairs_each_canary_step_with_its_twin(tmp_path, capsys):
     assert all(parts[side][k] > 0 for side in ("without", "with") for k in ("prepare", "step", "update"))
     assert len(r["canary_host_time_in_step"]) and r["canary_host_us_by_part"]["total"] > 0
     assert r["generation"]["tokens_per_s_with"] > 0 and r["overhead_pct_paired"] is not None
+    assert set(r["gc_ms_in_paired_steps"]) == {"without", "with"}
     capsys.readouterr()
 
 
 def test_lockstep_summary_pairs_by_step_and_skips_what_does_not_match():
     from kvcanary.bench.lockstep import summarize
 
-    def steps(*rows):  # (batch, tokens, measured, seconds): the three timed parts share it, no collection
-        return [(b, t, m, (s / 2, s / 4, s / 4, 0.0)) for b, t, m, s in rows]
+    def steps(*rows):  # (batch, tokens, measured, seconds): the three timed parts share it, a tenth collecting
+        return [(b, t, m, (s / 2, s / 4, s / 4, s / 10)) for b, t, m, s in rows]
 
     a = steps((2, 2, True, 1.0), (2, 2, True, 2.0), (2, 2, False, 9.0), (2, 2, True, 4.0), (1, 1, True, 1.0))
     b = steps((2, 2, True, 1.1), (2, 2, True, 2.4), (2, 2, False, 1.0), (2, 9, True, 4.0), (1, 1, True, 1.3))
@@ -219,4 +220,5 @@ def test_lockstep_summary_pairs_by_step_and_skips_what_does_not_match():
     assert s["unpaired"] == 1  # the step whose batches differ
     assert abs(s["paired_pct"] - 20.0) < 1e-9  # ratios 1.1, 1.2, 1.3: median 1.2
     assert s["parts_us"]["with"]["prepare"] == 1e6 * 1.3 / 2  # (halves of 1.1, 2.4, 1.3)
+    assert s["gc_ms"] == {"without": 400.0, "with": 480.0}  # a tenth of the paired steps' 4.0 and 4.8 s
     assert abs(s["tokens_per_s"]["without"] - 3 / 17.0) < 1e-12  # every step of a generation counts

@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         if lock is not None:  # paired step by step; whole generations as each engine's summed steps
             result["overhead_pct_paired"] = paired["paired_pct"]
             result["step_parts_us"], result["unpaired_steps"] = paired["parts_us"], paired["unpaired"]
+            result["gc_ms_in_paired_steps"] = paired["gc_ms"]
             tps = paired["tokens_per_s"]
             result["generation"].update(tokens_per_s_without=tps["without"], tokens_per_s_with=tps["with"])
         result["canary_share_of_step"] = q_c["median_ms"] / q_on["median_ms"] if q_c.get("n") else None

@@ -134,7 +134,8 @@ def summarize(rounds: list[dict]) -> dict:
 
     Returns the paired steps' seconds (``off``, ``on``), the median of the pairs' ratios less one
     (``paired_pct``), the median microseconds of each step part per engine, whole-generation tokens per
-    second of each engine (tokens over the sum of all its steps) and the steps that did not pair."""
+    second of each engine (tokens over the sum of all its steps), the collector's total milliseconds inside
+    the paired steps per engine, and the steps that did not pair."""
     off, on, ratios, unpaired = [], [], [], 0
     by_part = {False: {k: [] for k in PARTS}, True: {k: [] for k in PARTS}}
     gen_tps = {False: [], True: []}
@@ -163,6 +164,8 @@ def summarize(rounds: list[dict]) -> dict:
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return {
         "off": off, "on": on, "unpaired": unpaired,
+        # collections are rare (a median of 0): their total over the paired steps says more
+        "gc_ms": {("with" if c else "without"): round(1e3 * sum(d["gc"]), 3) for c, d in by_part.items()},
         "paired_pct": 100 * (med(ratios) - 1) if ratios else None,
         "parts_us": {("with" if c else "without"): {k: round(1e6 * med(v), 1) if v else None for k, v in d.items()}
                      for c, d in by_part.items()},
