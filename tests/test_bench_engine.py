@@ -222,3 +222,17 @@ def test_lockstep_summary_pairs_by_step_and_skips_what_does_not_match():
     assert s["parts_us"]["with"]["prepare"] == 1e6 * 1.3 / 2  # (halves of 1.1, 2.4, 1.3)
     assert s["gc_ms"] == {"without": 400.0, "with": 480.0}  # a tenth of the paired steps' 4.0 and 4.8 s
     assert abs(s["tokens_per_s"]["without"] - 3 / 17.0) < 1e-12  # every step of a generation counts
+
+
+def test_engine_matrix_skips_a_workload_its_share_cannot_cover(tmp_path, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import engine_matrix
+
+    ran = []
+    monkeypatch.setattr(engine_matrix.subprocess, "run",
+                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "no output"))
+    need = engine_matrix.NEEDS_S["8b-decode-b64-c8k"]
+    rows = engine_matrix.run(["8b-decode-b64-c8k"], need - 1, tmp_path, 2, [], tmp_path / "each", 600)
+    assert ran == [] and rows[0]["error"].startswith(f"skipped: needs about {need} s for two rounds")
+    rows = engine_matrix.run(["8b-decode-b64-c8k"], need + 1, tmp_path, 2, [], tmp_path / "each", 600)
+    assert len(ran) == 1 and "--lockstep" not in ran[0]  # (its two caches do not fit one GPU: runs paired)
