@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU path: the engine benchmark (tiny model, transformers continuous batching) with the torch and
 # the numba backend, batch 4 and 16, context 64 and 256. JSON results go to ${OUT:-out/cpu_backends}.
-# Usage: PY=.venv/bin/python bash benchmarks/cpu_backends.sh
+# Usage: PY=.venv/bin/python bash benchmarks/cpu_backends.sh   (BACKENDS=numba: that backend only)
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-out/cpu_backends}
@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 # Backends alternate per workload so both see the same load on a shared machine.
 for batch in 4 16; do
   for context in 64 256; do
-    for backend in torch numba; do
+    for backend in ${BACKENDS:-torch numba}; do
       PYTHONPATH=$PWD "$PY" -m kvcanary.bench.engine --device cpu --model-size tiny --batch "$batch" \
         --context "$context" --no-profile --rounds "${ROUNDS:-4}" --canary-option "backend=$backend" \
         --json "$OUT/$backend-b$batch-c$context.json" > "$OUT/$backend-b$batch-c$context.log" 2>&1
