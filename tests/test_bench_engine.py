@@ -236,3 +236,19 @@ def test_engine_matrix_skips_a_workload_its_share_cannot_cover(tmp_path, monkeyp
     assert ran == [] and rows[0]["error"].startswith(f"skipped: needs about {need} s for two rounds")
     rows = engine_matrix.run(["8b-decode-b64-c8k"], need + 1, tmp_path, 2, [], tmp_path / "each", 600)
     assert len(ran) == 1 and "--lockstep" not in ran[0]  # (its two caches do not fit one GPU: runs paired)
+
+
+def test_lockstep_a_a_runs_two_bare_engines(tmp_path, capsys):
+    """``--aa``: the second engine stays bare too, so the printed overhead is the method's noise floor."""
+    from kvcanary.bench import engine
+
+    out = tmp_path / "aa.json"
+    rc = engine.main(["--device", "cpu", "--model-size", "tiny", "--batch", "2", "--context", "16", "--steps", "4",
+                      "--skip", "1", "--rounds", "1", "--lockstep", "--aa", "--no-profile", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["workload"]["a_a"] and r["correctness"] == {"tokens_identical": True, "violations": 0}
+    assert r["step_with_canary"]["n"] == r["step_without_canary"]["n"] > 0 and r["overhead_pct_paired"] is not None
+    assert r["canary_host_us_by_part"] == {} and r["canary_host_time_in_step"] == {"n": 0}  # no canary ran
+    with pytest.raises(SystemExit):
+        engine.main(["--device", "cpu", "--aa"])
+    assert "--aa applies to --lockstep runs only" in capsys.readouterr().err

@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lockstep", action="store_true",
                     help="pair steps, not runs: two engines (without and with the canary) on one model step in "
                          "turn and each step is compared with its twin (bench/lockstep.py; twice the KV memory)")
+    ap.add_argument("--aa", action="store_true",
+                    help="with --lockstep: leave the second engine bare too (an A/A run: the overhead it prints is "
+                         "the method's noise floor on this host)")
     ap.add_argument("--max-rounds", type=int, default=40, help="most rounds under --budget-s")
     ap.add_argument("--attention", choices=("varlen", "sdpa"), default=None,
                     help="paged attention: varlen (kvcanary.integrations.varlen_attention; default on cuda) or the engine's "
@@ -211,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="an adapter mechanism on or off for the runs with the canary (step_graphs, late_hooks, "
                          "fused_steps, token_history), e.g. fused_steps=false; repeatable")
     args = ap.parse_args(argv)
+    if args.aa and not args.lockstep:
+        ap.error("--aa applies to --lockstep runs only")
     try:
         canary_config(args.canary_option)  # a bad option fails before a model is built
         attach_options(args.attach_option)
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         lock = []
         while more_rounds():
             t1 = time.perf_counter()
-            res = lockstep.run_lockstep(model, wl, first_canary=bool(r % 2))
+            res = lockstep.run_lockstep(model, wl, first_canary=bool(r % 2), attach_canary=not args.aa)
             lock.append(res)
             parts += res["parts"]
             ok &= res["without"]["outputs"] == res["with"]["outputs"]
@@ -307,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"model_size": args.model_size, **SIZES[args.model_size], "vocab_size": VOCAB,
                      "dtype": str(dtype).replace("torch.", ""), "batch": args.batch, "context": args.context,
                      "mode": args.mode, "max_batch_tokens": args.chunk, "block_size": args.block_size,
-                     "rounds": r, "pairing": "steps" if lock is not None else "runs",
+                     "rounds": r, "pairing": "steps" if lock is not None else "runs", "a_a": args.aa,
                      "attention": "paged|kvc_varlen" if args.attention == "varlen" else "paged|sdpa", "cuda_graphs": False,
                      "async_batching": False, "canary_options": args.canary_option,
                      "attach_options": args.attach_option,

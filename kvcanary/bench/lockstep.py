@@ -43,9 +43,10 @@ def _gc_clock():
     return cb, total
 
 
-def run_lockstep(model, wl, first_canary: bool = False) -> dict:
+def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = True) -> dict:
     """One generation of the workload on two engines stepping in turn (``first_canary``: which engine
-    takes the first step; the order alternates every step after it).
+    takes the first step; the order alternates every step after it). ``attach_canary=False`` leaves
+    engine B bare too: an A/A run, whose overhead is the method's own floor on that host.
 
     Returns per engine (False: without the canary, True: with it) the timed steps (``steps``: one
     ``(batch, tokens, measured, seconds by part)`` per step), outputs, the canary's host seconds per
@@ -65,14 +66,15 @@ def run_lockstep(model, wl, first_canary: bool = False) -> dict:
     try:
         for c in (False, True):
             m = model.init_continuous_batching(gen, ContinuousBatchingConfig(**wl.cb))
-            if c:
+            if c and attach_canary:
                 handle = attach(m, config=wl.canary_config, mode="log", timing=True, **wl.attach_options)
             bps[c] = m.batch_processor = m._create_batch_processor()
             managers[c] = m
             for i, p in enumerate(wl.prompts):
                 m.add_request(p, request_id=f"r{i}", max_new_tokens=wl.new_tokens)
-        session = handle.sessions[-1]
-        session.canary.host_times = {"runtime_s": 0.0, "launch_s": 0.0}
+        if handle is not None:
+            session = handle.sessions[-1]
+            session.canary.host_times = {"runtime_s": 0.0, "launch_s": 0.0}
         live, seen = {False: True, True: True}, {False: 0, True: 0}
         gc.callbacks.append(cb)
         sync()
@@ -91,7 +93,7 @@ def run_lockstep(model, wl, first_canary: bool = False) -> dict:
                 io = bp.inputs_and_outputs
                 batch, tokens = len(io.requests_in_batch), io.total_seqlen_q
                 t1 = time.perf_counter()
-                host = dict(session.canary.host_times) if c else None
+                host = dict(session.canary.host_times) if c and session is not None else None
                 m._generation_step()
                 t2 = time.perf_counter()
                 bp.update_batch()
@@ -101,7 +103,7 @@ def run_lockstep(model, wl, first_canary: bool = False) -> dict:
                 take = measured and seen[c] >= wl.args.skip
                 seen[c] += measured
                 out[c]["steps"].append((batch, tokens, take, (t1 - t0, t2 - t1, t3 - t2, gc_s[0] - g0)))
-                if c and take:
+                if host is not None and take:
                     t, h = session.timings[-1], session.canary.host_times
                     runtime, launch = h["runtime_s"] - host["runtime_s"], h["launch_s"] - host["launch_s"]
                     total = t["before_s"] + t["after_s"] + t["update_s"]
@@ -115,8 +117,9 @@ def run_lockstep(model, wl, first_canary: bool = False) -> dict:
             while not q.empty():
                 o = q.get_nowait()
                 out[c]["outputs"][o.request_id] = list(o.generated_tokens)
-        handle.flush()
-        violations = len(handle.violations)
+        if handle is not None:
+            handle.flush()
+            violations = len(handle.violations)
     finally:
         if cb in gc.callbacks:
             gc.callbacks.remove(cb)
