@@ -55,7 +55,7 @@ class FusedSteps:
         self.pool = graphs.new_pool()
         self.captures = self.replays = 0
         self.pending = None  # CUDA: the side stream's event after the last fused step, not yet joined (join)
-        self.fence = None  # the snapshot slot's position standing for ``pending``, where it is a slot's event
+        self.fence = None  # the last step's snapshot slot position after its replay (_replay), if recorded
         self.joined = None  # that position of the last join (Session: complete once the engine synced after it)
         cuda = self.s.device.type == "cuda"
         self.cache = stream_cache(self.s.device) if cuda else None
@@ -101,23 +101,25 @@ class FusedSteps:
         record_event(forward, compute)
         event_wait(forward, side)
         cache.set(side)
-        records = None if slot is None else slot.records  # the slot's events recorded before this step's close
         try:
             self._replay(f, e, slot, done)
         finally:  # (a violation raised in mode "raise" too: the engine's streams still join what was issued)
             cache.set(here)
-            if slot is not None and slot.records != records:
+            if self.fence is not None:
                 # the slot's event, recorded on the side stream after the replay, is the step's end: the
                 # engine's streams join it (no event of its own: one CUDA call fewer per step)
-                self.pending, self.fence = slot.event, SlotFence(slot)
+                self.pending = self.fence.slot.event
             else:
                 record_event(done_ev, side)
-                self.pending, self.fence = done_ev, None
+                self.pending = done_ev
         self.g.quiet = None  # a later unfused step waits for the compute stream (which will follow this one)
         return e.batch
 
     def _replay(self, f: _Fused, e, slot, done) -> None:
+        """Replay the step's graph and close the step; ``fence``: the slot's event the close recorded after
+        the replay (None where it recorded none: the CPU's eager read, or a close that failed first)."""
         c, stage = self.s.canary, self.s.builder.stage
+        self.fence = None
         t0 = time.perf_counter()
         f.replay()
         launch_s = time.perf_counter() - t0  # (the runtime adds it to its launch time where benchmarks ask)
@@ -133,7 +135,9 @@ class FusedSteps:
         finally:
             # the staged values' copy precedes that event: it stands for the turn's (SlotFence), so the turn's
             # next refill needs no CUDA call once the slot's observation has been read
-            stage.copied(SlotFence(slot) if slot.records != records else None)
+            if slot.records != records:
+                self.fence = SlotFence(slot)
+            stage.copied(self.fence)
 
     def join(self) -> None:
         """The engine's compute stream and the current stream wait for the last fused step: called before

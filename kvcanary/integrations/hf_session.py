@@ -261,7 +261,7 @@ class Session(KvMoves):
         else:
             with self._engine_stream():
                 self._batch = self.builder.build()
-                self.canary.before_forward(self._batch)
+                self.canary.before_forward(self._batch, check_now=False)  # (checked below, new reads included)
                 if self.canary.enabled:
                     self.builder.verify_new_reads(self._batch)
         if self.canary.config.check_before_forward:  # (the new tokens' read check included)

@@ -124,8 +124,9 @@ class Canary(RecordMoves):
         """End of warm-up / graph capture: arm the chain-position assert (if configured)."""
         self.chain_check.fill_(int(self.config.chain_position_check))
 
-    def before_forward(self, batch: ForwardBatch) -> None:
-        """Host part, then device part, before the engine's forward writes KV.
+    def before_forward(self, batch: ForwardBatch, check_now: bool = True) -> None:
+        """Host part, then device part, before the engine's forward writes KV. ``check_now=False``: an
+        adapter that adds checks of its own calls ``check_reads_now`` after them (``check_before_forward``).
 
         Each forward is ``before_forward(batch)``, the engine's forward, ``after_forward(batch)``;
         calling either out of turn raises ``RuntimeError`` (nothing changes). A batch the canary
@@ -144,7 +145,7 @@ class Canary(RecordMoves):
             raise
         if self.host_times is not None:
             self._add_times(t1 - t0, time.perf_counter() - t1)
-        if self.config.check_before_forward:
+        if self.config.check_before_forward and check_now:
             self.check_reads_now()
 
     def check_reads_now(self) -> None:
