@@ -39,7 +39,7 @@ import torch
 from kvcanary.bench import lockstep
 from kvcanary.bench import suite as bench_suite
 from kvcanary.bench.workload import (SIZES, VOCAB, Workload, attach_options, build_model, canary_config, environment,
-                                     quantiles)
+                                     generated, host_part, quantiles)
 
 __all__ = ["SIZES", "VOCAB", "Workload", "build_model", "canary_config", "environment", "main", "quantiles",
            "run_once"]
@@ -110,14 +110,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
             before = dict(session.canary.host_times) if session is not None else None
             manager._generation_step()
             bp.update_batch()
-            part = None
-            if session is not None:
-                t, h = session.timings[-1], session.canary.host_times
-                runtime, launch = h["runtime_s"] - before["runtime_s"], h["launch_s"] - before["launch_s"]
-                total = t["before_s"] + t["after_s"] + t["update_s"]
-                part = {"integration_s": total - runtime - launch, "runtime_s": runtime, "launch_s": launch,
-                        "total_s": total}
-            prev = (t0, timed, part)
+            prev = (t0, timed, host_part(session, before) if session is not None else None)
             if wl.measured(batch, tokens):
                 n += 1
             if profiling and take:
@@ -142,11 +135,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
             ranges = bench_suite.trace_ranges(path)
             if not trace:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-        for state in list(bp.scheduler.active_requests.values()):
-            outputs[state.request_id] = state.generated_tokens
-        while not manager.output_router.output_queue.empty():
-            out = manager.output_router.output_queue.get_nowait()
-            outputs[out.request_id] = list(out.generated_tokens)
+        outputs = generated(manager, bp)
         violations = 0
         if handle is not None:
             handle.flush()
@@ -168,9 +157,9 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
         phases.update(teardown_s=t_done - t_down, detach_s=t_gc - t_down, gc_s=t_empty - t_gc,
                       empty_cache_s=t_done - t_empty)
     peak = torch.cuda.max_memory_allocated(wl.device) if wl.device.type == "cuda" else None
-    generated = sum(len(v) for v in outputs.values())
-    phases["generated_tokens"] = generated
-    phases["tokens_per_s"] = generated / phases["loop_s"] if phases.get("loop_s") else None
+    made = sum(len(v) for v in outputs.values())
+    phases["generated_tokens"] = made
+    phases["tokens_per_s"] = made / phases["loop_s"] if phases.get("loop_s") else None
     return {"steps": steps, "parts": parts, "canary_s": [p["total_s"] for p in parts], "outputs": outputs,
             "violations": violations, "profile": ranges, "peak_bytes": peak, "canary_memory": canary_memory,
             "phases": phases}

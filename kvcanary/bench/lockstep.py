@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from kvcanary.bench.workload import generated, host_part
+
 __all__ = ["run_lockstep", "summarize"]
 
 PARTS = ("prepare", "step", "update", "gc")
@@ -104,19 +106,10 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
                 seen[c] += measured
                 out[c]["steps"].append((batch, tokens, take, (t1 - t0, t2 - t1, t3 - t2, gc_s[0] - g0)))
                 if host is not None and take:
-                    t, h = session.timings[-1], session.canary.host_times
-                    runtime, launch = h["runtime_s"] - host["runtime_s"], h["launch_s"] - host["launch_s"]
-                    total = t["before_s"] + t["after_s"] + t["update_s"]
-                    parts.append({"integration_s": total - runtime - launch, "runtime_s": runtime,
-                                  "launch_s": launch, "total_s": total})
+                    parts.append(host_part(session, host))
             i += 1
         for c in (False, True):
-            for st in list(bps[c].scheduler.active_requests.values()):
-                out[c]["outputs"][st.request_id] = st.generated_tokens
-            q = managers[c].output_router.output_queue
-            while not q.empty():
-                o = q.get_nowait()
-                out[c]["outputs"][o.request_id] = list(o.generated_tokens)
+            out[c]["outputs"] = generated(managers[c], bps[c])
         if handle is not None:
             handle.flush()
             violations = len(handle.violations)

@@ -70,6 +70,25 @@ class Workload:
         return tokens > batch
 
 
+def host_part(session, before: dict) -> dict:
+    """The canary's host seconds in the step just run, by part: the session's last timing row, less the
+    runtime's and launch seconds added since ``before`` (a copy of ``canary.host_times`` taken before it)."""
+    t, h = session.timings[-1], session.canary.host_times
+    runtime, launch = h["runtime_s"] - before["runtime_s"], h["launch_s"] - before["launch_s"]
+    total = t["before_s"] + t["after_s"] + t["update_s"]
+    return {"integration_s": total - runtime - launch, "runtime_s": runtime, "launch_s": launch, "total_s": total}
+
+
+def generated(manager, bp) -> dict:
+    """Every request's generated tokens by request id: still active, or finished into the output queue."""
+    outputs = {st.request_id: st.generated_tokens for st in list(bp.scheduler.active_requests.values())}
+    q = manager.output_router.output_queue
+    while not q.empty():
+        o = q.get_nowait()
+        outputs[o.request_id] = list(o.generated_tokens)
+    return outputs
+
+
 def canary_config(options: list[str] | None):
     """The canary's configuration: ``KV_CANARY_*`` variables, then ``KEY=VALUE`` options (field names)."""
     from kvcanary.runtime.config import ENV_PREFIX, CanaryConfig
