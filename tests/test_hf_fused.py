@@ -32,7 +32,7 @@ class Streams:
         self.now = stream
 
 
-def fused_step(monkeypatch, fail_close: bool = False):
+def fused_step(monkeypatch, fail_close: bool = False, waits=None):
     calls, streams = [], Streams()
     for module in (hf_fused, hf_staging, observer):
         monkeypatch.setattr(module, "record_event", lambda ev, s: calls.append(("record", ev, s)), raising=False)
@@ -71,7 +71,7 @@ def fused_step(monkeypatch, fail_close: bool = False):
     fs.events, fs.replays = ("inputs", "forward", "done"), 0
     key = ("shape",)
     fs.entries = OrderedDict({key + (1,): SimpleNamespace(replay=lambda: calls.append(("replay", streams.current())),
-                                                          state=None)})
+                                                          state=None, waits=waits)})
     e = SimpleNamespace(batch="batch")
     stage.send([[1, 2, 3]], copy=False)  # the host half: its copy is issued by the replay
     assert stage.pending is not None and stage.pending[2] == 0
@@ -117,6 +117,15 @@ def test_a_fused_step_lets_the_slots_event_stand_for_its_end_and_its_staged_valu
     assert calls == []
 
 
+def test_a_fused_step_whose_graph_waits_for_its_own_events_records_them_only(monkeypatch):
+    # the graph's first nodes wait for its two events (captured external waits): the host records them on
+    # the inputs' stream and on the compute stream, and makes no wait of its own
+    fs, stage, slot, calls, streams = fused_step(monkeypatch, waits=("graph-inputs", "graph-forward"))
+    assert calls == [("record", "graph-inputs", "default"), ("record", "graph-forward", "compute"),
+                     ("replay", "side"), ("close", "side"), ("record", "slot-event", "side")]
+    assert streams.current() == "default" and fs.pending == "slot-event"
+
+
 def test_a_fused_step_whose_close_fails_records_events_of_its_own(monkeypatch):
     fs, stage, slot, calls, streams = fused_step(monkeypatch, fail_close=True)
     # the turn's event and the step's end recorded on the side stream after the replay; the streams restored
@@ -126,3 +135,37 @@ def test_a_fused_step_whose_close_fails_records_events_of_its_own(monkeypatch):
     stage.turn = 0
     stage.send([[4, 5, 6]], copy=False)
     assert calls == [("sync", "turn-0")]
+
+
+@pytest.mark.parametrize("cap", [4096, 3000])
+def test_a_steady_run_repeats_only_steps_of_its_shape(cap):
+    # A repeat skips the graph keys: it must match only a step the keys would give the same graph, i.e. the
+    # same batch size and staged values, storages, read-index flavour, a full read index, and a read-table
+    # width that rounds to the run's; and it should take every width that does, below the cap.
+    from kvcanary.integrations.hf_batch import table_width
+    from kvcanary.integrations.hf_graph import WIDTH_STEP, StepGraphs
+
+    ptrs = (1, 2, 3, 4)
+    io = SimpleNamespace(max_kv_read=5, true_read_sizes=[40])
+    for width in (1, 300, 512, 513, 1000, 1024, 1025, 2048, 2049, 2999, 3000, 3001, 5000):
+        g = StepGraphs.__new__(StepGraphs)
+        g.fused = SimpleNamespace(run=None)
+        g.fused.remember = lambda run, ptr: setattr(g.fused, "run", run)
+        g.s = SimpleNamespace(canary=SimpleNamespace(max_context=cap), layout=SimpleNamespace(full_group=0),
+                              builder=SimpleNamespace(stage=SimpleNamespace(last_ptr=7)))
+        h = hf_staging.HostStep(io, [], 2, 2, [0, 0], [1, 1], [1, 2], None, 8, 14, width, 40)
+        rounded = table_width(width, cap, WIDTH_STEP)
+        g._remember(h, io, (2, 2, 14, rounded, False, True, *ptrs), rounded, ptrs)
+        run = g.fused.run
+        for w in [w for w in list(range(1, 5200, 7)) + [width - 1, width + 1, 512, 513, 2049, cap, cap + 1] if w > 0]:
+            same = table_width(w, cap, WIDTH_STEP) == rounded
+            # below the cap exactly the widths that round alike; past it (no rounding) the width alone
+            assert run.matches(h._replace(width=w), io, ptrs) == (same if rounded <= cap else w == width), (width, w)
+        assert run.matches(h, io, ptrs)
+        assert not run.matches(h, io, tuple(list(ptrs)))  # other storages (a new tuple: asked of torch again)
+        assert not run.matches(h._replace(bs=3, T=3), io, ptrs)
+        assert not run.matches(h._replace(total=41), io, ptrs)  # a read index shorter than the reads
+        assert not run.matches(h, SimpleNamespace(max_kv_read=0, true_read_sizes=[40]), ptrs)
+    # a step whose read index is short is never remembered (its keys tell the general path's graph)
+    g._remember(h, io, (2, 2, 14, rounded, False, False, *ptrs), rounded, ptrs)
+    assert g.fused.run is None

@@ -72,6 +72,15 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
         return fused_step(self, e, key, h)
 
     monkeypatch.setattr(FusedSteps, "step", counting_fused)
+    repeats = []
+    fused_repeat = FusedSteps.repeat
+
+    def counting_repeat(self, h):  # a pair met again in the run's shape: its graph found without keys
+        batch = fused_repeat(self, h)
+        repeats.append(batch is not None)
+        return batch
+
+    monkeypatch.setattr(FusedSteps, "repeat", counting_repeat)
     per_turn = []
     run = StepGraphs._run
 
@@ -101,9 +110,11 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
     # the default keeps this short run's changing shapes per shape
     assert any(per_turn) == (steady == 0 and not fused)
     assert bool(fused_steps) == (steady == 0 and fused)
-    if fused_steps:  # each (turn, slot) pair captured once, then replayed
+    if fused_steps:  # each (turn, slot) pair captured once, then replayed (found by key, or as a repeat)
         f = made[0].fused
-        assert f.replays == len(fused_steps) and f.captures == len(set(fused_steps)) < len(fused_steps)
+        assert f.replays == len(fused_steps) + sum(repeats)
+        assert f.captures == len(set(fused_steps)) < f.replays
+        assert sum(repeats) > 0
     assert graphed.tokens == eager.tokens
     assert graphed.log_lines == eager.log_lines
     assert [v.block() for v in graphed.violations] == [v.block() for v in eager.violations]

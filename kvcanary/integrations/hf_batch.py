@@ -105,14 +105,15 @@ class BatchBuilder(TokenRows):
         io = s.bp.inputs_and_outputs
         reqs = io.requests_in_batch
         bs = len(reqs)
-        extend = list(map(QUERY, reqs))
         states = list(map(STATE, reqs))
-        one_each = extend.count(1) == bs  # a decode step: one new token per request
-        # the same request states as the last step (compared by identity first: one C loop)
-        if one_each and states == self.last_states:
-            h = self._steady(io, reqs, states, extend, copy)
+        # the same request states as the last step (compared by identity first: one C loop), each one position
+        # further (``_steady`` checks the offsets, which the engine advanced by each request's query length)
+        if states == self.last_states:
+            h = self._steady(io, reqs, states, copy)
             if h is not None:
                 return h
+        extend = list(map(QUERY, reqs))
+        one_each = extend.count(1) == bs  # a decode step: one new token per request
         names = list(map(STATE_ID, states))
         offsets = list(map(STATE_OFFSET, states))
         T = sum(extend)

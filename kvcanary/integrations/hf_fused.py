@@ -24,6 +24,7 @@ side-stream work pending, or the attach option ``fused_steps=False``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 
@@ -33,15 +34,19 @@ from kvcanary.runtime.graphs import capture, eager, replay_of
 from kvcanary.runtime.observer import SlotFence
 from kvcanary.runtime.streams import event_wait, record_event, stream_cache
 
+log = logging.getLogger("kvcanary")
+
 MAX_FUSED = 48  # fused graphs kept: a few shapes, each in every (turn, slot) pair
 
 
 class _Fused:
-    __slots__ = ("entry", "graph", "replay", "state")
+    __slots__ = ("entry", "graph", "replay", "state", "waits")
 
-    def __init__(self, entry, graph, state):
+    def __init__(self, entry, graph, state, waits=None):
         # the StepGraphs entry: its batch's tensors and the buffers its capture read (the graph keeps none)
         self.entry, self.graph, self.replay, self.state = entry, graph, replay_of(graph), state
+        # CUDA: (inputs, forward), events of this graph alone that its first nodes wait for (in_graph_waits)
+        self.waits = waits
 
 
 class FusedSteps:
@@ -62,6 +67,10 @@ class FusedSteps:
         # after the inputs, after the forward (each recorded once per step), after the fused step (recorded
         # only where the step's snapshot slot has no event to stand for it: _replay)
         self.events = tuple(torch.cuda.Event() for _ in range(3)) if cuda else ()
+        # the graphs' first nodes wait for the inputs and the forward (_capture_waiting); off: eager waits
+        self.in_graph_waits = cuda and bool(self.s.handle.options.get("in_graph_waits", True))
+        self.run: Run | None = None  # the steady run of one shape: its pairs' entries and graphs (repeat)
+        self.last = None  # (slot index, entry, graph) of the last step (remember)
 
     def usable(self) -> bool:
         """This step may run fused (its hooks late): the runtime has nothing to run between HEAD and TAIL."""
@@ -70,10 +79,9 @@ class FusedSteps:
 
     def step(self, e, key: tuple, h):
         """Run steady step ``h`` fused (``e``: its StepGraphs entry under ``key``); returns its batch."""
-        s = self.s
-        c, launcher = s.canary, s.canary.launcher
-        obs = c.monitor.observer
-        slot = None if obs.eager_read else obs.slots[obs.next]  # the slot this step's snapshot copies into
+        obs = self.s.canary.monitor.observer
+        index = None if obs.eager_read else obs.next  # the slot this step's snapshot copies into
+        slot = None if index is None else obs.slots[index]
         fkey = key + (None if slot is None else slot.key[1],)
         f = self.entries.get(fkey)
         if f is None:
@@ -81,8 +89,33 @@ class FusedSteps:
             self.entries[fkey] = f
             while len(self.entries) > MAX_FUSED:
                 self.entries.popitem(last=False)
+                self.run = None  # (a dropped graph may be one of the run's)
         else:
             self.entries.move_to_end(fkey)
+        self.last = (index, e, f)
+        return self._launch(e, f, slot, obs)
+
+    def repeat(self, h):
+        """Run steady step ``h`` fused with the entry and graph the run found for its (turn, slot) pair, if
+        any (``StepGraphs.before`` checked that its shape is the run's); None: ``step`` it."""
+        obs = self.s.canary.monitor.observer
+        index = None if obs.eager_read else obs.next
+        pair = self.run.pairs.get((self.s.builder.stage.last_ptr, index))
+        if pair is None:
+            return None
+        return self._launch(pair[0], pair[1], None if index is None else obs.slots[index], obs)
+
+    def remember(self, run: "Run", ptr: int) -> None:
+        """The last step's (turn, slot) pair for repeats of its shape (``run``: a new one, or the current one
+        when the shape is the same)."""
+        if self.run is not run:
+            self.run = run
+        index, e, f = self.last
+        run.pairs[ptr, index] = (e, f)
+
+    def _launch(self, e, f: "_Fused", slot, obs):
+        s = self.s
+        c, launcher = s.canary, s.canary.launcher
         # the observation the slot holds is read before the replay's copy overwrites it
         done = () if slot is None else obs.take_slot()[1]
         c.check_replayed(e.batch)
@@ -94,12 +127,18 @@ class FusedSteps:
         # on the side stream, after the engine's inputs (HEAD reads them) and the forward (TAIL reads the KV
         # it wrote); the engine's streams wait for it only before they next touch KV or inputs (join). Its
         # own events and the raw stream switch: a few C calls (this is every steady step's host path)
-        cache, (inputs, forward, done_ev) = self.cache, self.events
+        cache, done_ev = self.cache, self.events[2]
         here = cache.current()
-        record_event(inputs, here)
-        event_wait(inputs, side)
-        record_event(forward, compute)
-        event_wait(forward, side)
+        waits = f.waits
+        if waits is None:
+            inputs, forward = self.events[0], self.events[1]
+            record_event(inputs, here)
+            event_wait(inputs, side)
+            record_event(forward, compute)
+            event_wait(forward, side)
+        else:  # (the graph's first nodes wait for its own two events: two CUDA calls fewer)
+            record_event(waits[0], here)
+            record_event(waits[1], compute)
         cache.set(side)
         try:
             self._replay(f, e, slot, done)
@@ -169,10 +208,59 @@ class FusedSteps:
                 launcher.on_current = False
 
         side = launcher.streams.side() if self.cache is not None else None  # (CUDA)
+        waits = None
         if side is None:
             capture(graph, body, pool=self.pool)
         else:
             with launcher.streams.use(side):
-                capture(graph, body, pool=self.pool)
+                if self.in_graph_waits:
+                    waits = self._capture_waiting(graph, body, side)
+                if waits is None:
+                    graph = g.graph_type()
+                    capture(graph, body, pool=self.pool)
         self.captures += 1
-        return _Fused(e, graph, launcher.state())
+        return _Fused(e, graph, launcher.state(), waits)
+
+    def _capture_waiting(self, graph, body, side):
+        """Capture ``body`` behind wait nodes for two events of the graph's own (external events: recorded
+        by the host before each replay, on the inputs' stream and on the compute stream, they order the
+        replay as the side stream's waits did, with two CUDA calls instead of four). Events of its own: an
+        event is recorded again only for the graph's next replay, six steps or more later, when this replay
+        has long finished (the engine synchronized its compute stream after joining it). None where torch
+        cannot capture such waits (then the caller captures the plain body and the step waits eagerly)."""
+        try:
+            waits = (torch.cuda.Event(external=True), torch.cuda.Event(external=True))
+            for ev in waits:
+                record_event(ev, side)  # (torch creates an event at its first record; a wait needs one)
+
+            def waiting():
+                for ev in waits:
+                    event_wait(ev, side)
+                body()
+
+            capture(graph, waiting, pool=self.pool)
+            return waits
+        except (TypeError, RuntimeError) as err:
+            self.in_graph_waits = False
+            log.info("kv-canary: fused steps wait for their events eagerly (%s: %s)", type(err).__name__, err)
+            return None
+
+
+class Run:
+    """A run of steady steps of one shape (``StepGraphs.before``): what a repeat must match (batch size,
+    staged values, a read-table width that rounds to the run's, the read index's flavour, the engine's input
+    storages) and each (staging turn, snapshot slot) pair's entry and graph, found by the turn buffer's
+    address and the slot's index: a repeat builds no keys and looks nothing up in the kept graphs."""
+
+    __slots__ = ("bs", "small", "lo", "hi", "no_read", "ptrs", "group", "pairs")
+
+    def __init__(self, h, lo: int, hi: int, no_read: bool, ptrs: tuple, group: int):
+        self.bs, self.small, self.lo, self.hi = h.bs, h.small, lo, hi
+        self.no_read, self.ptrs, self.group = no_read, ptrs, group
+        self.pairs: dict = {}
+
+    def matches(self, h, io, ptrs: tuple) -> bool:
+        """Step ``h`` has the run's shape (its width in (lo, hi]; the read index lists every slot it reads)."""
+        return (h.T == h.bs == self.bs and h.small == self.small and self.lo < h.width <= self.hi
+                and ptrs is self.ptrs and (io.max_kv_read == 0) is self.no_read
+                and io.true_read_sizes[self.group] >= h.total)

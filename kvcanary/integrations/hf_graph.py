@@ -38,7 +38,7 @@ from contextlib import nullcontext
 import torch
 
 from kvcanary.integrations.hf_batch import table_width
-from kvcanary.integrations.hf_fused import FusedSteps
+from kvcanary.integrations.hf_fused import FusedSteps, Run
 from kvcanary.runtime.graphs import capture, replay_of
 from kvcanary.runtime.streams import capturing, stream_cache
 
@@ -104,10 +104,20 @@ class StepGraphs:
         path runs there; a steady decode step's replay does not need it, ``_inline``)."""
         s, io = self.s, h.io
         self.inline = False
+        fused = self.fused
+        ptrs = self._storages(io)
+        if fused is not None and fused.run is not None and s._late and fused.run.matches(h, io, ptrs) \
+                and fused.usable():
+            # a repeat of the steady run's shape: its pair's graph without keys (FusedSteps.repeat)
+            self.inline = self.fused_now = self.last_fused = True  # (set first, as for step: a raise keeps them)
+            batch = fused.repeat(h)
+            if batch is not None:
+                return batch
+            self.inline = self.fused_now = self.last_fused = False
         g = s.layout.full_group
         width = table_width(h.width, s.canary.max_context, WIDTH_STEP)
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
-                 *self._storages(io))
+                 *ptrs)
         # a steady decode shape: a graph per turn (see the module's docstring); anything else reads a
         # static copy of the staged values, and the monitor keeps the turn's values and a copy of the
         # read table (such shapes recur too rarely to fill a graph per turn)
@@ -126,7 +136,9 @@ class StepGraphs:
                 else:
                     self.entries.move_to_end(key)
                 self.inline = self.fused_now = self.last_fused = True
-                return self.fused.step(e, key, h)
+                batch = self.fused.step(e, key, h)
+                self._remember(h, io, shape, width, ptrs)
+                return batch
             if e is not None and e.graph is not None:
                 self.entries.move_to_end(key)
                 return self._inline(e)
@@ -136,6 +148,23 @@ class StepGraphs:
             return self._general(h, shape, sightings, per_turn, width, late=True)
         with engine_stream():
             return self._general(h, shape, sightings, per_turn, width)
+
+    def _remember(self, h, io, shape: tuple, width: int, ptrs: tuple) -> None:
+        """The fused step just run, for repeats of its shape (``FusedSteps.repeat``): a full read index only
+        (a short one is an engine bug, reported from the general path's keys) and widths that round alike."""
+        fused, s = self.fused, self.s
+        if not shape[5]:
+            fused.run = None
+            return
+        run = fused.run
+        if run is None or not run.matches(h, io, ptrs) or table_width(run.hi, s.canary.max_context, WIDTH_STEP) != width:
+            # the widths that round to this one: (the power of two below, width], or (0, WIDTH_STEP]
+            lo = 0 if width <= WIDTH_STEP else 1 << ((width - 1).bit_length() - 1)
+            cap = s.canary.max_context
+            if not (table_width(lo + 1, cap, WIDTH_STEP) == width == table_width(h.width, cap, WIDTH_STEP)):
+                lo = h.width - 1  # (past the cap, or anything unusual: this width alone)
+            run = Run(h, lo, width, shape[4], ptrs, s.layout.full_group)
+        fused.remember(run, s.builder.stage.last_ptr)
 
     def _storages(self, io) -> tuple:
         """The data pointers of the engine's input storages, asked of torch only when a storage tensor is

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 from array import array
-from operator import attrgetter, getitem, sub
+from operator import add, attrgetter, getitem, sub
 
 import numpy as np
 
@@ -131,42 +131,59 @@ class TokenRows:
         sent.update(zip(names, need))
         return [need + rows + prefix + tokens]
 
-    def _steady(self, io, reqs, states: list, extend: list[int], copy: bool) -> HostStep | None:
+    def _steady(self, io, reqs, states: list, copy: bool) -> HostStep | None:
         """A decode step of the same requests as the step before, each one position past the tokens its
-        row holds: the step's values in the kept array (rows, ids and batch indices stay; positions and
+        row holds (so one query token each: the engine advances an offset by its request's query length):
+        the step's values in the kept array (rows, ids and batch indices stay; positions and
         tokens change), staged as one part. None: the general path (a request's history too short, a
-        position that did not advance by one, anything else). Plain lists for the checks: at these
-        sizes a numpy call costs more than the whole list operation."""
+        position that did not advance by one, anything else).
+
+        Per step the requests are read twice (their offsets, their newest tokens); everything else is
+        derived from the step before: each offset must be the last one plus one, so the positions, valid
+        lengths and cell columns in the kept array advance by one in place (numpy, one call per run of
+        rows), and the width and total by one and by the batch size. Plain lists for the checks: at these
+        sizes a numpy call per request value costs more than the whole list operation."""
         bs = len(states)
         st = self.steady
         if st is None:
             st = self.steady = _Steady(self, states)
         offsets = list(map(STATE_OFFSET, states))
-        prefix = list(map(sub, offsets, extend))  # (extend: all ones)
-        t, words = st.values, st.words
-        # (the lists cross as int64 arrays: ``array`` converts Python ints faster than numpy, and the positions,
-        # written twice, are converted once)
-        positions = array("q", prefix)
+        # each row holds every position before this step's: the offsets are the last ones (or, at the run's
+        # first step, the rows' lengths) plus one (a difference of one is a cached int: no int is made)
+        if list(map(sub, offsets, st.need)) != st.ones:
+            return None
+        words = st.words
         if self.want_history:
-            if prefix != st.need:
-                return None
-            at = list(map(sub, prefix, st.prompt))  # index into the generated tokens
-            if bs and min(at) < 0:
-                return None
+            at = st.at
+            if at is None:  # (the run's first step: each request's newest token must be a generated one)
+                at = list(map(sub, offsets, st.base))
+                if bs and min(at) < 0:
+                    return None
             try:
                 tokens = list(map(getitem, map(_S_GENERATED, states), at))
             except IndexError:
                 return None
-            st.need = offsets  # (prefix + extend: the offsets themselves, one new token each)
-            words[4 * bs:5 * bs] = array("q", offsets)
-            words[6 * bs:7 * bs] = positions
+            # (``array`` converts Python ints faster than numpy)
             words[7 * bs:8 * bs] = array("q", tokens)
+            st.at = list(map(add, at, st.ones))
             self.unsynced = True
-        words[bs:2 * bs] = positions
+        if st.prefix is None:  # the run's first step: the kept rows from the offsets
+            prefix = list(map(sub, offsets, st.ones))
+            positions = array("q", prefix)
+            words[bs:2 * bs] = positions
+            if self.want_history:
+                words[4 * bs:5 * bs] = array("q", offsets)
+                words[6 * bs:7 * bs] = positions
+            st.width, st.total = (max(offsets) if bs else 0), sum(offsets)
+        else:  # the offsets are the last ones plus one: so are the kept rows
+            prefix = st.prefix
+            np.add(st.grid, st.advance, out=st.grid)
+            st.width += 1
+            st.total += bs
+        st.prefix = st.need = offsets  # (the next step's prefix: these offsets; the rows hold them: sync_sent)
         # (the batch indices, the last bs values: the last part, as in the general path)
-        packed, small = self.stage.send([t], copy, last=bs)
-        return HostStep(io, reqs, bs, bs, prefix, extend, self.last_rids, packed, 4 * bs, small,
-                        max(prefix) + 1 if bs else 0, sum(prefix) + bs)
+        packed, small = self.stage.send([st.values], copy, last=bs)
+        return HostStep(io, reqs, bs, bs, prefix, st.ones, self.last_rids, packed, 4 * bs, small, st.width, st.total)
 
     def sync_sent(self) -> None:
         """``sent`` as the steady steps left the rows (they advance a kept array, not the dict)."""
@@ -204,7 +221,7 @@ class _Steady:
     new tokens (1 each), ids, then (with a token history) valid lengths, cell rows, cell columns,
     cell tokens, then each new token's batch index; and what the next steady step checks."""
 
-    __slots__ = ("values", "words", "need", "prompt")
+    __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "grid", "advance", "width", "total")
 
     def __init__(self, rows: TokenRows, states: list):
         bs, names = len(states), rows.last_names
@@ -215,6 +232,17 @@ class _Steady:
         parts.append(np.arange(bs, dtype=np.int64))
         self.values = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
         self.words = memoryview(self.values).cast("B").cast("q")  # the same memory, written from ``array``s
-        # each request's tokens in its row (the next position must be this), and its prompt length
-        self.need = list(map(rows.sent.get, names, [-1] * bs))
-        self.prompt = list(map(len, map(_S_PROMPT, states)))
+        self.ones = [1] * bs
+        # each request's tokens in its row: this step's offsets must be these plus one (a row without the
+        # request: -2, never one less than an offset)
+        self.need = list(map(rows.sent.get, names, [-2] * bs))
+        # where each request's newest token sits in its generated tokens: its offset less (prompt + 1)
+        self.base = [n + 1 for n in map(len, map(_S_PROMPT, states))]
+        self.at = self.prefix = None  # (set by the run's first step: _steady)
+        self.width = self.total = 0
+        # the rows that advance by one per step (one numpy call): positions; with a history also valid lengths
+        # and cell columns
+        n = 8 if rows.want_history else 4
+        self.grid = self.values[:n * bs].reshape(n, bs)
+        self.advance = np.zeros((n, 1), dtype=np.int64)
+        self.advance[[1, 4, 6] if rows.want_history else [1]] = 1

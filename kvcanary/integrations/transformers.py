@@ -26,7 +26,7 @@ from kvcanary.runtime import CanaryConfig, Violation
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
 INTEGRATION_OPTIONS = ("token_oracle", "token_history", "timing", "max_context", "allow_unsupported_version",
-                       "step_graphs", "late_hooks", "fused_steps")
+                       "step_graphs", "late_hooks", "fused_steps", "in_graph_waits")
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
 
 
@@ -53,6 +53,8 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
         fused_steps: with step graphs and late hooks, run a steady decode step's whole canary work (HEAD,
             TAIL, the step's snapshot) as one graph replayed after the forward (default True; same
             results, less host time per step: docs/transformers.md, "Fused steady steps").
+        in_graph_waits: a fused step's graph waits for the engine's inputs and forward itself, two CUDA
+            calls fewer per step than waiting from the host (default True; same ordering).
 
     Returns:
         a ``TransformersHandle``; ``handle.detach()`` restores the engine.
