@@ -44,7 +44,7 @@ _TIMED = {
     "kvcanary.integrations.hf_batch:BatchBuilder": ("host_part", "_rows", "_token_cells", "forget_finished", "_steady"),
     "kvcanary.integrations.hf_staging:Staging": ("send", "copied"),
     "kvcanary.integrations.hf_graph:StepGraphs": ("before", "_run"),
-    "kvcanary.integrations.hf_fused:FusedSteps": ("step", "_capture", "_replay", "usable", "join"),
+    "kvcanary.integrations.hf_fused:FusedSteps": ("step", "repeat", "_launch", "_capture", "_replay", "usable", "join"),
     "kvcanary.runtime.canary:Canary": ("host_before", "after_forward", "device_after", "host_after",
                                        "replayed_step", "check_replayed"),
     "kvcanary.runtime.launch:ForwardLauncher": ("join", "side"),
