@@ -17,6 +17,7 @@ from kvcanary.integrations.hf_fused import FusedSteps
 from kvcanary.integrations.hf_staging import Staging
 from kvcanary.runtime import observer
 from kvcanary.runtime.observer import SlotFence
+from kvcanary.runtime.streams import record_event
 
 
 class Streams:
@@ -169,3 +170,37 @@ def test_a_steady_run_repeats_only_steps_of_its_shape(cap):
     # a step whose read index is short is never remembered (its keys tell the general path's graph)
     g._remember(h, io, (2, 2, 14, rounded, False, False, *ptrs), rounded, ptrs)
     assert g.fused.run is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("waiting", [True, False], ids=["in-graph-waits", "no-waits"])
+def test_a_graph_that_waits_for_its_events_runs_after_both_streams(waiting):
+    # The fused graph's first nodes wait for its two events, recorded by the host on the inputs' stream and
+    # the compute stream just before the replay: the replay must read what both streams wrote before those
+    # records, however long they take. Without the waits the same replay runs at once and reads stale values.
+    fs = FusedSteps.__new__(FusedSteps)
+    fs.pool, fs.in_graph_waits = None, True
+    here, compute, side = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    x, z, y = (torch.zeros(1, device="cuda") for _ in range(3))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        waits = fs._capture_waiting(graph, lambda: y.copy_(x + z), side) if waiting else None
+        if not waiting:
+            graph.capture_begin()
+            y.copy_(x + z)
+            graph.capture_end()
+    assert (waits is not None) == waiting and fs.in_graph_waits
+    for step in range(1, 4):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(5_000_000)  # a few milliseconds of the forward
+            x.fill_(step)
+        torch.cuda._sleep(5_000_000)  # the inputs' stream
+        z.fill_(10 * step)
+        if waiting:
+            record_event(waits[0], here)
+            record_event(waits[1], compute)
+        with torch.cuda.stream(side):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert (y.item() == 11 * step) == waiting

@@ -68,7 +68,8 @@ class Staging:
         self.last_ptr = 0  # the data pointer of the last send's device buffer (a graph key's part)
 
     def send(self, parts: list, copy: bool = True, last: int | None = None) -> tuple[torch.Tensor, int]:
-        """``parts`` (lists of ints or int64 arrays) back to back in one device buffer; returns the
+        """``parts`` (lists of ints or int64 arrays; or one int64 memoryview of all ``n`` values) back to back in
+        one device buffer; returns the
         buffer and where the last part starts (``last``: the length of the last part, when the caller
         passes it joined to the others). ``copy=False``: the host-to-device copy waits for ``copy()``
         (issued eagerly, or inside a captured step)."""
@@ -94,13 +95,17 @@ class Staging:
                 self.views.clear()
             out = self.ring[turn][:n]
             host = self.host[turn][:n] if self.cuda else None
-            views = self.views[turn, n] = (out, host, host.numpy() if self.cuda else out.numpy(), out.data_ptr())
-        out, host, dst, self.last_ptr = views  # slices made once per (turn, size): each costs a tensor call
+            dst = host.numpy() if self.cuda else out.numpy()
+            views = self.views[turn, n] = (out, host, dst, out.data_ptr(), memoryview(dst).cast("B").cast("q"))
+        out, host, dst, self.last_ptr, words = views  # slices made once per (turn, size): each costs a tensor call
         self.turn = (turn + 1) % self.depth
-        at = 0
-        for p in parts:
-            dst[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
-            at += len(p)
+        if type(parts[0]) is memoryview:  # (a steady step's kept values: a plain copy, no numpy call)
+            words[:] = parts[0]
+        else:
+            at = 0
+            for p in parts:
+                dst[at:at + len(p)] = p  # numpy converts a list of ints several times faster than torch
+                at += len(p)
         if self.cuda:
             self.pending = (out, host, turn)
             if copy:

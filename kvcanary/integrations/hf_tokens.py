@@ -139,10 +139,9 @@ class TokenRows:
         position that did not advance by one, anything else).
 
         Per step the requests are read twice (their offsets, their newest tokens); everything else is
-        derived from the step before: each offset must be the last one plus one, so the positions, valid
-        lengths and cell columns in the kept array advance by one in place (numpy, one call per run of
-        rows), and the width and total by one and by the batch size. Plain lists for the checks: at these
-        sizes a numpy call per request value costs more than the whole list operation."""
+        derived from the step before: each offset must be the last one plus one, so this step's prefix is the
+        last step's offsets, and the width and total grow by one and by the batch size. Plain lists for the
+        checks: at these sizes a numpy call costs more than the whole list operation."""
         bs = len(states)
         st = self.steady
         if st is None:
@@ -163,26 +162,26 @@ class TokenRows:
                 tokens = list(map(getitem, map(_S_GENERATED, states), at))
             except IndexError:
                 return None
-            # (``array`` converts Python ints faster than numpy)
             words[7 * bs:8 * bs] = array("q", tokens)
             st.at = list(map(add, at, st.ones))
             self.unsynced = True
-        if st.prefix is None:  # the run's first step: the kept rows from the offsets
+        if st.prefix is None:  # the run's first step
             prefix = list(map(sub, offsets, st.ones))
-            positions = array("q", prefix)
-            words[bs:2 * bs] = positions
-            if self.want_history:
-                words[4 * bs:5 * bs] = array("q", offsets)
-                words[6 * bs:7 * bs] = positions
             st.width, st.total = (max(offsets) if bs else 0), sum(offsets)
-        else:  # the offsets are the last ones plus one: so are the kept rows
+        else:  # the offsets are the last ones plus one: the prefix is the last offsets, width and total follow
             prefix = st.prefix
-            np.add(st.grid, st.advance, out=st.grid)
             st.width += 1
             st.total += bs
+        # (``array`` converts Python ints faster than numpy, and a numpy call costs more than these inside the
+        # engine's step: cold caches)
+        positions = array("q", prefix)
+        words[bs:2 * bs] = positions
+        if self.want_history:
+            words[4 * bs:5 * bs] = array("q", offsets)
+            words[6 * bs:7 * bs] = positions
         st.prefix = st.need = offsets  # (the next step's prefix: these offsets; the rows hold them: sync_sent)
         # (the batch indices, the last bs values: the last part, as in the general path)
-        packed, small = self.stage.send([st.values], copy, last=bs)
+        packed, small = self.stage.send([words], copy, last=bs)
         return HostStep(io, reqs, bs, bs, prefix, st.ones, self.last_rids, packed, 4 * bs, small, st.width, st.total)
 
     def sync_sent(self) -> None:
@@ -221,7 +220,7 @@ class _Steady:
     new tokens (1 each), ids, then (with a token history) valid lengths, cell rows, cell columns,
     cell tokens, then each new token's batch index; and what the next steady step checks."""
 
-    __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "grid", "advance", "width", "total")
+    __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "width", "total")
 
     def __init__(self, rows: TokenRows, states: list):
         bs, names = len(states), rows.last_names
@@ -240,9 +239,3 @@ class _Steady:
         self.base = [n + 1 for n in map(len, map(_S_PROMPT, states))]
         self.at = self.prefix = None  # (set by the run's first step: _steady)
         self.width = self.total = 0
-        # the rows that advance by one per step (one numpy call): positions; with a history also valid lengths
-        # and cell columns
-        n = 8 if rows.want_history else 4
-        self.grid = self.values[:n * bs].reshape(n, bs)
-        self.advance = np.zeros((n, 1), dtype=np.int64)
-        self.advance[[1, 4, 6] if rows.want_history else [1]] = 1
