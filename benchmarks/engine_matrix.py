@@ -46,6 +46,9 @@ MATRIX = {
     "8b-decode-b1-c8k": ("8b", 1, 8192, "decode", ["--steps", "48", *WARM, *LOCK], 1.2),
     "8b-decode-b64-c2k": ("8b", 64, 2048, "decode", ["--steps", "16", *WARM, *LOCK], 1.5),
     "8b-prefill-b8-c8k": ("8b", 8, 8192, "prefill", LOCK, 1.2),
+    # A/A: both engines bare (--aa), the pairing's own floor on this host, next to the rows it qualifies
+    "1b-decode-b1-c2k-aa": ("1b", 1, 2048, "decode", ["--steps", "64", *WARM, *LOCK, "--aa"], 0.8),
+    "8b-decode-b1-c2k-aa": ("8b", 1, 2048, "decode", ["--steps", "48", *WARM, *LOCK, "--aa"], 1.0),
     # last: the heaviest (a 19 s prefill per generation), it takes what the others left; two of its KV
     # caches (73 GB each) do not fit one H200, so its runs, not steps, are paired
     "8b-decode-b64-c8k": ("8b", 64, 8192, "decode", ["--steps", "12", *WARM], 3.0),
@@ -68,7 +71,7 @@ def run(names: list[str], budget_s: float, out_dir: Path, rounds: int, canary_op
         weights = [MATRIX[n][5] for n in names[i:]]
         share = left * MATRIX[name][5] / sum(weights)
         rounds_budget = max(0.0, share - FIXED_S)
-        path = each_dir / f"engine_{size}_b{batch}_c{ctx}_{mode}.json"
+        path = each_dir / f"engine_{size}_b{batch}_c{ctx}_{mode}{'_aa' if '--aa' in extra else ''}.json"
         cmd = [sys.executable, "-m", "kvcanary.bench.engine", "--device", "cuda", "--model-size", size,
                "--batch", str(batch), "--context", str(ctx), "--mode", mode, "--json", str(path),
                "--rounds", str(rounds), "--budget-s", f"{rounds_budget:.0f}", *extra]
@@ -123,7 +126,7 @@ def table(results: list[dict]) -> str:
             continue
         w, g, p = d["workload"], d.get("generation", {}), d.get("canary_host_us_by_part", {})
         gpu = (d.get("gpu_time") or {}).get("canary_over_forward")
-        wl = f"{w['mode']}, batch {w['batch']}, {w['context'] // 1024}K"
+        wl = f"{w['mode']}, batch {w['batch']}, {w['context'] // 1024}K" + (" (A/A: both bare)" if w.get("a_a") else "")
         pairs = f"{w['rounds']} rounds, " + ("steps paired" if w.get("pairing") == "steps" else "runs paired")
         out.append(
             f"| {w['model_size'].upper()} | {wl} | {d['overhead_pct']:+.2f}% / {d.get('overhead_pct_paired') or 0:+.2f}% | "

@@ -14,8 +14,15 @@ lengthening the wait for the sampled tokens.
 
 A graph reads one staging turn and copies into one snapshot slot, so its key is (shape, turn, slot).
 The turns are a multiple of the slots (``hf_staging.STAGING_TURNS``): steady steps cycle through that
-many pairs, one capture each per shape. A step's observation is drained when its slot comes round
-again (``NUM_SLOTS`` steps later at most; the unfused path also polls before each forward).
+many pairs, one capture each per shape. A run of steps of one shape (``Run``) remembers each pair's graph
+by the turn buffer's address and the slot's index, so a repeat (``repeat``) builds no keys. A step's
+observation is drained when its slot comes round again (``NUM_SLOTS`` steps later at most; the unfused
+path also polls before each forward).
+
+On CUDA each graph's first nodes wait for two events of its own (``_capture_waiting``: external events),
+which the host records on the inputs' stream and on the compute stream right before the replay: the
+ordering of two host-side waits on the side stream, with two CUDA calls fewer per step (attach option
+``in_graph_waits``).
 
 Not fused (the unfused path runs the step): hooks that are not late (``late_hooks=False``, the token
 oracle, fault injection, CUDA without the engine's compute stream), a sweep due at the step's close,
