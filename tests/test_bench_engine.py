@@ -84,6 +84,11 @@ def test_bench_engine_runs_a_cpu_workload_and_reports_correctness(tmp_path, caps
     assert row.startswith("| TINY | decode, batch 4,") and row.endswith("| True, 0 |")
     overhead = row.split(" | ")[2]  # the column right after the workload: the end-to-end overhead
     assert overhead == f"{r['overhead_pct']:+.2f}% / {r['overhead_pct_paired']:+.2f}%"
+    # an A/A row (both engines bare) says so, and shows no GPU share of a canary it did not run
+    aa = {**r, "workload": {**r["workload"], "a_a": True}, "gpu_time": {"canary_over_forward": 0.03}}
+    cells = engine_matrix.table([{"name": "tiny-aa", **aa}]).splitlines()[2].split(" | ")
+    assert cells[1].endswith("(A/A: both bare)") and cells[7] == "n/a"
+    assert "3.00%" in engine_matrix.table([{"name": "tiny", **r, "gpu_time": {"canary_over_forward": 0.03}}])
 
 
 def test_bench_engine_rejects_an_unknown_workload(capsys):
