@@ -1,0 +1,102 @@
+"""The adapter's read table and new-token read entries as Triton kernels (integrations/hf_glue.py) give
+what the tensor ops and the numpy host path give, cell for cell (Triton under the interpreter on the CPU)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kvcanary import ops  # noqa: E402
+from kvcanary.integrations.hf_batch import BatchBuilder  # noqa: E402
+
+from conftest import DEVICE  # noqa: E402
+
+pytestmark = pytest.mark.skipif(DEVICE.type == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton on the CPU needs TRITON_INTERPRET=1")
+NUM_SLOTS = 500
+
+
+def builder(glue: bool) -> BatchBuilder:
+    from kvcanary.integrations import hf_glue
+
+    b = BatchBuilder.__new__(BatchBuilder)
+    b.num_rows, b.device, b.warned_read_size = 9, DEVICE, False
+    b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, num_slots=NUM_SLOTS, block_size=4))
+    b.iota = torch.arange(4, device=DEVICE)
+    b.glue = hf_glue if glue else None
+    return b
+
+
+def case(seed: int, bs: int, short: int = 0):
+    """A batch of ``bs`` requests in distinct rows, their lengths, and a read index listing ``short`` slots
+    fewer than they read (the rest of its storage holds stale slots)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(9, generator=g)[:bs]
+    prefix = torch.randint(0, 40, (bs,), generator=g)
+    extend = torch.randint(1, 5, (bs,), generator=g)
+    total = int((prefix + extend).sum())
+    storage = torch.randint(0, NUM_SLOTS, (1, total + 64), generator=g)
+    io = SimpleNamespace(use_block_table=False, max_kv_read=1, read_index_storage=storage.to(DEVICE),
+                         true_read_sizes=[total - short])
+    packed = torch.cat([rows, prefix, extend]).to(DEVICE)
+    return io, packed[:bs], packed[bs:2 * bs], packed[2 * bs:], total
+
+
+@pytest.mark.parametrize("seed,bs,short", [(0, 1, 0), (1, 5, 0), (2, 9, 0), (3, 6, 7), (4, 3, 1)])
+@pytest.mark.parametrize("width", [1, 37, 300])
+def test_read_table_kernel_fills_what_tensor_ops_and_numpy_fill(seed, bs, short, width):
+    io, rows, prefix, extend, total = case(seed, bs, short)
+    tables = []
+    for glue in (False, True):
+        rtt = torch.full((9, width), -5, dtype=torch.int64, device=DEVICE)
+        builder(glue)._read_table(io, rows, prefix, extend, width, total, out=rtt, host=False)
+        tables.append(rtt.cpu())
+    host = torch.full((9, width), -5, dtype=torch.int64)
+    views = SimpleNamespace(rows=rows.cpu().numpy(), prefix=prefix.cpu().numpy(), extend=extend.cpu().numpy(),
+                            rtt=host.numpy(), read=io.read_index_storage[0].cpu().numpy())
+    builder(False)._fill_host(views, io, total)
+    assert torch.equal(tables[0], tables[1]) and torch.equal(tables[0], host)
+    # (the check can fail: the untouched rows kept their marker, the request rows got slots, short ones the fill)
+    untouched = sorted(set(range(9)) - set(rows.tolist()))
+    assert all((tables[1][r] == -5).all() for r in untouched)
+    assert ((tables[1] == NUM_SLOTS).any().item()) == (short > 0 and width > 1)
+
+
+@pytest.mark.parametrize("capacity", [64, 5])
+def test_new_read_entries_kernel_fills_what_fill_entries_fills(capacity):
+    g = torch.Generator().manual_seed(7)
+    rtt = torch.randint(0, NUM_SLOTS, (9, 50), generator=g).to(DEVICE)
+    rows = torch.tensor([4, 0, 7], device=DEVICE)
+    token_req = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0], device=DEVICE)
+    positions = torch.tensor([0, 1, 13, 49, 2, 0, 14, 2], dtype=torch.int32, device=DEVICE)
+    input_ids = torch.randint(0, 1000, (8,), generator=g, dtype=torch.int32).to(DEVICE)
+    got = []
+    for glue in (False, True):
+        b = builder(glue)
+        b.new_reads = ops.Entries.allocate(capacity, DEVICE)
+        # the entries start dirty: whatever a step leaves past the count is never read, the rest must agree
+        for t in (b.new_reads.slot, b.new_reads.position, b.new_reads.prev, b.new_reads.expected_token):
+            t.fill_(-9)
+        batch = SimpleNamespace(req_pool_indices=rows, token_req=token_req, positions=positions, input_ids=input_ids,
+                                req_to_token=rtt)
+        if glue:
+            b.glue.new_read_entries(b.new_reads, rtt, rows, token_req, positions, input_ids)
+        else:
+            per = rows[token_req]
+            pos = positions.to(torch.int64)
+            ops.fill_entries(b.new_reads, rtt[per, pos], pos, torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1),
+                             input_ids)
+        e = b.new_reads
+        got.append([t.cpu() for t in (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, e.enable)])
+        del batch
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    slot, position, prev, expected, count, requested, enable = got[1]
+    k = min(8, capacity)
+    assert count.item() == k and requested.item() == 8 and enable.item() == int(8 <= capacity)
+    assert prev[:k].tolist() == [-1 if p == 0 else int(rtt[rows[r], p - 1]) for r, p in
+                                 zip(token_req.tolist()[:k], positions.tolist()[:k])]
+    assert np.array_equal(expected[:k].numpy(), input_ids[:k].cpu().numpy())
