@@ -26,7 +26,9 @@ def builder(glue: bool) -> BatchBuilder:
     b.num_rows, b.device, b.warned_read_size = 9, DEVICE, False
     b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, num_slots=NUM_SLOTS, block_size=4))
     b.iota = torch.arange(4, device=DEVICE)
-    b.glue = hf_glue if glue else None
+    if glue:
+        b.glue, b._glue_module = hf_glue.IndexKernels(), hf_glue
+        b.glue.checked = {"read table", "new tokens' read entries"}  # (the kernels alone: no check against ops)
     return b
 
 
@@ -83,7 +85,7 @@ def test_new_read_entries_kernel_fills_what_fill_entries_fills(capacity):
         batch = SimpleNamespace(req_pool_indices=rows, token_req=token_req, positions=positions, input_ids=input_ids,
                                 req_to_token=rtt)
         if glue:
-            b.glue.new_read_entries(b.new_reads, rtt, rows, token_req, positions, input_ids)
+            b._glue_module.new_read_entries(b.new_reads, rtt, rows, token_req, positions, input_ids)
         else:
             per = rows[token_req]
             pos = positions.to(torch.int64)
@@ -100,3 +102,38 @@ def test_new_read_entries_kernel_fills_what_fill_entries_fills(capacity):
     assert prev[:k].tolist() == [-1 if p == 0 else int(rtt[rows[r], p - 1]) for r, p in
                                  zip(token_req.tolist()[:k], positions.tolist()[:k])]
     assert np.array_equal(expected[:k].numpy(), input_ids[:k].cpu().numpy())
+
+
+@pytest.mark.parametrize("fault", ["raises", "wrong-cells", None])
+def test_a_kernel_is_checked_once_against_the_tensor_ops_and_given_up_if_it_fails(caplog, fault):
+    # The first eager call of each kernel also runs the tensor ops and compares; a kernel that raises or
+    # gives other cells leaves the tensor ops in charge (their cells in place) with one warning.
+    from kvcanary.integrations import hf_glue
+
+    io, rows, prefix, extend, total = case(5, 4, short=2)
+    want = torch.full((9, 40), -5, dtype=torch.int64, device=DEVICE)
+    builder(False)._read_table(io, rows, prefix, extend, 40, total, out=want, host=False)
+    b = builder(True)
+    b.glue.checked = set()
+    calls = []
+
+    def kernel(out, *args):
+        calls.append(1)
+        if fault == "raises":
+            raise RuntimeError("no such kernel on this Triton")
+        hf_glue.read_table(out, *args)
+        if fault == "wrong-cells":
+            out[rows[0], 0] += 1
+
+    b._glue_module = SimpleNamespace(read_table=kernel, NO_LIMIT=hf_glue.NO_LIMIT)
+    for step in range(3):
+        got = torch.full((9, 40), -5, dtype=torch.int64, device=DEVICE)
+        with caplog.at_level("WARNING", logger="kvcanary"):
+            b._read_table(io, rows, prefix, extend, 40, total, out=got, host=False)
+        assert torch.equal(got, want), step
+    assert b.glue.ok == (fault is None) and len(calls) == (1 if fault else 3)
+    warned = [r.getMessage() for r in caplog.records if "tensor ops" in r.getMessage()]
+    assert warned == ({"raises": ["kv-canary: the adapter's read table kernel failed (RuntimeError: no such kernel "
+                                  "on this Triton); using tensor ops"],
+                       "wrong-cells": ["kv-canary: the adapter's read table kernel gave other cells than the "
+                                       "tensor ops; using tensor ops"], None: []}[fault])

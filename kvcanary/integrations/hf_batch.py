@@ -37,7 +37,8 @@ def table_width(width: int, max_context: int, floor: int) -> int:
 
 
 class BatchBuilder(TokenRows):
-    glue = None  # hf_glue where the canary runs Triton (__init__): its kernels for the read table and entries
+    # where the canary runs Triton (__init__): hf_glue's kernels for the read table and entries, and the module
+    glue = _glue_module = None
 
     def __init__(self, session):
         self.s = session
@@ -58,11 +59,10 @@ class BatchBuilder(TokenRows):
         self.iota_np = np.arange(256, dtype=np.int64)
         # the read table and the new tokens' read entries as one Triton kernel each where the canary runs
         # Triton (hf_glue.py); the torch backend keeps the tensor ops
-        self.glue = None
         if ops.resolve_backend(session.config.backend, self.device) == "triton":
             from kvcanary.integrations import hf_glue  # (imports Triton)
 
-            self.glue = hf_glue
+            self.glue, self._glue_module = hf_glue.IndexKernels(), hf_glue
 
     def build(self) -> ForwardBatch:
         """This step's batch, its device work issued eagerly."""
@@ -216,22 +216,26 @@ class BatchBuilder(TokenRows):
                                         rtt=rtt.numpy(), read=io.read_index_storage[g].numpy())
             self._fill_host(views, io, total)
             return rtt
-        width = rtt.shape[1]
         have = min(total, io.true_read_sizes[g])
         read = io.read_index_storage[g]
         if have < total and not self.warned_read_size:
             self.warned_read_size = True
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
-        # Cells the read index lacks get an out-of-range slot, which verifies as a never-written record:
-        # a short read index is reported against the request that misses slots.
-        if self.glue is not None:  # one kernel (hf_glue.py) for the tensor ops below
-            if have == total:
-                self.glue.read_table(rtt, rows_t, prefix_t, extend_t, read, read.shape[0] - 1)
-            else:
-                self.glue.read_table(rtt, rows_t, prefix_t, extend_t, read, max(0, have - 1), have,
-                                     self.s.layout.num_slots)
+        if self.glue is not None and self.glue.ok:  # one kernel (hf_glue.py) for the tensor ops
+            full, glue = have == total, self._glue_module
+            self.glue.run("read table", lambda: glue.read_table(
+                rtt, rows_t, prefix_t, extend_t, read, read.shape[0] - 1 if full else max(0, have - 1),
+                glue.NO_LIMIT if full else have, 0 if full else self.s.layout.num_slots),
+                lambda: self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total), (rtt,))
             return rtt
+        return self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total)
+
+    def _read_table_ops(self, read, rows_t, prefix_t, extend_t, rtt, have: int, total: int) -> torch.Tensor:
+        """``_read_table``'s device path as tensor ops. Cells the read index lacks get an out-of-range slot,
+        which verifies as a never-written record: a short read index is reported against the request that
+        misses slots."""
+        width = rtt.shape[1]
         seen = prefix_t + extend_t
         # [bs, width] positions into the flat read index; cells past a request's length are never read.
         idx = (torch.cumsum(seen, 0) - seen).unsqueeze(1) + self._arange(width)
@@ -279,15 +283,22 @@ class BatchBuilder(TokenRows):
             v = getattr(batch, "host_views", None) or self._views(batch, io)
             if np.array_equal(v.rtt[v.rows[v.token_req], v.positions], v.loc):
                 return
-        if self.glue is not None:  # one kernel (hf_glue.py) for the tensor ops below
-            self.glue.new_read_entries(self.new_reads, rtt, batch.req_pool_indices, batch.token_req,
-                                       batch.positions, batch.input_ids)
-        else:
+        e = self.new_reads
+
+        def tensor_ops():
             per = batch.req_pool_indices[batch.token_req]
             pos = batch.positions.to(torch.int64)
             slots = rtt[per, pos]
             prev = torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1)
-            ops.fill_entries(self.new_reads, slots, pos, prev, batch.input_ids)
+            ops.fill_entries(e, slots, pos, prev, batch.input_ids)
+
+        if self.glue is not None and self.glue.ok:  # one kernel (hf_glue.py) for the tensor ops
+            glue = self._glue_module
+            self.glue.run("new tokens' read entries", lambda: glue.new_read_entries(
+                e, rtt, batch.req_pool_indices, batch.token_req, batch.positions, batch.input_ids), tensor_ops,
+                (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, e.enable))
+        else:
+            tensor_ops()
         # On the side stream, ordered after HEAD's write and after the entries filled here; the step's
         # close joins it, so the next step's fill cannot overwrite entries still being read.
         with c.launcher.side():

@@ -15,16 +15,25 @@ one kernel, with the same results cell for cell:
   ``p = positions[t]``; ``count``, ``requested`` and ``enable`` as ``ops.fill_entries`` sets them.
 
 The tensor-op versions stay in ``hf_batch.py`` (the torch backend, and the check these are held to:
-tests/test_hf_glue.py); the CPU's eager steps use numpy there.
+tests/test_hf_glue.py); the CPU's eager steps use numpy there. ``IndexKernels`` runs each kernel as the
+adapter calls it: on its first eager call also the tensor ops, compared on the host, and the tensor ops
+from then on, with a warning, where the kernel fails to compile or launch or gives other cells. The
+kernels are an optimisation, never a new way to fail or to report.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kvcanary.ops import triton_ops
+from kvcanary.runtime.streams import capturing
+
+log = logging.getLogger("kvcanary")
 
 READ_BLOCK = 256  # columns of the read table per loop iteration
 ENTRY_BLOCK = 256  # new tokens per program
@@ -79,7 +88,7 @@ def read_table(out: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, exte
         return
     triton_ops._launch(_read_table_kernel, (bs,), p_rows=rows, p_prefix=prefix, p_extend=extend, bs=bs,
                        p_read=read, clamp_max=clamp_max, limit=limit, fill=fill, p_out=out, out_s0=out.stride(0),
-                       width=out.shape[1], BLOCK_B=triton.next_power_of_2(bs), BLOCK=READ_BLOCK)
+                       width=out.shape[1], BLOCK_B=max(16, triton.next_power_of_2(bs)), BLOCK=READ_BLOCK)
 
 
 def new_read_entries(entries, rtt: torch.Tensor, rows: torch.Tensor, token_req: torch.Tensor,
@@ -92,3 +101,41 @@ def new_read_entries(entries, rtt: torch.Tensor, rows: torch.Tensor, token_req: 
                        p_position=entries.position, p_prev=entries.prev, p_expected=entries.expected_token,
                        p_count=entries.count, p_requested=entries.requested, p_enable=entries.enable,
                        BLOCK=ENTRY_BLOCK)
+
+
+class IndexKernels:
+    """The adapter's way to run the kernels above (``BatchBuilder``): ``ok`` until one of them fails."""
+
+    def __init__(self):
+        self.ok = True
+        self.checked: set[str] = set()
+
+    def run(self, name: str, kernel, tensor_ops, outs: tuple) -> None:
+        """``kernel()``, which writes ``outs``; ``tensor_ops()`` writes the same cells. The first eager call
+        of each ``name`` runs both and compares (one synchronize; not inside a captured step)."""
+        check = name not in self.checked and not _inside_capture()
+        before = tuple(t.clone() for t in outs) if check else ()
+        try:
+            kernel()
+        except Exception as e:  # (Triton's compilation errors have no common base besides Exception)
+            self._give_up(f"{name} kernel failed ({type(e).__name__}: {e})")
+            tensor_ops()
+            return
+        if not check:
+            return
+        got = tuple(t.clone() for t in outs)
+        for t, b in zip(outs, before):
+            t.copy_(b)
+        tensor_ops()
+        self.checked.add(name)
+        if not all(torch.equal(a, b) for a, b in zip(got, outs)):
+            self._give_up(f"{name} kernel gave other cells than the tensor ops")  # (theirs are in place)
+
+    def _give_up(self, why: str) -> None:
+        self.ok = False
+        log.warning("kv-canary: the adapter's %s; using tensor ops", why)
+
+
+def _inside_capture() -> bool:
+    """A CUDA graph (or the CPU stand-in, a dispatch mode) is recording: no host read of device values."""
+    return _get_current_dispatch_mode() is not None or (torch.cuda.is_available() and bool(capturing()))
