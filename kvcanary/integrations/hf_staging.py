@@ -68,11 +68,10 @@ class Staging:
         self.last_ptr = 0  # the data pointer of the last send's device buffer (a graph key's part)
 
     def send(self, parts: list, copy: bool = True, last: int | None = None) -> tuple[torch.Tensor, int]:
-        """``parts`` (lists of ints or int64 arrays; or one int64 memoryview of all ``n`` values) back to back in
-        one device buffer; returns the
-        buffer and where the last part starts (``last``: the length of the last part, when the caller
-        passes it joined to the others). ``copy=False``: the host-to-device copy waits for ``copy()``
-        (issued eagerly, or inside a captured step)."""
+        """``parts`` (lists of ints or int64 arrays; or one int64 memoryview of all the values) back to back in
+        one device buffer; returns the buffer and where the last part starts (``last``: the length of the
+        last part, when the caller passes it joined to the others). ``copy=False``: the host-to-device copy
+        waits for ``copy()`` (issued eagerly, or inside a captured step)."""
         n = len(parts[0]) if len(parts) == 1 else sum(map(len, parts))
         turn = self.turn
         if self.cuda:  # this turn's last copy has long finished; never overwrite it in flight
