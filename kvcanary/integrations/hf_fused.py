@@ -233,8 +233,11 @@ class FusedSteps:
         by the host before each replay, on the inputs' stream and on the compute stream, they order the
         replay as the side stream's waits did, with two CUDA calls instead of four). Events of its own: an
         event is recorded again only for the graph's next replay, six steps or more later, when this replay
-        has long finished (the engine synchronized its compute stream after joining it). None where torch
-        cannot capture such waits (then the caller captures the plain body and the step waits eagerly)."""
+        has long finished, so whether a wait node reads its event at the launch or when it runs, it waits
+        for this step's record (the compute stream joins each fused step before its next forward, and the
+        engine reads a step's sampled tokens, which follow that forward, before it prepares the step after
+        the next one). None where torch cannot capture such waits (then the caller captures the plain body
+        and the step waits eagerly)."""
         try:
             waits = (torch.cuda.Event(external=True), torch.cuda.Event(external=True))
             for ev in waits:
