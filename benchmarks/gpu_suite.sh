@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine must run, in one call per part, each well under 10 minutes:
 #   bash benchmarks/gpu_suite.sh tests    # the whole test suite natively (Triton compiled), self-check, demo
+#   bash benchmarks/gpu_suite.sh quick    # the adapter's graph, fused-step and index-kernel tests, then the host
+#                                         # timers of a steady decode step (1B, batch 1 and 64): about 3 minutes
 #   bash benchmarks/gpu_suite.sh ops      # op throughput (benchmarks/ops_bench.py)
 #   bash benchmarks/gpu_suite.sh probe    # the decode-like op benchmark step by step (diagnosis of a device fault)
 #   bash benchmarks/gpu_suite.sh engine [SPEC ...]  # canary cost inside transformers continuous batching, 1B and 8B
@@ -23,6 +25,15 @@ case "$part" in
       | tee "$OUT/tests.log" | tail -40
     $py -m kvcanary.cli selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.log" | tail -3
     timeout 90 $py -m kvcanary.cli demo --device cuda 2>&1 | tee "$OUT/demo.log" | head -12
+    ;;
+  quick)
+    timeout ${TESTS_TIMEOUT:-240} $py -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_hf_glue.py \
+      tests/test_hf_fused.py tests/test_hf_graphs.py tests/test_streams.py 2>&1 | tee "$OUT/tests_quick.log" | tail -5
+    for b in 1 64; do
+      timeout 150 $py benchmarks/host_profile.py --device cuda --model-size 1b --batch $b --context 2048 --steps 40 \
+        --no-cprofile --timers > "$OUT/timers_b$b.txt" 2>&1
+      echo "== batch $b"; sed -n '/steady decode steps timed/,$p' "$OUT/timers_b$b.txt" | head -20
+    done
     ;;
   ops)
     timeout ${OPS_TIMEOUT:-500} $py -m kvcanary.cli bench --device cuda --out "$OUT/ops_bench.json" --plot "$OUT/ops_bench.png" 2>&1 | tee "$OUT/ops.log"
@@ -65,5 +76,5 @@ case "$part" in
     done
     $py benchmarks/summarize_engine.py "$OUT"/engine_*.json --plot "$OUT/overhead.png" 2>&1 | tee "$OUT/engine_summary.txt"
     ;;
-  *) echo "unknown part $part (tests | ops | probe | engine)"; exit 2 ;;
+  *) echo "unknown part $part (tests | quick | ops | probe | engine)"; exit 2 ;;
 esac
