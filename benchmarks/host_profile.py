@@ -14,6 +14,9 @@ that enqueue them.
         # inclusive wall time per call of each hook part over steady decode steps, no cProfile
     python benchmarks/host_profile.py --device cuda --model-size 1b --batch 64 --count-calls
         # Python and C calls per steady decode step inside the hooks (the update's too)
+    TRITON_INTERPRET=1 python benchmarks/host_profile.py --device cpu --model-size tiny --batch 8 --context 64 \
+        --steps 40 --canary-option backend=triton --stand-in-graphs --count-calls
+        # the same count for the CUDA-graph paths, on the CPU (use_stand_in_graphs)
 """
 
 from __future__ import annotations
@@ -200,12 +203,27 @@ def _print_timers() -> None:
               f"{p90 * 1e6:10.1f}", file=sys.stderr)
 
 
+def use_stand_in_graphs() -> None:
+    """--stand-in-graphs: on the CPU, the adapter's CUDA-graph paths (step graphs, fused steady steps) with the
+    CPU stand-in of a CUDA graph, as the tests run them; with --count-calls, the Python and C calls of those
+    paths per steady step, counted on any machine (each replay counts as one call). Needs the Triton backend
+    under the interpreter (``--canary-option backend=triton``, TRITON_INTERPRET=1): the stand-in records
+    Triton launches and torch ops, not numba calls."""
+    from kvcanary.integrations import hf_graph
+    from kvcanary.runtime.graphs import DispatchGraph
+
+    orig = hf_session.Session._step_graphs
+    hf_session.Session._step_graphs = lambda self, graph_type=None: orig(self, DispatchGraph)
+    hf_graph.STEADY_SIGHTINGS = 2  # (a short CPU run reaches the fused steps soon)
+
+
 def main(argv: list[str]) -> None:
     """Extra flags: --stub-kernels (the canary's own Python only: every op a no-op, so its health
     check complains of missing launches), --no-cprofile (time without the profiler's overhead),
-    --no-step-graphs (the transformers adapter's steps all eager, as with attach(step_graphs=False))."""
-    flags = ("--stub-kernels", "--no-cprofile", "--no-step-graphs", "--timers", "--count-calls")
-    stub, plain, eager, timers, count = (f in argv for f in flags)
+    --no-step-graphs (the transformers adapter's steps all eager, as with attach(step_graphs=False)),
+    --stand-in-graphs (use_stand_in_graphs)."""
+    flags = ("--stub-kernels", "--no-cprofile", "--no-step-graphs", "--timers", "--count-calls", "--stand-in-graphs")
+    stub, plain, eager, timers, count, stand_in = (f in argv for f in flags)
     plain = plain or timers or count
     if timers:
         _install_timers()
@@ -214,6 +232,8 @@ def main(argv: list[str]) -> None:
     argv = [a for a in argv if a not in flags]
     if eager:
         hf_session.Session._step_graphs = lambda self, graph_type=None: None
+    if stand_in:
+        use_stand_in_graphs()
     if stub:
         orig_init = launch.ForwardLauncher.__init__
 
