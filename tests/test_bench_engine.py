@@ -249,8 +249,9 @@ def test_lockstep_a_a_runs_two_bare_engines(tmp_path, capsys):
 
     out = tmp_path / "aa.json"
     rc = engine.main(["--device", "cpu", "--model-size", "tiny", "--batch", "2", "--context", "16", "--steps", "4",
-                      "--skip", "1", "--rounds", "1", "--lockstep", "--aa", "--no-profile", "--json", str(out)])
+                      "--skip", "1", "--rounds", "1", "--lockstep", "--aa", "--json", str(out)])
     r = json.loads(out.read_text())
+    assert "gpu_time" not in r  # (no profiled canary run: there is no canary to split the GPU time with)
     assert rc == 0 and r["workload"]["a_a"] and r["correctness"] == {"tokens_identical": True, "violations": 0}
     assert r["step_with_canary"]["n"] == r["step_without_canary"]["n"] > 0 and r["overhead_pct_paired"] is not None
     assert r["canary_host_us_by_part"] == {} and r["canary_host_time_in_step"] == {"n": 0}  # no canary ran

@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= res[False]["outputs"] == res[True]["outputs"]
         violations += res[True]["violations"]
         r += 1
-    if not args.no_profile:
+    if not args.no_profile and not args.aa:  # (an A/A run has no canary to split the GPU time with)
         # last, in a run of its own: the profiler's hooks may slow every later launch in the process
         profile = run_once(model, wl, canary=True, profile=True, trace=args.trace)["profile"]
 
