@@ -125,7 +125,7 @@ def table(results: list[dict]) -> str:
             out.append(f"| {d['name']} | failed: {d['error']} |" + " |" * 8)
             continue
         w, g, p = d["workload"], d.get("generation", {}), d.get("canary_host_us_by_part", {})
-        # (an A/A row's engines are both bare: no GPU share; rows before 1375b84 carried a profiled canary run's)
+        # (an A/A row's engines are both bare: no GPU share; rows before 0f8ff13 carried a profiled canary run's)
         gpu = None if w.get("a_a") else (d.get("gpu_time") or {}).get("canary_over_forward")
         wl = f"{w['mode']}, batch {w['batch']}, {w['context'] // 1024}K" + (" (A/A: both bare)" if w.get("a_a") else "")
         pairs = f"{w['rounds']} rounds, " + ("steps paired" if w.get("pairing") == "steps" else "runs paired")
