@@ -109,8 +109,10 @@ def run(names: list[str], budget_s: float, out_dir: Path, rounds: int, canary_op
 
 def line(d: dict) -> str:
     p = d.get("canary_host_us_by_part", {})
+    ci = d.get("overhead_pct_paired_ci95")
+    ci = f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""
     return (f"{d['step_without_canary']['median_ms']:.2f} -> {d['step_with_canary']['median_ms']:.2f} ms "
-            f"({d.get('overhead_pct', float('nan')):+.2f}%, paired {d.get('overhead_pct_paired') or 0:+.2f}%), "
+            f"({d.get('overhead_pct', float('nan')):+.2f}%, paired {d.get('overhead_pct_paired') or 0:+.2f}%{ci}), "
             f"host {p.get('total', 0):.0f} us, rounds {d['workload']['rounds']}")
 
 

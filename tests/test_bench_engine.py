@@ -227,6 +227,26 @@ def test_lockstep_summary_pairs_by_step_and_skips_what_does_not_match():
     assert s["parts_us"]["with"]["prepare"] == 1e6 * 1.3 / 2  # (halves of 1.1, 2.4, 1.3)
     assert s["gc_ms"] == {"without": 400.0, "with": 480.0}  # a tenth of the paired steps' 4.0 and 4.8 s
     assert abs(s["tokens_per_s"]["without"] - 3 / 17.0) < 1e-12  # every step of a generation counts
+    assert s["paired_ci95_pct"] is None  # (three pairs: too few for an interval)
+
+
+def test_median_interval_covers_the_median_and_narrows_with_more_draws():
+    import random
+
+    from kvcanary.bench.lockstep import median_interval
+
+    rng = random.Random(3)
+    assert median_interval([1.0] * 5) is None and median_interval([2.0] * 6) == (2.0, 2.0)
+    widths, covered = [], 0
+    for n in (30, 300, 3000):
+        for _ in range(40):
+            xs = [rng.gauss(1.0, 0.1) for _ in range(n)]
+            lo, hi = median_interval(xs)
+            covered += lo <= 1.0 <= hi  # the true median of the draws' distribution
+            assert lo <= sorted(xs)[n // 2] <= hi
+        widths.append(hi - lo)
+    assert widths[0] > widths[1] > widths[2]
+    assert covered >= 0.85 * 120  # about 95% of the intervals hold the true median (120 draws: at least 85%)
 
 
 def test_engine_matrix_skips_a_workload_its_share_cannot_cover(tmp_path, monkeypatch):

@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         result["overhead_pct_paired"] = 100 * statistics.median(pair_overheads) if pair_overheads else None
         if lock is not None:  # paired step by step; whole generations as each engine's summed steps
             result["overhead_pct_paired"] = paired["paired_pct"]
+            result["overhead_pct_paired_ci95"] = paired["paired_ci95_pct"]
             result["step_parts_us"], result["unpaired_steps"] = paired["parts_us"], paired["unpaired"]
             result["gc_ms_in_paired_steps"] = paired["gc_ms"]
             tps = paired["tokens_per_s"]

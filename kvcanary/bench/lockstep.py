@@ -20,6 +20,7 @@ same batches (same requests, same tokens); a step where they do not is reported,
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 
@@ -125,13 +126,25 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
     return {"without": out[False], "with": out[True], "parts": parts, "violations": violations}
 
 
+def median_interval(xs: list[float], z: float = 1.96) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of ``xs`` (about 95% at the default ``z``): the order
+    statistics of ranks n/2 -+ z sqrt(n)/2, which assume only independent draws. None below six values."""
+    n = len(xs)
+    if n < 6:
+        return None
+    s, half = sorted(xs), z * math.sqrt(n) / 2
+    lo, hi = max(1, math.floor(n / 2 - half)), min(n, math.ceil(1 + n / 2 + half))  # (1-based ranks)
+    return s[lo - 1], s[hi - 1]
+
+
 def summarize(rounds: list[dict]) -> dict:
     """Pair the rounds' steps (step i of B with step i of A, both measured and of the same batch).
 
     Returns the paired steps' seconds (``off``, ``on``), the median of the pairs' ratios less one
     (``paired_pct``), the median microseconds of each step part per engine, whole-generation tokens per
     second of each engine (tokens over the sum of all its steps), the collector's total milliseconds inside
-    the paired steps per engine, and the steps that did not pair."""
+    the paired steps per engine, the steps that did not pair, and an interval for the paired median
+    (``paired_ci95_pct``, ``median_interval``)."""
     off, on, ratios, unpaired = [], [], [], 0
     by_part = {False: {k: [] for k in PARTS}, True: {k: [] for k in PARTS}}
     gen_tps = {False: [], True: []}
@@ -163,6 +176,10 @@ def summarize(rounds: list[dict]) -> dict:
         # collections are rare (a median of 0): their total over the paired steps says more
         "gc_ms": {("with" if c else "without"): round(1e3 * sum(d["gc"]), 3) for c, d in by_part.items()},
         "paired_pct": 100 * (med(ratios) - 1) if ratios else None,
+        # how far that median may be from the one more pairs would give (pairs of one host drift together, so
+        # read it as a lower bound on the uncertainty: an A/A row shows the rest)
+        "paired_ci95_pct": (None if (ci := median_interval(ratios)) is None
+                            else [round(100 * (ci[0] - 1), 3), round(100 * (ci[1] - 1), 3)]),
         "parts_us": {("with" if c else "without"): {k: round(1e6 * med(v), 1) if v else None for k, v in d.items()}
                      for c, d in by_part.items()},
         "tokens_per_s": {("with" if c else "without"): med(v) for c, v in gen_tps.items()},
