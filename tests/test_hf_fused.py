@@ -151,13 +151,10 @@ def test_a_steady_run_repeats_only_steps_of_its_shape(cap):
     for width in (1, 300, 512, 513, 1000, 1024, 1025, 2048, 2049, 2999, 3000, 3001, 5000):
         g = StepGraphs.__new__(StepGraphs)
         g.fused = SimpleNamespace(run=None)
-        g.fused.remember = lambda run, ptr: setattr(g.fused, "run", run)
-        g.s = SimpleNamespace(canary=SimpleNamespace(max_context=cap), layout=SimpleNamespace(full_group=0),
-                              builder=SimpleNamespace(stage=SimpleNamespace(last_ptr=7)))
+        g.s = SimpleNamespace(canary=SimpleNamespace(max_context=cap), layout=SimpleNamespace(full_group=0))
         h = hf_staging.HostStep(io, [], 2, 2, [0, 0], [1, 1], [1, 2], None, 8, 14, width, 40)
         rounded = table_width(width, cap, WIDTH_STEP)
-        g._remember(h, io, (2, 2, 14, rounded, False, True, *ptrs), rounded, ptrs)
-        run = g.fused.run
+        run = g.fused.run = g._run_for(h, io, (2, 2, 14, rounded, False, True, *ptrs), rounded, ptrs)
         for w in [w for w in list(range(1, 5200, 7)) + [width - 1, width + 1, 512, 513, 2049, cap, cap + 1] if w > 0]:
             same = table_width(w, cap, WIDTH_STEP) == rounded
             # below the cap exactly the widths that round alike; past it (no rounding) the width alone
@@ -168,8 +165,7 @@ def test_a_steady_run_repeats_only_steps_of_its_shape(cap):
         assert not run.matches(h._replace(total=41), io, ptrs)  # a read index shorter than the reads
         assert not run.matches(h, SimpleNamespace(max_kv_read=0, true_read_sizes=[40]), ptrs)
     # a step whose read index is short is never remembered (its keys tell the general path's graph)
-    g._remember(h, io, (2, 2, 14, rounded, False, False, *ptrs), rounded, ptrs)
-    assert g.fused.run is None
+    assert g._run_for(h, io, (2, 2, 14, rounded, False, False, *ptrs), rounded, ptrs) is None
 
 
 @pytest.mark.gpu

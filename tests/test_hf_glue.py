@@ -27,7 +27,7 @@ def builder(glue: bool) -> BatchBuilder:
     b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, num_slots=NUM_SLOTS, block_size=4))
     b.iota = torch.arange(4, device=DEVICE)
     if glue:
-        b.glue, b._glue_module = hf_glue.IndexKernels(), hf_glue
+        b.glue = hf_glue.IndexKernels()
         b.glue.checked = {"read table", "new tokens' read entries"}  # (the kernels alone: no check against ops)
     return b
 
@@ -85,7 +85,7 @@ def test_new_read_entries_kernel_fills_what_fill_entries_fills(capacity):
         batch = SimpleNamespace(req_pool_indices=rows, token_req=token_req, positions=positions, input_ids=input_ids,
                                 req_to_token=rtt)
         if glue:
-            b._glue_module.new_read_entries(b.new_reads, rtt, rows, token_req, positions, input_ids)
+            b.glue.new_read_entries(b.new_reads, rtt, rows, token_req, positions, input_ids)
         else:
             per = rows[token_req]
             pos = positions.to(torch.int64)
@@ -125,7 +125,7 @@ def test_a_kernel_is_checked_once_against_the_tensor_ops_and_given_up_if_it_fail
         if fault == "wrong-cells":
             out[rows[0], 0] += 1
 
-    b._glue_module = SimpleNamespace(read_table=kernel, NO_LIMIT=hf_glue.NO_LIMIT)
+    b.glue.read_table = kernel
     for step in range(3):
         got = torch.full((9, 40), -5, dtype=torch.int64, device=DEVICE)
         with caplog.at_level("WARNING", logger="kvcanary"):

@@ -67,9 +67,9 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
     fused_steps = []
     fused_step = FusedSteps.step
 
-    def counting_fused(self, e, key, h):  # a steady step's before and after work as one replay
+    def counting_fused(self, e, key, h, run=None):  # a steady step's before and after work as one replay
         fused_steps.append(key)
-        return fused_step(self, e, key, h)
+        return fused_step(self, e, key, h, run)
 
     monkeypatch.setattr(FusedSteps, "step", counting_fused)
     repeats = []

@@ -37,8 +37,7 @@ def table_width(width: int, max_context: int, floor: int) -> int:
 
 
 class BatchBuilder(TokenRows):
-    # where the canary runs Triton (__init__): hf_glue's kernels for the read table and entries, and the module
-    glue = _glue_module = None
+    glue = None  # where the canary runs Triton (__init__): hf_glue's kernels for the read table and entries
 
     def __init__(self, session):
         self.s = session
@@ -62,7 +61,7 @@ class BatchBuilder(TokenRows):
         if ops.resolve_backend(session.config.backend, self.device) == "triton":
             from kvcanary.integrations import hf_glue  # (imports Triton)
 
-            self.glue, self._glue_module = hf_glue.IndexKernels(), hf_glue
+            self.glue = hf_glue.IndexKernels()
 
     def build(self) -> ForwardBatch:
         """This step's batch, its device work issued eagerly."""
@@ -223,8 +222,8 @@ class BatchBuilder(TokenRows):
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
         if self.glue is not None and self.glue.ok:  # one kernel (hf_glue.py) for the tensor ops
-            full, glue = have == total, self._glue_module
-            self.glue.run("read table", lambda: glue.read_table(
+            full, glue = have == total, self.glue
+            glue.run("read table", lambda: glue.read_table(
                 rtt, rows_t, prefix_t, extend_t, read, read.shape[0] - 1 if full else max(0, have - 1),
                 glue.NO_LIMIT if full else have, 0 if full else self.s.layout.num_slots),
                 lambda: self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total), (rtt,))
@@ -293,8 +292,8 @@ class BatchBuilder(TokenRows):
             ops.fill_entries(e, slots, pos, prev, batch.input_ids)
 
         if self.glue is not None and self.glue.ok:  # one kernel (hf_glue.py) for the tensor ops
-            glue = self._glue_module
-            self.glue.run("new tokens' read entries", lambda: glue.new_read_entries(
+            glue = self.glue
+            glue.run("new tokens' read entries", lambda: glue.new_read_entries(
                 e, rtt, batch.req_pool_indices, batch.token_req, batch.positions, batch.input_ids), tensor_ops,
                 (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, e.enable))
         else:

@@ -77,15 +77,16 @@ class FusedSteps:
         # the graphs' first nodes wait for the inputs and the forward (_capture_waiting); off: eager waits
         self.in_graph_waits = cuda and bool(self.s.handle.options.get("in_graph_waits", True))
         self.run: Run | None = None  # the steady run of one shape: its pairs' entries and graphs (repeat)
-        self.last = None  # (slot index, entry, graph) of the last step (remember)
 
     def usable(self) -> bool:
         """This step may run fused (its hooks late): the runtime has nothing to run between HEAD and TAIL."""
         s = self.s  # (the caller checked that the hooks are late this step)
         return s.canary.fusable() and (self.cache is None or s.bp.inputs_and_outputs.compute_stream is not None)
 
-    def step(self, e, key: tuple, h):
-        """Run steady step ``h`` fused (``e``: its StepGraphs entry under ``key``); returns its batch."""
+    def step(self, e, key: tuple, h, run: "Run | None" = None):
+        """Run steady step ``h`` fused (``e``: its StepGraphs entry under ``key``); returns its batch. ``run``:
+        the steady run of the step's shape (``StepGraphs._run_for``), which keeps the step's (turn, slot) pair
+        for repeats; None: a shape repeats do not take."""
         obs = self.s.canary.monitor.observer
         index = None if obs.eager_read else obs.next  # the slot this step's snapshot copies into
         slot = None if index is None else obs.slots[index]
@@ -96,10 +97,12 @@ class FusedSteps:
             self.entries[fkey] = f
             while len(self.entries) > MAX_FUSED:
                 self.entries.popitem(last=False)
-                self.run = None  # (a dropped graph may be one of the run's)
+                run = None  # (a dropped graph may be one of the run's: the run starts again)
         else:
             self.entries.move_to_end(fkey)
-        self.last = (index, e, f)
+        self.run = run
+        if run is not None:
+            run.pairs[self.s.builder.stage.last_ptr, index] = (e, f)
         return self._launch(e, f, slot, obs)
 
     def repeat(self, h):
@@ -111,14 +114,6 @@ class FusedSteps:
         if pair is None:
             return None
         return self._launch(pair[0], pair[1], None if index is None else obs.slots[index], obs)
-
-    def remember(self, run: "Run", ptr: int) -> None:
-        """The last step's (turn, slot) pair for repeats of its shape (``run``: a new one, or the current one
-        when the shape is the same)."""
-        if self.run is not run:
-            self.run = run
-        index, e, f = self.last
-        run.pairs[ptr, index] = (e, f)
 
     def _launch(self, e, f: "_Fused", slot, obs):
         s = self.s

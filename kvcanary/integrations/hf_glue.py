@@ -106,9 +106,12 @@ def new_read_entries(entries, rtt: torch.Tensor, rows: torch.Tensor, token_req: 
 class IndexKernels:
     """The adapter's way to run the kernels above (``BatchBuilder``): ``ok`` until one of them fails."""
 
+    NO_LIMIT = NO_LIMIT
+
     def __init__(self):
         self.ok = True
         self.checked: set[str] = set()
+        self.read_table, self.new_read_entries = read_table, new_read_entries  # (tests put others in)
 
     def run(self, name: str, kernel, tensor_ops, outs: tuple) -> None:
         """``kernel()``, which writes ``outs``; ``tensor_ops()`` writes the same cells. The first eager call

@@ -136,9 +136,7 @@ class StepGraphs:
                 else:
                     self.entries.move_to_end(key)
                 self.inline = self.fused_now = self.last_fused = True
-                batch = self.fused.step(e, key, h)
-                self._remember(h, io, shape, width, ptrs)
-                return batch
+                return self.fused.step(e, key, h, self._run_for(h, io, shape, width, ptrs))
             if e is not None and e.graph is not None:
                 self.entries.move_to_end(key)
                 return self._inline(e)
@@ -149,22 +147,21 @@ class StepGraphs:
         with engine_stream():
             return self._general(h, shape, sightings, per_turn, width)
 
-    def _remember(self, h, io, shape: tuple, width: int, ptrs: tuple) -> None:
-        """The fused step just run, for repeats of its shape (``FusedSteps.repeat``): a full read index only
-        (a short one is an engine bug, reported from the general path's keys) and widths that round alike."""
-        fused, s = self.fused, self.s
+    def _run_for(self, h, io, shape: tuple, width: int, ptrs: tuple) -> Run | None:
+        """The steady run a fused step of ``shape`` belongs to, for repeats (``FusedSteps.repeat``): the current
+        one where the step matches it, else a new one of the widths that round alike; None for a short read
+        index (an engine bug, left to the keyed path)."""
         if not shape[5]:
-            fused.run = None
-            return
-        run = fused.run
-        if run is None or not run.matches(h, io, ptrs) or table_width(run.hi, s.canary.max_context, WIDTH_STEP) != width:
-            # the widths that round to this one: (the power of two below, width], or (0, WIDTH_STEP]
-            lo = 0 if width <= WIDTH_STEP else 1 << ((width - 1).bit_length() - 1)
-            cap = s.canary.max_context
-            if not (table_width(lo + 1, cap, WIDTH_STEP) == width == table_width(h.width, cap, WIDTH_STEP)):
-                lo = h.width - 1  # (past the cap, or anything unusual: this width alone)
-            run = Run(h, lo, width, shape[4], ptrs, s.layout.full_group)
-        fused.remember(run, s.builder.stage.last_ptr)
+            return None
+        run = self.fused.run
+        if run is not None and run.matches(h, io, ptrs):
+            return run
+        # the widths that round to this one: (the power of two below, width], or (0, WIDTH_STEP]
+        cap = self.s.canary.max_context
+        lo = 0 if width <= WIDTH_STEP else 1 << ((width - 1).bit_length() - 1)
+        if not (table_width(lo + 1, cap, WIDTH_STEP) == width == table_width(h.width, cap, WIDTH_STEP)):
+            lo = h.width - 1  # (past the cap, or anything unusual: this width alone)
+        return Run(h, lo, width, shape[4], ptrs, self.s.layout.full_group)
 
     def _storages(self, io) -> tuple:
         """The data pointers of the engine's input storages, asked of torch only when a storage tensor is

@@ -165,21 +165,24 @@ class TokenRows:
             words[7 * bs:8 * bs] = array("q", tokens)
             st.at = list(map(add, at, st.ones))
             self.unsynced = True
-        if st.prefix is None:  # the run's first step
-            prefix = list(map(sub, offsets, st.ones))
-            st.width, st.total = (max(offsets) if bs else 0), sum(offsets)
-        else:  # the offsets are the last ones plus one: the prefix is the last offsets, width and total follow
-            prefix = st.prefix
-            st.width += 1
-            st.total += bs
         # (``array`` converts Python ints faster than numpy, and a numpy call costs more than these inside the
         # engine's step: cold caches)
-        positions = array("q", prefix)
+        ends = array("q", offsets)
+        if st.prefix is None:  # the run's first step
+            prefix = list(map(sub, offsets, st.ones))
+            positions = array("q", prefix)
+            st.width, st.total = (max(offsets) if bs else 0), sum(offsets)
+        else:  # the offsets are the last ones plus one: the prefix is the last offsets, width and total follow
+            prefix, positions = st.prefix, st.ends
+            st.width += 1
+            st.total += bs
         words[bs:2 * bs] = positions
         if self.want_history:
-            words[4 * bs:5 * bs] = array("q", offsets)
+            words[4 * bs:5 * bs] = ends
             words[6 * bs:7 * bs] = positions
-        st.prefix = st.need = offsets  # (the next step's prefix: these offsets; the rows hold them: sync_sent)
+        # the next step's prefix (as a list and as converted): these offsets; the rows hold them (sync_sent)
+        st.prefix = st.need = offsets
+        st.ends = ends
         # (the batch indices, the last bs values: the last part, as in the general path)
         packed, small = self.stage.send([words], copy, last=bs)
         return HostStep(io, reqs, bs, bs, prefix, st.ones, self.last_rids, packed, 4 * bs, small, st.width, st.total)
@@ -220,7 +223,7 @@ class _Steady:
     new tokens (1 each), ids, then (with a token history) valid lengths, cell rows, cell columns,
     cell tokens, then each new token's batch index; and what the next steady step checks."""
 
-    __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "width", "total")
+    __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "ends", "width", "total")
 
     def __init__(self, rows: TokenRows, states: list):
         bs, names = len(states), rows.last_names
@@ -237,5 +240,5 @@ class _Steady:
         self.need = list(map(rows.sent.get, names, [-2] * bs))
         # where each request's newest token sits in its generated tokens: its offset less (prompt + 1)
         self.base = [n + 1 for n in map(len, map(_S_PROMPT, states))]
-        self.at = self.prefix = None  # (set by the run's first step: _steady)
+        self.at = self.prefix = self.ends = None  # (set by the run's first step: _steady)
         self.width = self.total = 0
