@@ -44,17 +44,23 @@ def timed(g, busy=False, wait_on=None, cold=None, n=300):
     return statistics.median(ts) * 1e6, sorted(ts)[n // 10] * 1e6
 
 
-def build(n, copies=False):
+def build(n, copies=False, side=None, waits=()):
+    """A graph of ``n`` small kernels captured on ``side`` (a new stream by default); ``copies``: a pinned
+    host-to-device copy before them and one back after; ``waits``: external events its first nodes wait for."""
     x = torch.zeros(64, device="cuda", dtype=torch.int64)
     pin_in = torch.zeros(64, dtype=torch.int64, pin_memory=True)
     pin_out = torch.zeros(64, dtype=torch.int64, pin_memory=True)
-    s = torch.cuda.Stream()
+    s = side or torch.cuda.Stream()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s):
         for _ in range(3):
             x.add_(1)
+        for ev in waits:
+            ev.record(s)  # (an event exists once recorded)
         torch.cuda.synchronize()
         g.capture_begin()
+        for ev in waits:
+            event_wait(ev, s)
         if copies:
             x.copy_(pin_in, non_blocking=True)
         for _ in range(n):
@@ -67,33 +73,12 @@ def build(n, copies=False):
     return g
 
 
-def build_waiting(n, side, waits):
-    """A graph of ``n`` small kernels captured on ``side``, its first nodes waiting for ``waits`` (external
-    events) when given."""
-    x = torch.zeros(64, device="cuda", dtype=torch.int64)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        x.add_(1)
-        for ev in waits or ():
-            ev.record(side)  # (an event exists once recorded)
-        torch.cuda.synchronize()
-        g.capture_begin()
-        for ev in waits or ():
-            event_wait(ev, side)
-        for _ in range(n):
-            x.add_(1)
-        g.capture_end()
-    torch.cuda.synchronize()
-    g.keep = x
-    return g
-
-
 def ordered_steps(n=40, steps=400):
     """Median / p10 host microseconds of the eager-wait and in-graph-wait sequences, alternating."""
     cold = list(range(4_000_000))
     here, compute, side = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
     waits = (torch.cuda.Event(external=True), torch.cuda.Event(external=True))
-    plain, waiting = build_waiting(n, side, None), build_waiting(n, side, waits)
+    plain, waiting = build(n, side=side), build(n, side=side, waits=waits)
     own = (torch.cuda.Event(), torch.cuda.Event())
     for label, busy, cool in (("idle", False, False), ("busy", True, False), ("idle, cold host", False, True),
                               ("busy, cold host", True, True)):
