@@ -60,8 +60,10 @@ FIXED_S = 25  # per workload, outside the rounds: process start, model build, wa
 NEEDS_S = {"8b-decode-b64-c8k": 240}
 
 
-def run(names: list[str], budget_s: float, out_dir: Path, rounds: int, canary_options: list[str],
+def run(names: list[str], budget_s: float, out_dir: Path, rounds: int, options: list[str],
         each_dir: Path, deadline_s: float) -> list[dict]:
+    """Each workload in its own process; ``options``: more bench_engine arguments (``--canary-option``,
+    ``--attach-option``) for every one."""
     out_dir.mkdir(parents=True, exist_ok=True)
     each_dir.mkdir(parents=True, exist_ok=True)
     t_start, results = time.perf_counter(), []
@@ -74,9 +76,7 @@ def run(names: list[str], budget_s: float, out_dir: Path, rounds: int, canary_op
         path = each_dir / f"engine_{size}_b{batch}_c{ctx}_{mode}{'_aa' if '--aa' in extra else ''}.json"
         cmd = [sys.executable, "-m", "kvcanary.bench.engine", "--device", "cuda", "--model-size", size,
                "--batch", str(batch), "--context", str(ctx), "--mode", mode, "--json", str(path),
-               "--rounds", str(rounds), "--budget-s", f"{rounds_budget:.0f}", *extra]
-        for opt in canary_options:
-            cmd += ["--canary-option", opt]
+               "--rounds", str(rounds), "--budget-s", f"{rounds_budget:.0f}", *extra, *options]
         t0 = time.perf_counter()
         hard = deadline_s - (t0 - t_start)  # the whole matrix ends by the deadline, whatever the estimates
         if hard < 30:
@@ -155,6 +155,8 @@ def main() -> int:
                     help="hard limit for the whole matrix: a workload still running then is stopped, later ones "
                          "are skipped (default 540, inside a 600 s command limit)")
     ap.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--attach-option", action="append", default=[], metavar="KEY=BOOL",
+                    help="an adapter mechanism on or off in the runs with the canary, e.g. replay_thread=true")
     ap.add_argument("--keep-each", action="store_true",
                     help="also keep one JSON per workload in OUT_DIR/each (the GPU runner returns at most 8 files)")
     args = ap.parse_args()
@@ -162,7 +164,9 @@ def main() -> int:
     out_dir = Path(args.out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         each = out_dir / "each" if args.keep_each else Path(tmp)
-        results = run(names, args.budget_s, out_dir, args.rounds, args.canary_option, each, args.deadline_s)
+        options = [a for opt in args.canary_option for a in ("--canary-option", opt)]
+        options += [a for opt in args.attach_option for a in ("--attach-option", opt)]
+        results = run(names, args.budget_s, out_dir, args.rounds, options, each, args.deadline_s)
     (out_dir / "matrix.json").write_text(json.dumps(results, indent=1) + "\n")
     text = table(results)
     (out_dir / "summary.md").write_text(text + "\n")

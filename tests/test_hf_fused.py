@@ -6,6 +6,7 @@ refill asks CUDA nothing once the slot was taken again. Where the close fails be
 recorded, the step falls back to events of its own on the side stream.
 """
 
+import threading
 from collections import OrderedDict
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from kvcanary.integrations.hf_fused import FusedSteps
 from kvcanary.integrations.hf_staging import Staging
 from kvcanary.runtime import observer
 from kvcanary.runtime.observer import SlotFence
+from kvcanary.runtime.replayer import GraphReplayer
 from kvcanary.runtime.streams import record_event
 
 
@@ -33,7 +35,7 @@ class Streams:
         self.now = stream
 
 
-def fused_step(monkeypatch, fail_close: bool = False, waits=None):
+def fused_step(monkeypatch, fail_close: bool = False, waits=None, thread: bool = False):
     calls, streams = [], Streams()
     for module in (hf_fused, hf_staging, observer):
         monkeypatch.setattr(module, "record_event", lambda ev, s: calls.append(("record", ev, s)), raising=False)
@@ -52,13 +54,14 @@ def fused_step(monkeypatch, fail_close: bool = False, waits=None):
     def take_slot():
         return slot, []
 
-    def replayed_step(batch, s, done, launch_s):
+    def replayed_step(batch, s, done, launch_s, record=True):
         calls.append(("close", streams.current()))
         if fail_close:
             raise RuntimeError("close failed")
         s.records += 1  # what HostObserver.taken does on CUDA: record the slot's event on the current stream
         s.pending = (7, {})
-        calls.append(("record", s.event, streams.current()))
+        if record:  # (False: the replay thread records it after the replay)
+            calls.append(("record", s.event, streams.current()))
 
     obs = SimpleNamespace(eager_read=False, slots=[None, slot, None], next=1, take_slot=take_slot)
     canary = SimpleNamespace(monitor=SimpleNamespace(observer=obs), check_replayed=lambda b: None,
@@ -66,13 +69,25 @@ def fused_step(monkeypatch, fail_close: bool = False, waits=None):
                              launcher=SimpleNamespace(streams=SimpleNamespace(side=lambda: "side"),
                                                       restore=lambda state: None))
     session = SimpleNamespace(canary=canary, builder=SimpleNamespace(stage=stage),
-                              bp=SimpleNamespace(inputs_and_outputs=SimpleNamespace(compute_stream="compute")))
+                              bp=SimpleNamespace(inputs_and_outputs=SimpleNamespace(compute_stream="compute")),
+                              _guarded=lambda fn, *args: fn(*args))
     fs = FusedSteps.__new__(FusedSteps)
     fs.s, fs.g, fs.cache, fs.pending = session, SimpleNamespace(quiet=1), streams, None
     fs.events, fs.replays = ("inputs", "forward", "done"), 0
+    fs.replay_thread, fs.replayer = thread, None
+    if thread:  # the helper's stream is the side stream: it records the slot's event there
+        def start(side):
+            r = GraphReplayer(lambda ev: calls.append(("record", ev, side, threading.current_thread().name)),
+                              name="helper")
+            obs.before_read = r.wait
+            return r
+        fs._start_replayer = start
+
+    def replay():
+        where = threading.current_thread().name if thread else streams.current()
+        calls.append(("replay", where))
     key = ("shape",)
-    fs.entries = OrderedDict({key + (1,): SimpleNamespace(replay=lambda: calls.append(("replay", streams.current())),
-                                                          state=None, waits=waits)})
+    fs.entries = OrderedDict({key + (1,): SimpleNamespace(replay=replay, state=None, waits=waits)})
     e = SimpleNamespace(batch="batch")
     stage.send([[1, 2, 3]], copy=False)  # the host half: its copy is issued by the replay
     assert stage.pending is not None and stage.pending[2] == 0
@@ -125,6 +140,33 @@ def test_a_fused_step_whose_graph_waits_for_its_own_events_records_them_only(mon
     assert calls == [("record", "graph-inputs", "default"), ("record", "graph-forward", "compute"),
                      ("replay", "side"), ("close", "side"), ("record", "slot-event", "side")]
     assert streams.current() == "default" and fs.pending == "slot-event"
+
+
+def test_a_fused_step_with_a_replay_thread_queues_its_replay_and_joins_it_first(monkeypatch):
+    # replay_thread: the engine's thread records the graph's events and closes the step; the helper issues
+    # the replay, then the slot's event; join waits for the helper before the streams wait for that event
+    fs, stage, slot, calls, streams = fused_step(monkeypatch, waits=("graph-inputs", "graph-forward"), thread=True)
+    try:
+        fs.join()
+        mine = [c for c in calls if "helper" not in c]
+        helper = [c for c in calls if "helper" in c]
+        assert mine == [("record", "graph-inputs", "default"), ("record", "graph-forward", "compute"),
+                        ("close", "side"), ("wait", "slot-event", "compute"), ("wait", "slot-event", "default")]
+        assert helper == [("replay", "helper"), ("record", "slot-event", "side", "helper")]
+        # the helper's record precedes the join's waits
+        assert calls.index(helper[-1]) < calls.index(("wait", "slot-event", "compute"))
+        assert fs.pending is None and fs.replayer.jobs == 1
+        assert fs.joined.slot is slot and fs.joined.records == 5 and stage.fences[0].records == 5
+        assert slot.pending == (7, {}) and fs.s.canary.monitor.observer.before_read == fs.replayer.wait
+    finally:
+        fs.close()
+    assert fs.replayer is None and fs.s.canary.monitor.observer.before_read is None
+
+
+def test_a_replay_thread_needs_in_graph_waits(monkeypatch):
+    # without its own waits the graph's order is the host's: the replay stays on the engine's thread
+    fs, stage, slot, calls, streams = fused_step(monkeypatch, thread=True)
+    assert fs.replayer is None and ("replay", threading.current_thread().name) in calls
 
 
 def test_a_fused_step_whose_close_fails_records_events_of_its_own(monkeypatch):

@@ -22,7 +22,9 @@ path also polls before each forward).
 On CUDA each graph's first nodes wait for two events of its own (``_capture_waiting``: external events),
 which the host records on the inputs' stream and on the compute stream right before the replay: the
 ordering of two host-side waits on the side stream, with two CUDA calls fewer per step (attach option
-``in_graph_waits``).
+``in_graph_waits``). With the attach option ``replay_thread`` (off by default; it needs those waits) the
+replay and the slot's event after it are issued from a helper thread (``runtime/replayer.py``): the
+engine's thread queues them, and ``join`` (and any read of a snapshot slot) waits until they were issued.
 
 Not fused (the unfused path runs the step): hooks that are not late (``late_hooks=False``, the token
 oracle, fault injection, CUDA without the engine's compute stream), a sweep due at the step's close,
@@ -39,6 +41,7 @@ import torch
 
 from kvcanary.runtime.graphs import capture, eager, replay_of
 from kvcanary.runtime.observer import SlotFence
+from kvcanary.runtime.replayer import GraphReplayer
 from kvcanary.runtime.streams import event_wait, record_event, stream_cache
 
 log = logging.getLogger("kvcanary")
@@ -77,6 +80,10 @@ class FusedSteps:
         # the graphs' first nodes wait for the inputs and the forward (_capture_waiting); off: eager waits
         self.in_graph_waits = cuda and bool(self.s.handle.options.get("in_graph_waits", True))
         self.run: Run | None = None  # the steady run of one shape: its pairs' entries and graphs (repeat)
+        # replays (and their slot events) issued from a helper thread (attach option replay_thread): made at
+        # the first replay that waits for its own events (the thread must know the side stream)
+        self.replay_thread = cuda and bool(self.s.handle.options.get("replay_thread", False))
+        self.replayer: GraphReplayer | None = None
 
     def usable(self) -> bool:
         """This step may run fused (its hooks late): the runtime has nothing to run between HEAD and TAIL."""
@@ -141,9 +148,11 @@ class FusedSteps:
         else:  # (the graph's first nodes wait for its own two events: two CUDA calls fewer)
             record_event(waits[0], here)
             record_event(waits[1], compute)
+        if self.replay_thread and waits is not None and self.replayer is None:
+            self.replayer = self._start_replayer(side)
         cache.set(side)
         try:
-            self._replay(f, e, slot, done)
+            self._replay(f, e, slot, done, None if waits is None else self.replayer)
         finally:  # (a violation raised in mode "raise" too: the engine's streams still join what was issued)
             cache.set(here)
             if self.fence is not None:
@@ -151,18 +160,25 @@ class FusedSteps:
                 # engine's streams join it (no event of its own: one CUDA call fewer per step)
                 self.pending = self.fence.slot.event
             else:
+                if self.replayer is not None:
+                    self.replayer.wait()  # (the event must follow the replay the helper issues)
                 record_event(done_ev, side)
                 self.pending = done_ev
         self.g.quiet = None  # a later unfused step waits for the compute stream (which will follow this one)
         return e.batch
 
-    def _replay(self, f: _Fused, e, slot, done) -> None:
+    def _replay(self, f: _Fused, e, slot, done, replayer: GraphReplayer | None = None) -> None:
         """Replay the step's graph and close the step; ``fence``: the slot's event the close recorded after
-        the replay (None where it recorded none: the CPU's eager read, or a close that failed first)."""
+        the replay (None where it recorded none: the CPU's eager read, or a close that failed first).
+        ``replayer``: the replay and that event are issued from its thread instead (the graph waits for its
+        own events, so the order on the device does not depend on when the helper issues it)."""
         c, stage = self.s.canary, self.s.builder.stage
         self.fence = None
         t0 = time.perf_counter()
-        f.replay()
+        if replayer is None:
+            f.replay()
+        else:
+            replayer.submit(f.replay, slot.event)
         launch_s = time.perf_counter() - t0  # (the runtime adds it to its launch time where benchmarks ask)
         self.replays += 1
         c.launcher.restore(f.state)
@@ -172,7 +188,8 @@ class FusedSteps:
             return
         records = slot.records
         try:
-            c.replayed_step(e.batch, slot, done, launch_s)  # records the slot's event after the replay, here
+            # records the slot's event after the replay, here (or counts the one the helper records)
+            c.replayed_step(e.batch, slot, done, launch_s, replayer is None)
         finally:
             # the staged values' copy precedes that event: it stands for the turn's (SlotFence), so the turn's
             # next refill needs no CUDA call once the slot's observation has been read
@@ -188,9 +205,31 @@ class FusedSteps:
         waits for the compute stream only)."""
         event, self.pending = self.pending, None
         if event is not None:
+            if self.replayer is not None:
+                self.s._guarded(self.replayer.wait)  # (the helper issued the replay and the event)
             self.joined = self.fence
             event_wait(event, self.s.bp.inputs_and_outputs.compute_stream)
             event_wait(event, self.cache.current())
+
+    def _start_replayer(self, side) -> GraphReplayer:
+        """The helper thread issuing replays on ``side`` (torch keeps the current stream and device per
+        thread: the helper makes ``side`` its own once); snapshot slots are read only after it issued them."""
+        device = side.device
+
+        def setup():
+            torch.cuda.set_device(device)
+            torch.cuda.set_stream(side)
+
+        replayer = GraphReplayer(lambda event: record_event(event, side), setup)
+        self.s.canary.monitor.observer.before_read = replayer.wait
+        return replayer
+
+    def close(self) -> None:
+        """Stop the replay thread, if any, once it issued what it was given."""
+        replayer, self.replayer = self.replayer, None
+        if replayer is not None:
+            self.s.canary.monitor.observer.before_read = None
+            replayer.close()
 
     def _capture(self, e, h, slot) -> _Fused:
         """Record the step's whole canary work into a graph (on the canary's side stream on CUDA: the
