@@ -12,10 +12,11 @@ host then the replay, against two records and the replay of a graph whose first 
 (external) events; the two alternate step by step, idle, behind queued work and with cold caches.
 
 ``--thread``: the host cost, on the engine's thread, of a step's tail as a fused step with the attach
-option ``replay_thread`` sees it: replay a 40-node graph on the side stream (its own thread) or queue it
-for the helper thread (``GraphReplayer``), then launch 20 small kernels and read a value back (the
-engine's next work and its read of the sampled tokens, a call that releases the GIL), then wait for the
-helper. Whether the driver lets the two threads' calls overlap decides whether the helper saves anything.
+option ``replay_thread`` sees it: record the graph's two events and replay a 40-node graph on the side
+stream (its own thread), or queue that for the helper thread (``GraphReplayer``); then launch 20 small
+kernels and read a value back (the engine's next work and its read of the sampled tokens, a call that
+releases the GIL), then wait for the helper. Whether the driver lets the two threads' calls overlap
+decides whether the helper saves anything.
 """
 
 import statistics
@@ -129,9 +130,10 @@ def report(label: str, ts: dict, what: str = "") -> None:
 def threaded_steps(n=40, steps=400):
     """Median / p10 host microseconds of a step's tail with the replay on the engine's thread or a helper's."""
     cold = list(range(4_000_000))
-    here, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    graph, done = build(n, side=side), torch.cuda.Event()
-    helper = GraphReplayer(lambda event: record_event(event, side), lambda: torch.cuda.set_stream(side))
+    here, compute, side = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    waits = (torch.cuda.Event(external=True), torch.cuda.Event(external=True))
+    graph, done = build(n, side=side, waits=waits), torch.cuda.Event()
+    helper = GraphReplayer(record_event, lambda: torch.cuda.set_stream(side))
     x = torch.zeros(1, device="cuda")
     try:
         for label, cool in (("warm host", False), ("cold host", True)):
@@ -142,20 +144,22 @@ def threaded_steps(n=40, steps=400):
                 if cool:
                     sum(cold)
                 t0 = time.perf_counter()
-                if kind == "engine's thread":
+                if kind == "engine's thread":  # a fused step with in-graph waits: two records, replay, record
+                    record_event(waits[0], here)
+                    record_event(waits[1], compute)
                     torch.cuda.set_stream(side)
                     graph.replay()
                     record_event(done, side)
                     torch.cuda.set_stream(here)
-                else:
-                    helper.submit(graph.replay, done)
+                else:  # the same, queued for the helper (attach option replay_thread)
+                    helper.submit(graph.replay, done, side, ((waits[0], here), (waits[1], compute)))
                 for _ in range(20):
                     x.add_(1)
                 x.item()
                 helper.wait()
                 ts[kind].append(time.perf_counter() - t0)
             torch.cuda.synchronize()
-            report(label, ts, " (the replay by that thread, 20 launches, a read back)")
+            report(label, ts, " (that thread's records and replay, 20 launches, a read back)")
     finally:
         helper.close()
 

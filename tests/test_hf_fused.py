@@ -75,12 +75,12 @@ def fused_step(monkeypatch, fail_close: bool = False, waits=None, thread: bool =
     fs.s, fs.g, fs.cache, fs.pending = session, SimpleNamespace(quiet=1), streams, None
     fs.events, fs.replays = ("inputs", "forward", "done"), 0
     fs.replay_thread, fs.replayer = thread, None
-    if thread:  # the helper's stream is the side stream: it records the slot's event there
+    if thread:  # FusedSteps._start_replayer with the recording stand-ins, the helper's records named
         def start(side):
-            r = GraphReplayer(lambda ev: calls.append(("record", ev, side, threading.current_thread().name)),
-                              name="helper")
-            obs.before_read = r.wait
-            return r
+            fs.replayer = GraphReplayer(lambda ev, s: calls.append(("record", ev, s, threading.current_thread().name)),
+                                        name="helper")
+            fs.replay_side, obs.before_read = side, fs.replayer.wait
+            return fs.replayer
         fs._start_replayer = start
 
     def replay():
@@ -143,16 +143,18 @@ def test_a_fused_step_whose_graph_waits_for_its_own_events_records_them_only(mon
 
 
 def test_a_fused_step_with_a_replay_thread_queues_its_replay_and_joins_it_first(monkeypatch):
-    # replay_thread: the engine's thread records the graph's events and closes the step; the helper issues
-    # the replay, then the slot's event; join waits for the helper before the streams wait for that event
+    # replay_thread: the engine's thread closes the step; the helper records the graph's two events on the
+    # inputs' and the compute stream, issues the replay, then the slot's event on the side stream; join
+    # waits for the helper before the engine's streams wait for that event
     fs, stage, slot, calls, streams = fused_step(monkeypatch, waits=("graph-inputs", "graph-forward"), thread=True)
     try:
         fs.join()
         mine = [c for c in calls if "helper" not in c]
         helper = [c for c in calls if "helper" in c]
-        assert mine == [("record", "graph-inputs", "default"), ("record", "graph-forward", "compute"),
-                        ("close", "side"), ("wait", "slot-event", "compute"), ("wait", "slot-event", "default")]
-        assert helper == [("replay", "helper"), ("record", "slot-event", "side", "helper")]
+        assert mine == [("close", "side"), ("wait", "slot-event", "compute"), ("wait", "slot-event", "default")]
+        assert helper == [("record", "graph-inputs", "default", "helper"),
+                          ("record", "graph-forward", "compute", "helper"),
+                          ("replay", "helper"), ("record", "slot-event", "side", "helper")]
         # the helper's record precedes the join's waits
         assert calls.index(helper[-1]) < calls.index(("wait", "slot-event", "compute"))
         assert fs.pending is None and fs.replayer.jobs == 1

@@ -1,6 +1,7 @@
-"""The replay thread (runtime/replayer.py): jobs issued on the helper, in order, replay before its event
-record; ``wait`` returns only once they were issued; errors reach the engine's thread; close stops it.
-A snapshot slot is read only after the helper issued what it copies (``HostObserver.before_read``)."""
+"""The replay thread (runtime/replayer.py): jobs issued on the helper, in order, each replay after the
+records it follows and before its own; ``wait`` returns only once they were issued; errors reach the
+engine's thread; close stops it. A snapshot slot is read only after the helper issued what it copies
+(``HostObserver.before_read``)."""
 
 import threading
 
@@ -16,8 +17,8 @@ from kvcanary.runtime.replayer import GraphReplayer, ReplayError
 def recording_replayer():
     calls = []
 
-    def record(event):
-        calls.append(("record", event, threading.current_thread().name))
+    def record(event, stream):
+        calls.append(("record", event, stream, threading.current_thread().name))
 
     def setup():
         calls.append(("setup", threading.current_thread().name))
@@ -33,14 +34,15 @@ def replay_of(calls, name, gate=None):
     return replay
 
 
-def test_jobs_run_on_the_helper_in_order_each_replay_before_its_event():
+def test_jobs_run_on_the_helper_in_order_each_replay_between_its_records():
     r, calls = recording_replayer()
     try:
         for i in range(3):
-            r.submit(replay_of(calls, f"graph-{i}"), f"event-{i}")
+            r.submit(replay_of(calls, f"graph-{i}"), f"event-{i}", "side", ((f"waited-{i}", "compute"),))
         r.wait()
         assert calls == [("setup", "helper")] + [c for i in range(3) for c in (
-            ("replay", f"graph-{i}", "helper"), ("record", f"event-{i}", "helper"))]
+            ("record", f"waited-{i}", "compute", "helper"), ("replay", f"graph-{i}", "helper"),
+            ("record", f"event-{i}", "side", "helper"))]
         assert r.jobs == 3 and not r.busy
     finally:
         r.close()
@@ -50,19 +52,19 @@ def test_wait_returns_only_once_the_job_was_issued():
     r, calls = recording_replayer()
     gate = threading.Event()
     try:
-        r.submit(replay_of(calls, "slow", gate), "its-event")
+        r.submit(replay_of(calls, "slow", gate), "its-event", "side")
         assert r.busy  # the helper is inside the replay
         threading.Timer(0.2, gate.set).start()
         r.wait()
-        assert calls[-2:] == [("replay", "slow", "helper"), ("record", "its-event", "helper")]
+        assert calls[-2:] == [("replay", "slow", "helper"), ("record", "its-event", "side", "helper")]
         # a second submit while one is in flight waits for it: at most one job queued
         gate2 = threading.Event()
-        r.submit(replay_of(calls, "first", gate2), "e1")
+        r.submit(replay_of(calls, "first", gate2), "e1", "side")
         threading.Timer(0.2, gate2.set).start()
-        r.submit(replay_of(calls, "second"), "e2")
-        assert ("record", "e1", "helper") in calls  # issued before the second was queued
+        r.submit(replay_of(calls, "second"), "e2", "side")
+        assert ("record", "e1", "side", "helper") in calls  # issued before the second was queued
         r.wait()
-        assert calls[-2:] == [("replay", "second", "helper"), ("record", "e2", "helper")]
+        assert calls[-2:] == [("replay", "second", "helper"), ("record", "e2", "side", "helper")]
     finally:
         gate.set()
         r.close()
@@ -74,15 +76,15 @@ def test_a_failed_replay_is_raised_on_the_engines_thread_and_skips_its_event():
         def broken():
             raise RuntimeError("launch failed")
 
-        r.submit(broken, "never-recorded")
+        r.submit(broken, "never-recorded", "side")
         with pytest.raises(ReplayError, match="launch failed") as info:
             r.wait()
         assert isinstance(info.value.__cause__, RuntimeError)
-        assert ("record", "never-recorded", "helper") not in calls
+        assert ("record", "never-recorded", "side", "helper") not in calls
         # reported once; the thread goes on with the next job
-        r.submit(replay_of(calls, "next"), "next-event")
+        r.submit(replay_of(calls, "next"), "next-event", "side")
         r.wait()
-        assert calls[-1] == ("record", "next-event", "helper")
+        assert calls[-1] == ("record", "next-event", "side", "helper")
     finally:
         r.close()
 
@@ -91,10 +93,10 @@ def test_a_failed_setup_is_raised_at_the_first_submit_and_leaves_nothing_locked(
     def setup():
         raise ValueError("no such device")
 
-    r, ran = GraphReplayer(lambda event: None, setup), []
+    r, ran = GraphReplayer(lambda event, stream: None, setup), []
     try:
         with pytest.raises(ReplayError, match="no such device"):
-            r.submit(lambda: ran.append(1), "e")  # (raises here if the helper already failed ...)
+            r.submit(lambda: ran.append(1), "e", "side")  # (raises here if the helper already failed ...)
             r.wait()  # (... else here: the helper skipped the job)
         assert ran == [] and not r.busy
         r.wait()  # returns at once: the error was reported
@@ -105,14 +107,14 @@ def test_a_failed_setup_is_raised_at_the_first_submit_and_leaves_nothing_locked(
 def test_close_issues_what_was_queued_stops_the_thread_and_refuses_more():
     r, calls = recording_replayer()
     gate = threading.Event()
-    r.submit(replay_of(calls, "last", gate), "last-event")
+    r.submit(replay_of(calls, "last", gate), "last-event", "side")
     threading.Timer(0.1, gate.set).start()
     r.close()
-    assert calls[-1] == ("record", "last-event", "helper")
+    assert calls[-1] == ("record", "last-event", "side", "helper")
     assert not any(t.name == "helper" for t in threading.enumerate())
     r.close()  # idempotent
     with pytest.raises(ReplayError, match="closed"):
-        r.submit(lambda: None, "e")
+        r.submit(lambda: None, "e", "side")
 
 
 def test_the_observer_asks_before_reading_a_slot():

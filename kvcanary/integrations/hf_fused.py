@@ -23,8 +23,9 @@ On CUDA each graph's first nodes wait for two events of its own (``_capture_wait
 which the host records on the inputs' stream and on the compute stream right before the replay: the
 ordering of two host-side waits on the side stream, with two CUDA calls fewer per step (attach option
 ``in_graph_waits``). With the attach option ``replay_thread`` (off by default; it needs those waits) the
-replay and the slot's event after it are issued from a helper thread (``runtime/replayer.py``): the
-engine's thread queues them, and ``join`` (and any read of a snapshot slot) waits until they were issued.
+two records, the replay and the slot's event after it are issued from a helper thread
+(``runtime/replayer.py``): the engine's thread queues them, and ``join`` (and any read of a snapshot slot)
+waits until they were issued.
 
 Not fused (the unfused path runs the step): hooks that are not late (``late_hooks=False``, the token
 oracle, fault injection, CUDA without the engine's compute stream), a sweep due at the step's close,
@@ -84,6 +85,7 @@ class FusedSteps:
         # the first replay that waits for its own events (the thread must know the side stream)
         self.replay_thread = cuda and bool(self.s.handle.options.get("replay_thread", False))
         self.replayer: GraphReplayer | None = None
+        self.replay_side = None  # the stream its replays run on (the canary's side stream)
 
     def usable(self) -> bool:
         """This step may run fused (its hooks late): the runtime has nothing to run between HEAD and TAIL."""
@@ -145,40 +147,46 @@ class FusedSteps:
             event_wait(inputs, side)
             record_event(forward, compute)
             event_wait(forward, side)
-        else:  # (the graph's first nodes wait for its own two events: two CUDA calls fewer)
+        replayer, before = None, ()
+        if waits is not None and self.replay_thread:
+            replayer = self.replayer
+            if replayer is None or self.replay_side is not side:
+                self.close()
+                replayer = self._start_replayer(side)
+            # the helper records the graph's two events too, later than here: the graph then waits for a
+            # little more of each stream, and neither stream waits for the graph before ``join``, which
+            # waits for the helper first
+            before = ((waits[0], here), (waits[1], compute))
+        elif waits is not None:  # (the graph's first nodes wait for its own two events: two CUDA calls fewer)
             record_event(waits[0], here)
             record_event(waits[1], compute)
-        if self.replay_thread and waits is not None and self.replayer is None:
-            self.replayer = self._start_replayer(side)
         cache.set(side)
         try:
-            self._replay(f, e, slot, done, None if waits is None else self.replayer)
+            self._replay(f, e, slot, done, replayer, before)
         finally:  # (a violation raised in mode "raise" too: the engine's streams still join what was issued)
             cache.set(here)
             if self.fence is not None:
                 # the slot's event, recorded on the side stream after the replay, is the step's end: the
                 # engine's streams join it (no event of its own: one CUDA call fewer per step)
                 self.pending = self.fence.slot.event
-            else:
-                if self.replayer is not None:
-                    self.replayer.wait()  # (the event must follow the replay the helper issues)
+            else:  # (_replay waited for the helper, if any, before it returned without a fence)
                 record_event(done_ev, side)
                 self.pending = done_ev
         self.g.quiet = None  # a later unfused step waits for the compute stream (which will follow this one)
         return e.batch
 
-    def _replay(self, f: _Fused, e, slot, done, replayer: GraphReplayer | None = None) -> None:
+    def _replay(self, f: _Fused, e, slot, done, replayer: GraphReplayer | None = None, before=()) -> None:
         """Replay the step's graph and close the step; ``fence``: the slot's event the close recorded after
         the replay (None where it recorded none: the CPU's eager read, or a close that failed first).
-        ``replayer``: the replay and that event are issued from its thread instead (the graph waits for its
-        own events, so the order on the device does not depend on when the helper issues it)."""
+        ``replayer``: the ``before`` records, the replay and that event are issued from its thread instead
+        (the graph waits for its own events, so the order on the device does not depend on when)."""
         c, stage = self.s.canary, self.s.builder.stage
         self.fence = None
         t0 = time.perf_counter()
         if replayer is None:
             f.replay()
         else:
-            replayer.submit(f.replay, slot.event)
+            replayer.submit(f.replay, slot.event, self.replay_side, before)
         launch_s = time.perf_counter() - t0  # (the runtime adds it to its launch time where benchmarks ask)
         self.replays += 1
         c.launcher.restore(f.state)
@@ -195,6 +203,8 @@ class FusedSteps:
             # next refill needs no CUDA call once the slot's observation has been read
             if slot.records != records:
                 self.fence = SlotFence(slot)
+            elif replayer is not None:
+                replayer.wait()  # (the turn's event, recorded below, must follow the replay the helper issues)
             stage.copied(self.fence)
 
     def join(self) -> None:
@@ -214,15 +224,13 @@ class FusedSteps:
     def _start_replayer(self, side) -> GraphReplayer:
         """The helper thread issuing replays on ``side`` (torch keeps the current stream and device per
         thread: the helper makes ``side`` its own once); snapshot slots are read only after it issued them."""
-        device = side.device
-
         def setup():
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(side.device)
             torch.cuda.set_stream(side)
 
-        replayer = GraphReplayer(lambda event: record_event(event, side), setup)
-        self.s.canary.monitor.observer.before_read = replayer.wait
-        return replayer
+        self.replayer, self.replay_side = GraphReplayer(record_event, setup), side
+        self.s.canary.monitor.observer.before_read = self.replayer.wait
+        return self.replayer
 
     def close(self) -> None:
         """Stop the replay thread, if any, once it issued what it was given."""

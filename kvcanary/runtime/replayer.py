@@ -4,9 +4,9 @@ Inside an engine's step the host's caches are cold (the forward's Python has evi
 CUDA-graph replay then costs the calling thread 68-139 us instead of 3-11 us in a warm loop
 (``benchmarks/graph_launch.py``). torch's ``CUDAGraph.replay`` releases the GIL while the driver
 launches the graph, so a helper thread can issue it while the engine's thread goes on: the engine's
-thread only queues the job (``submit``). Each job is a replay followed by an event record on the
-replay's stream (the step's end, which the engine's streams later wait for): both are issued on the
-helper thread, in that order, before ``wait`` returns.
+thread only queues the job (``submit``). Each job is a few event records (the positions the graph's
+first nodes wait for), the replay, then an event record on the replay's stream (the step's end, which the
+engine's streams later wait for): all issued on the helper thread, in that order, before ``wait`` returns.
 
 Ordering contract: whatever on the host depends on a submitted replay having been issued (a stream
 waiting for its event, a host read of what it copies, the event's query or synchronize, the graph's
@@ -30,10 +30,10 @@ class ReplayError(RuntimeError):
 
 
 class GraphReplayer:
-    """One helper thread that runs ``replay()`` then ``record(event)`` for each submitted job, in order.
+    """One helper thread that issues each submitted job (records, replay, record), in order.
 
     Args:
-        record: ``record(event)`` records ``event`` on the replays' stream (called on the helper thread).
+        record: ``record(event, stream)`` records ``event`` on ``stream`` (called on the helper thread).
         setup: called once on the helper thread before its first job (on CUDA: make the replays' stream
             the thread's current stream, which torch keeps per thread, and set its device).
         name: the thread's name.
@@ -50,8 +50,9 @@ class GraphReplayer:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, replay: Callable, event) -> None:
-        """Queue ``replay()`` then ``record(event)`` (after any job before it has been issued)."""
+    def submit(self, replay: Callable, event, stream, before: tuple = ()) -> None:
+        """Queue ``record(e, s)`` for each ``(e, s)`` of ``before``, then ``replay()``, then ``record(event,
+        stream)`` (after any job before it has been issued)."""
         if self._thread is None:
             raise ReplayError("kv-canary: the replay thread was closed")
         self._busy.acquire()  # (free unless the last job is still being issued: then it waits for it)
@@ -59,7 +60,7 @@ class GraphReplayer:
             self._busy.release()
             self._raise_error()
         self.jobs += 1
-        self._jobs.put((replay, event))
+        self._jobs.put((before, replay, event, stream))
 
     def wait(self) -> None:
         """Return once every submitted job has been issued; raises ``ReplayError`` if one failed."""
@@ -102,8 +103,10 @@ class GraphReplayer:
                 return
             if self._error is None:
                 try:
-                    job[0]()
-                    record(job[1])
+                    for event, stream in job[0]:
+                        record(event, stream)
+                    job[1]()
+                    record(job[2], job[3])
                 except BaseException as e:
                     self._error = e
             self._busy.release()
