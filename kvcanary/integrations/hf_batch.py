@@ -38,6 +38,7 @@ def table_width(width: int, max_context: int, floor: int) -> int:
 
 class BatchBuilder(TokenRows):
     glue = None  # where the canary runs Triton (__init__): hf_glue's kernels for the read table and entries
+    host_table = None  # where it runs numba: the host read table as one compiled loop (hf_glue_cpu.py)
 
     def __init__(self, session):
         self.s = session
@@ -58,10 +59,15 @@ class BatchBuilder(TokenRows):
         self.iota_np = np.arange(256, dtype=np.int64)
         # the read table and the new tokens' read entries as one Triton kernel each where the canary runs
         # Triton (hf_glue.py); the torch backend keeps the tensor ops
-        if ops.resolve_backend(session.config.backend, self.device) == "triton":
+        backend = ops.resolve_backend(session.config.backend, self.device)
+        if backend == "triton":
             from kvcanary.integrations import hf_glue  # (imports Triton)
 
             self.glue = hf_glue.IndexKernels()
+        elif backend == "numba":
+            from kvcanary.integrations import hf_glue_cpu  # (imports numba)
+
+            self.host_table = hf_glue_cpu.read_table
 
     def build(self) -> ForwardBatch:
         """This step's batch, its device work issued eagerly."""
@@ -248,17 +254,24 @@ class BatchBuilder(TokenRows):
     def _fill_host(self, v, io, total: int) -> None:
         """The numpy read table from numpy views (``_cpu_batch`` keeps a reused batch's views)."""
         g = self.s.layout.full_group
-        seen = v.prefix + v.extend
-        idx = (np.cumsum(seen) - seen)[:, None] + np.arange(v.rtt.shape[1])
         have = min(total, io.true_read_sizes[g])
         read, out, rows = v.read, v.rtt, v.rows
-        if have == total:
-            out[rows] = read[np.minimum(idx, read.shape[0] - 1)]
-            return
-        if not self.warned_read_size:
+        if have < total and not self.warned_read_size:
             self.warned_read_size = True
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
+        if self.host_table is not None:  # (numba: one compiled pass, the same cells)
+            if have == total:
+                self.host_table(out, rows, v.prefix, v.extend, read, read.shape[0] - 1)
+            else:
+                self.host_table(out, rows, v.prefix, v.extend, read, max(0, have - 1), have,
+                                self.s.layout.num_slots)
+            return
+        seen = v.prefix + v.extend
+        idx = (np.cumsum(seen) - seen)[:, None] + np.arange(v.rtt.shape[1])
+        if have == total:
+            out[rows] = read[np.minimum(idx, read.shape[0] - 1)]
+            return
         out[rows] = np.where(idx < have, read[np.minimum(idx, max(0, have - 1))], self.s.layout.num_slots)
 
     def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:

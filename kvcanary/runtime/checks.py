@@ -13,12 +13,15 @@ import torch
 
 from kvcanary.ops import validate as v
 from kvcanary.runtime.batch import ForwardBatch, TokenAppend
+from kvcanary.runtime.checks_fast import batch_ok
 
 OP = "forward batch"
 
 
 def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, max_context: int) -> None:
     """ValueError for a forward the canary cannot plan exactly (metadata is already checked)."""
+    if batch_ok(batch, num_rows, num_slots, max_context):  # (the CPU with numba: every check at once)
+        return
     # Per-request vectors are short: host lists and one loop cost less than a dozen tensor ops.
     rows, pre, ext = batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist()
     table_rows, cols = batch.req_to_token.shape

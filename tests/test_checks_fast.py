@@ -1,0 +1,83 @@
+"""The compiled yes-or-no pass of the CPU's value checks (runtime/checks_fast.py) says yes exactly where
+every Python check of ``check_batch_values`` passes: on a valid batch and on each kind of bad value."""
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from kvcanary.runtime import checks, checks_fast  # noqa: E402
+from kvcanary.runtime.batch import ForwardBatch, TokenAppend, TokenHistory  # noqa: E402
+
+NUM_ROWS, NUM_SLOTS, MAX_CONTEXT = 8, 100, 32
+LIMITS = dict(num_rows=NUM_ROWS, num_slots=NUM_SLOTS, max_context=MAX_CONTEXT)
+
+
+def t(values, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype)
+
+
+def batch(rows=(3, 5, 0), prefix=(4, 0, 0), extend=(1, 2, 1), loc=(7, 8, 9, -1), cells=((3, 5, 5), (4, 0, 1)),
+          valid=(5, 2, 0), table=(NUM_ROWS, MAX_CONTEXT), dtype=torch.int64):
+    n = len(loc)
+    hist = TokenAppend(t(cells[0], dtype), t(cells[1], dtype), t([9] * len(cells[0]), dtype), t(valid, dtype))
+    return ForwardBatch(req_pool_indices=t(rows, dtype), prefix_lens=t(prefix, dtype), extend_lens=t(extend, dtype),
+                        input_ids=t([1] * n), positions=t([0] * n), out_cache_loc=t(loc, dtype),
+                        req_to_token=torch.zeros(table, dtype=torch.int64), token_history=hist)
+
+
+def python_checks_pass(b) -> bool:
+    ok = checks_fast.batch_ok
+    checks_fast.batch_ok = lambda *a: False  # (the Python checks alone)
+    try:
+        checks.check_batch_values(b, **LIMITS)
+        return True
+    except ValueError:
+        return False
+    finally:
+        checks_fast.batch_ok = ok
+
+
+CASES = {
+    "valid": {},
+    "row past the table": dict(rows=(3, 8, 0)),
+    "row past a narrow table": dict(table=(5, MAX_CONTEXT)),
+    "negative row": dict(rows=(-1, 5, 0)),
+    "negative prefix": dict(prefix=(-1, 0, 0), extend=(2, 2, 0)),
+    "negative extend": dict(extend=(2, 2, -1)),
+    "wider than the table": dict(prefix=(32, 0, 0)),
+    "as wide as the table": dict(prefix=(31, 0, 0)),
+    "row 0 with a prefix": dict(prefix=(4, 0, 1), extend=(1, 2, 1)),
+    "request after padding": dict(rows=(0, 5, 3), prefix=(0, 0, 4)),
+    "tokens not adding up": dict(loc=(7, 8, 9)),
+    "slot past the pool": dict(loc=(7, 8, NUM_SLOTS, -1)),
+    "no write is fine": dict(loc=(-5, -1, -1, -1)),
+    "cell row past the rows": dict(cells=((3, NUM_ROWS, 5), (4, 0, 1))),
+    "cell column past the context": dict(cells=((3, 5, 5), (4, MAX_CONTEXT, 1))),
+    "negative cell column": dict(cells=((3, 5, 5), (4, -2, 1))),
+    "valid length past the context": dict(valid=(5, MAX_CONTEXT + 1, 0)),
+    "valid length at the context": dict(valid=(5, MAX_CONTEXT, 0)),
+    "no cells": dict(cells=((), ())),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_compiled_pass_says_yes_exactly_where_the_python_checks_pass(case):
+    b = batch(**CASES[case])
+    expected = python_checks_pass(b)
+    assert checks_fast.batch_ok(b, **LIMITS) == expected
+    assert expected == (case in ("valid", "as wide as the table", "no write is fine", "valid length at the context",
+                                 "no cells"))
+    if not expected:  # the checks still raise their own error with the pass in front of them
+        with pytest.raises(ValueError, match="kv-canary"):
+            checks.check_batch_values(b, **LIMITS)
+
+
+def test_batches_it_does_not_judge_go_to_the_python_checks():
+    assert not checks_fast.batch_ok(batch(dtype=torch.int32), **LIMITS)  # other dtypes
+    b = batch()
+    b.token_history = TokenHistory(flat=t([1, 2, 3]), offsets=t([0, 1, 2, 3]))
+    assert not checks_fast.batch_ok(b, **LIMITS)  # a whole history per forward
+    b.token_history = None
+    assert not checks_fast.batch_ok(b, **LIMITS)
+    checks.check_batch_values(batch(dtype=torch.int32), **LIMITS)  # (valid: the Python checks pass it)

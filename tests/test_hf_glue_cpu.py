@@ -1,0 +1,59 @@
+"""The adapter's host read table as one numba loop (integrations/hf_glue_cpu.py) writes what the numpy
+path of ``BatchBuilder._fill_host`` writes, cell for cell, and refuses what would write outside the table."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from kvcanary.integrations import hf_glue_cpu  # noqa: E402
+from kvcanary.integrations.hf_batch import BatchBuilder  # noqa: E402
+
+NUM_ROWS, NUM_SLOTS = 9, 500
+
+
+def host_table(kernel, seed: int, bs: int, width: int, short: int, read_dtype) -> np.ndarray:
+    """``_fill_host`` over a random batch of ``bs`` requests (rows drawn with repeats when ``bs`` exceeds
+    the rows: the last request of a row wins on both paths), its read index ``short`` slots short."""
+    rng = np.random.default_rng(seed)
+    rows = rng.choice(NUM_ROWS, size=bs, replace=bs > NUM_ROWS).astype(np.int64)
+    prefix = rng.integers(0, 40, bs).astype(np.int64)
+    extend = rng.integers(1, 5, bs).astype(np.int64)
+    total = int((prefix + extend).sum())
+    read = rng.integers(0, NUM_SLOTS, total + 64).astype(read_dtype)
+    b = BatchBuilder.__new__(BatchBuilder)
+    b.warned_read_size, b.host_table = False, kernel
+    b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, num_slots=NUM_SLOTS))
+    out = np.full((NUM_ROWS, width), -5, dtype=np.int64)
+    views = SimpleNamespace(rows=rows, prefix=prefix, extend=extend, rtt=out, read=read)
+    b._fill_host(views, SimpleNamespace(true_read_sizes=[total - short]), total)
+    return out, rows
+
+
+@pytest.mark.parametrize("seed,bs,short", [(0, 1, 0), (1, 5, 0), (2, 9, 0), (3, 6, 7), (4, 3, 1), (5, 14, 0),
+                                           (6, 12, 20)])
+@pytest.mark.parametrize("width", [1, 37, 300])
+@pytest.mark.parametrize("read_dtype", [np.int64, np.int32])
+def test_compiled_read_table_fills_what_numpy_fills(seed, bs, short, width, read_dtype):
+    compiled, rows = host_table(hf_glue_cpu.read_table, seed, bs, width, short, read_dtype)
+    numpy_path, _ = host_table(None, seed, bs, width, short, read_dtype)
+    assert np.array_equal(compiled, numpy_path)
+    # (the comparison can fail: untouched rows kept their marker, request rows got slots, short ones the fill)
+    untouched = sorted(set(range(NUM_ROWS)) - set(rows.tolist()))
+    assert all((compiled[r] == -5).all() for r in untouched) and len(untouched) < NUM_ROWS
+    assert (compiled == NUM_SLOTS).any() == (short > 0 and width > 1)
+
+
+def test_compiled_read_table_refuses_rows_and_clamps_outside_its_arrays():
+    out = np.zeros((3, 4), dtype=np.int64)
+    read = np.arange(10, dtype=np.int64)
+    one = np.ones(1, dtype=np.int64)
+    with pytest.raises(IndexError, match="row outside"):
+        hf_glue_cpu.read_table(out, np.array([3]), one, one, read, 9)
+    with pytest.raises(IndexError, match="clamp outside"):
+        hf_glue_cpu.read_table(out, np.array([1]), one, one, read, 10)
+    with pytest.raises(IndexError, match="clamp outside"):
+        hf_glue_cpu.read_table(out, np.array([1]), one, one, np.zeros(0, dtype=np.int64), -1)
+    assert not out.any()  # nothing written by a refused call
