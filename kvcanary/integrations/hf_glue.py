@@ -15,7 +15,7 @@ one kernel, with the same results cell for cell:
   ``p = positions[t]``; ``count``, ``requested`` and ``enable`` as ``ops.fill_entries`` sets them.
 
 The tensor-op versions stay in ``hf_batch.py`` (the torch backend, and the check these are held to:
-tests/test_hf_glue.py); the CPU's eager steps use numpy there. ``IndexKernels`` runs each kernel as the
+tests/test_hf_glue.py); the CPU's eager steps use numpy there, or one numba loop (``hf_glue_cpu.py``). ``IndexKernels`` runs each kernel as the
 adapter calls it: on its first eager call also the tensor ops, compared on the host, and the tensor ops
 from then on, with a warning, where the kernel fails to compile or launch or gives other cells. The
 kernels are an optimisation, never a new way to fail or to report.
