@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from kvcanary.ops import api
 if not api.numba_available():
     pytest.skip("numba is not installed (pip install 'kv-canary[cpu]')", allow_module_level=True)
 
-from kvcanary.ops import numba_ops  # noqa: E402 - only importable with numba
+from kvcanary.ops import numba_ops, numba_views  # noqa: E402 - only importable with numba
 
 
 def t(xs):
@@ -47,7 +48,7 @@ def test_cached_views_do_not_keep_tensors_alive():
     gc.collect()
     assert [r() for r in refs] == [None] * 4
     # the entries of the dead tensors left with them
-    assert all(entry[0]() is not None for views in numba_ops._VIEWS.values() for entry in views.values())
+    assert all(entry[0]() is not None for views in numba_views._VIEWS.values() for entry in views.values())
 
 
 @pytest.mark.parametrize("move", ["set_", "resize_"])
@@ -148,3 +149,44 @@ def test_fused_head_and_tail_match_the_separate_calls_bit_for_bit(bug, monkeypat
     assert all(calls) and len(calls) == 2 * 7 and not any(calls0)
     assert rows == rows0 and bool(rows) == (bug is not None)
     assert all(torch.equal(a, b) for a, b in zip(bufs, bufs0)) and torch.equal(counters, counters0)
+
+
+def test_fused_calls_keep_their_arguments_only_while_every_tensor_stays_put():
+    # numba_ops._packed: the numpy arguments of a fused call are rebuilt when a tensor is another object,
+    # moved, resized or restrided, and never kept where one of them is a copy made once (stale values)
+    made = []
+
+    def make_for(*ts):
+        def make():
+            made.append(1)
+            args = numba_views._Args()
+            for t in ts:
+                args.i64(t)
+            return args
+        return make
+
+    pack = numba_ops._packed
+    a, b = torch.arange(6), torch.zeros(3, dtype=torch.int64)
+    first = pack("test", (a, b, None), make_for(a, b))
+    assert pack("test", (a, b, None), make_for(a, b)) is first and len(made) == 1
+    a[0] = 7  # the kept arguments are views: they read the tensor's values as they are now
+    assert first.call()[0][0] == 7
+    pack("test", (torch.arange(6), b, None), make_for(a, b))  # another object, same values
+    assert len(made) == 2
+    pack("test", (a, b, b), make_for(a, b))  # a tensor where there was None
+    pack("test", (a, b, None), make_for(a, b))
+    assert len(made) == 4
+    a.resize_(8)  # resized in place: same object, another shape (and maybe address)
+    pack("test", (a, b, None), make_for(a, b))
+    assert len(made) == 5
+    a.set_(a.untyped_storage(), 0, (4,), (2,))  # restrided in place: now a copy, made anew every call
+    pack("test", (a, b, None), make_for(a, b))
+    pack("test", (a, b, None), make_for(a, b))
+    assert len(made) == 7
+    c = torch.arange(3, dtype=torch.int32)  # an int32 view: kept, its int64 copy made at each call
+    kept = pack("test", (c, b, None), make_for(c, b))
+    assert pack("test", (c, b, None), make_for(c, b)) is kept and len(made) == 8
+    c[1] = 40
+    got = kept.call()[0]
+    assert got.dtype == np.int64 and got.tolist() == [0, 40, 2]
+    assert not make_for(a, b)().views and make_for(c, b)().views  # (what decided the two cases above)

@@ -13,8 +13,6 @@ empty arrays) so each kernel has one or two type specialisations rather than one
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import weakref
 
 import numpy as np
@@ -23,128 +21,9 @@ import torch
 from kvcanary.format import ATTRIBUTION_STRIDE, PARTIAL_READ_BYTES, RealKvMode
 from kvcanary.ops import numba_kernels as k
 from kvcanary.ops import torch_ops
+from kvcanary.ops.numba_views import _EMPTY64, _EMPTY_TABLE, _Args, _i64, _np, _np64, _raw, _storage_bytes, _words
 
 __all__ = ["fingerprint", "head", "plan", "scatter_req_token_ids", "tail", "verify", "write"]
-
-_EMPTY64 = np.zeros(0, dtype=np.int64)
-_EMPTY_TABLE = np.zeros((0, 0), dtype=np.int32)
-
-
-# One ctypes type spanning any address: numpy reads ``count`` items from it. A type sized per tensor
-# would cost ~15 us to create for every new size, and ctypes keeps each one for the process's life.
-_ADDRESS_SPACE = ctypes.c_char * (1 << 47)
-_NP_DTYPES = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.uint8: np.dtype(np.uint8)}
-
-
-def _raw(t: torch.Tensor) -> np.ndarray:
-    """numpy view of a contiguous int64/int32/uint8 CPU tensor, built from its data pointer.
-
-    Unlike ``Tensor.numpy()`` it neither marks the storage non-resizable (an engine may still resize
-    its buffers) nor holds a reference to the tensor: the caller keeps the tensor alive while the view
-    is used (an argument of the op, or a ``_cached`` entry checked before every use).
-    """
-    dtype, n = _NP_DTYPES[t.dtype], t.numel()
-    if n == 0:
-        return np.empty(tuple(t.shape), dtype=dtype)
-    a = np.frombuffer(_ADDRESS_SPACE.from_address(t.data_ptr()), dtype=dtype, count=n)
-    return a if t.dim() == 1 else a.reshape(tuple(t.shape))
-
-
-def _i64(t: torch.Tensor) -> np.ndarray:
-    """A contiguous int64 array of t for reading: a view when t already is one, else a converted copy
-    (a fresh tensor that only the returned array owns)."""
-    if t.dtype in _NP_DTYPES and t.is_contiguous():
-        a = _raw(t)
-        return a if a.dtype == np.int64 else a.astype(np.int64)
-    return t.detach().to(torch.int64).contiguous().numpy()
-
-
-def _table(t: torch.Tensor) -> np.ndarray:
-    """A 2-D index table in its own dtype (int32 or int64): converting a whole table per call would copy it."""
-    if t.dtype in _NP_DTYPES and t.is_contiguous():
-        return _raw(t)
-    return t.detach().to(torch.int64).contiguous().numpy()
-
-
-# numpy views of long-lived tensors (the canary's buffers, ring, counters, plan; the KV pages), by role
-# and id. Building a view costs about as much as a small kernel, and a forward makes dozens of calls on
-# the same buffers. A view does not own its memory (``_raw``), so the cache must never outlive a
-# tensor: an entry goes when its tensor dies (weak reference callback), and the data pointer and shape
-# catch a tensor whose memory moved in place (resize_, set_) before a view is reused.
-_VIEWS: dict[str, dict[int, tuple]] = {"np": {}, "words": {}, "bytes": {}}
-_MAX_VIEWS = 4096  # a safety bound only: entries leave with their tensors
-_NP_VIEWS = _VIEWS["np"]
-
-
-def _cached(t: torch.Tensor, role: str, make):
-    views = _VIEWS[role]
-    hit = views.get(id(t))
-    if hit is not None and hit[0]() is t and hit[1] == t.data_ptr() and hit[2] == t.shape:
-        return hit[3]
-    value = make(t)
-    if len(views) >= _MAX_VIEWS:
-        views.clear()
-    key = id(t)
-
-    def forget(ref, views=views, key=key):
-        if views.get(key, (None,))[0] is ref:
-            del views[key]
-
-    views[key] = (weakref.ref(t, forget), t.data_ptr(), t.shape, value)
-    return value
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    """The writable numpy view of a long-lived contiguous tensor, or None when it cannot have one."""
-    # ``_cached``'s hit test repeated here: a forward makes dozens of these calls, one call level fewer each.
-    hit = _NP_VIEWS.get(id(t))
-    if hit is not None and hit[0]() is t and hit[1] == t.data_ptr() and hit[2] == t.shape:
-        return hit[3]
-    return _cached(t, "np", _view_or_none)
-
-
-def _view_or_none(t: torch.Tensor):
-    return _raw(t) if t.dtype in _NP_DTYPES and t.is_contiguous() else None
-
-
-def _np64(t: torch.Tensor) -> np.ndarray:
-    """``_i64`` of a long-lived tensor that is only read (plan entries): its cached view when it has one."""
-    a = _np(t)
-    return a if a is not None and a.dtype == np.int64 else _i64(t)
-
-
-def _np_table(t: torch.Tensor) -> np.ndarray:
-    """``_table`` of a long-lived table (the expected tokens): its cached view when it has one."""
-    a = _np(t)
-    return a if a is not None else _table(t)
-
-
-def _as_words(buf: torch.Tensor) -> np.ndarray:
-    return _raw(buf).view(np.int64)  # validated: uint8, contiguous, stride a multiple of 8
-
-
-def _words(buf: torch.Tensor) -> np.ndarray:
-    """A canary buffer (uint8 [num_slots, stride], contiguous) as int64 [num_slots, stride // 8] record words."""
-    return _cached(buf, "words", _as_words)
-
-
-def _storage_bytes(t: torch.Tensor) -> tuple:
-    """(as words?, the whole storage as uint64 words or bytes, t's offset and row stride in those units,
-    the unit's bytes): any dtype, bf16 included, no copy."""
-    return _cached(t, "bytes", _as_bytes)
-
-
-def _as_bytes(t: torch.Tensor) -> tuple:
-    """The storage's bytes and where t's rows are in them, as uint64 words when t starts on an 8-byte
-    boundary (row strides and token sizes are multiples of 16, so every token does too)."""
-    storage = t.untyped_storage()
-    n, base, row_stride = storage.nbytes(), t.storage_offset() * t.element_size(), t.stride(0) * t.element_size()
-    words = sys.byteorder == "little" and base % 8 == 0 and storage.data_ptr() % 8 == 0
-    dtype, unit = (np.uint64, 8) if words else (np.uint8, 1)
-    data = np.frombuffer(_ADDRESS_SPACE.from_address(storage.data_ptr()), dtype=dtype, count=n // unit) if n else \
-        np.empty(0, dtype=dtype)
-    return words, data, base // unit, row_stride // unit, unit
-
 
 def _fingerprints(slots: np.ndarray, sources, real_kv_mode: int) -> np.ndarray:
     """int64 real-KV hash of each slot (SPEC 3.4), source by source like the reference."""
@@ -188,16 +67,25 @@ def _plan_outputs(out) -> list | None:
     return outs
 
 
-def _plan_inputs(req_pool_indices, prefix_lens, extend_lens, req_to_token, full_to_swa, token_table,
-                 token_valid_lens, token_offset, window) -> tuple:
-    """The plan kernel's leading arguments."""
-    rtt = _table(req_to_token)
+def _plan_inputs(a: _Args, req_pool_indices, prefix_lens, extend_lens, req_to_token, full_to_swa, token_table,
+                 token_valid_lens, token_offset, window) -> None:
+    """The plan kernel's leading arguments, into ``a``."""
+    for t in (req_pool_indices, prefix_lens, extend_lens):
+        a.i64(t)
+    rtt = a.table(req_to_token)
     # An absent translation table is an empty one of the table's dtype: no extra specialisation for it.
-    table = np.zeros(0, dtype=rtt.dtype) if full_to_swa is None else _table(full_to_swa)
+    if full_to_swa is None:
+        a.add(np.zeros(0, dtype=rtt.dtype))
+    else:
+        a.table(full_to_swa)
+    a.add(full_to_swa is not None)
     has_tokens = token_table is not None
-    return (_i64(req_pool_indices), _i64(prefix_lens), _i64(extend_lens), rtt, table, full_to_swa is not None,
-            _np_table(token_table) if has_tokens else _EMPTY_TABLE, _i64(token_valid_lens) if has_tokens else _EMPTY64,
-            has_tokens, int(token_offset), int(window))
+    if has_tokens:
+        a.table(token_table, cached=True)
+        a.i64(token_valid_lens)
+    else:
+        a.add(_EMPTY_TABLE, _EMPTY64)
+    a.add(has_tokens, int(token_offset), int(window))
 
 
 def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, window=0, full_to_swa=None,
@@ -209,8 +97,10 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, out, windo
                        req_to_token=req_to_token, out=out, window=window, full_to_swa=full_to_swa,
                        token_table=token_table, token_valid_lens=token_valid_lens, token_offset=token_offset)
         return
-    k.plan(*_plan_inputs(req_pool_indices, prefix_lens, extend_lens, req_to_token, full_to_swa, token_table,
-                         token_valid_lens, token_offset, window), *outs)
+    a = _Args()
+    _plan_inputs(a, req_pool_indices, prefix_lens, extend_lens, req_to_token, full_to_swa, token_table,
+                 token_valid_lens, token_offset, window)
+    k.plan(*a.call(), *outs)
 
 
 def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0, check_token=True) -> None:
@@ -244,6 +134,51 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
             int(launch_tag))
 
 
+# The fused calls' numpy arguments, kept while the tensors behind them stay put. Building them (three
+# dozen views, checks and conversions) cost the host 110-130 us per HEAD or TAIL call inside a tiny-model
+# step against 25-50 us of compiled work (dev CPU, host timers, d027186), and an engine's steps pass the same
+# buffers again and again. Kept only where every argument is a view of its tensor or a cast redone per call
+# (``_Args``), and checked per call: the same objects (weak references: the cache keeps no tensor alive), at
+# the same addresses, with the same shapes and strides. Per call site and first tensor: an adapter cycles
+# through a few batches (one per staging turn and shape).
+_PACKS: dict[tuple, tuple] = {}
+_MAX_PACKS = 64  # a bound only
+
+
+def _packed(site: str, tensors: tuple, make):
+    """The ``_Args`` that ``make()`` builds for ``tensors`` (None: no compiled call), reused while they are
+    unchanged."""
+    key = (site, id(tensors[0]))
+    hit = _PACKS.get(key)
+    if hit is not None and len(hit[0]) == len(tensors):
+        for t, (ref, ptr, shape, stride) in zip(tensors, hit[0]):
+            if t is None:
+                if ref is not None:
+                    break
+            elif ref is None or ref() is not t or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
+                break
+        else:
+            return hit[1]
+    args = make()
+    if args is not None and args.views:
+        if len(_PACKS) >= _MAX_PACKS:
+            _PACKS.clear()
+        _PACKS[key] = (tuple((None, 0, None, None) if t is None else (weakref.ref(t), t.data_ptr(), t.shape,
+                                                                         t.stride()) for t in tensors), args)
+    else:
+        _PACKS.pop(key, None)
+    return args
+
+
+def _optional64(a: _Args, t) -> None:
+    """An optional int64 input: the tensor, or an empty array and False."""
+    if t is None:
+        a.add(_EMPTY64, False)
+    else:
+        a.i64(t)
+        a.add(True)
+
+
 def head(plan_kw: dict, verify_kw: dict, write_kw: dict) -> bool:
     """``plan(**plan_kw)``, ``verify(**verify_kw)``, ``write(**write_kw)`` as one compiled call, with
     the same bits; False (nothing done) where the separate ops would not take their compiled path or
@@ -257,26 +192,48 @@ def head(plan_kw: dict, verify_kw: dict, write_kw: dict) -> bool:
             or int(verify_kw.get("real_kv_mode", 0)) or int(write_kw.get("real_kv_mode", 0))
             or verify_kw["buf"] is not write_kw["buf"]):
         return False
-    outs = _plan_outputs(out)
-    if outs is None:
-        return False  # (plan and verify take their torch paths for these)
-    p = plan_kw
-    inputs = _plan_inputs(p["req_pool_indices"], p["prefix_lens"], p["extend_lens"], p["req_to_token"],
-                          p.get("full_to_swa"), p.get("token_table"), p.get("token_valid_lens"),
-                          p.get("token_offset", 0), p.get("window", 0))
-    buf, w = verify_kw["buf"], write_kw
-    exp_ids, exp_pos, writers, step = (w.get("expected_input_ids"), w.get("expected_positions"), w.get("writer_ids"),
-                                       w.get("step"))
-    chain_check = w.get("chain_check")
-    ring, counters = verify_kw["ring"], verify_kw["counters"]
-    k.head(*inputs, *outs, _words(buf), bool(verify_kw.get("check_token", True)),
-           _np(ring.rows), _np(ring.write_index), _np(counters), int(verify_kw["launch_tag"]),
-           int(w["num_requests"]), _i64(w["out_cache_loc"]), _i64(w["input_ids"]), _i64(w["positions"]),
-           _EMPTY64 if exp_ids is None else _i64(exp_ids), exp_ids is not None,
-           _EMPTY64 if exp_pos is None else _i64(exp_pos), exp_pos is not None,
-           chain_check is not None and int(_np(chain_check)[0]) != 0, buf.shape[1] >= ATTRIBUTION_STRIDE,
-           _EMPTY64 if writers is None else _i64(writers), writers is not None,
-           -1 if step is None else int(_np(step)[0]), int(w["launch_tag"]))
+    p, w, buf, ring, counters = plan_kw, write_kw, verify_kw["buf"], verify_kw["ring"], verify_kw["counters"]
+    chain_check, step = w.get("chain_check"), w.get("step")
+    tensors = (p["req_pool_indices"], p["prefix_lens"], p["extend_lens"], p["req_to_token"], p.get("full_to_swa"),
+               p.get("token_table"), p.get("token_valid_lens"), e.slot, e.position, e.prev, e.expected_token,
+               e.count, e.enable, e.requested, out.write_offsets, out.seed_slot, buf, ring.rows, ring.write_index,
+               counters, w["out_cache_loc"], w["input_ids"], w["positions"], w.get("expected_input_ids"),
+               w.get("expected_positions"), chain_check, w.get("writer_ids"), step)
+
+    def make():
+        outs = _plan_outputs(out)
+        if outs is None:
+            return None  # (plan and verify take their torch paths for these)
+        a = _Args()
+        _plan_inputs(a, p["req_pool_indices"], p["prefix_lens"], p["extend_lens"], p["req_to_token"],
+                     p.get("full_to_swa"), p.get("token_table"), p.get("token_valid_lens"), p.get("token_offset", 0),
+                     p.get("window", 0))
+        a.add(*outs, _words(buf))
+        a.check = a.slot()
+        a.add(_np(ring.rows), _np(ring.write_index), _np(counters))
+        a.tag, a.requests = a.slot(), a.slot()
+        for t in (w["out_cache_loc"], w["input_ids"], w["positions"]):
+            a.i64(t)
+        _optional64(a, w.get("expected_input_ids"))
+        _optional64(a, w.get("expected_positions"))
+        a.chain = a.slot()
+        a.add(buf.shape[1] >= ATTRIBUTION_STRIDE)
+        _optional64(a, w.get("writer_ids"))
+        a.step, a.write_tag = a.slot(), a.slot()
+        a.chain_view = None if chain_check is None else _np(chain_check)
+        a.step_view = None if step is None else _np(step)
+        return a
+
+    # (token_offset and window are ints the plan reads: the kept arguments hold them)
+    a = _packed(f"head {int(p.get('token_offset', 0))} {int(p.get('window', 0))}", tensors, make)
+    if a is None:
+        return False
+    args = a.call()
+    args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
+    args[a.requests], args[a.write_tag] = int(w["num_requests"]), int(w["launch_tag"])
+    args[a.chain] = a.chain_view is not None and int(a.chain_view[0]) != 0
+    args[a.step] = -1 if a.step_view is None else int(a.step_view[0])
+    k.head(*args)
     return True
 
 
@@ -290,20 +247,46 @@ def tail(verify_kw: dict, write_kw: dict) -> bool:
             or w.get("expected_positions") is not None or w.get("chain_check") is not None
             or verify_kw["buf"] is not w["buf"] or w.get("step") is None):
         return False
-    steps = _np(w["step"])
-    if steps is None or steps.dtype != np.int64 or steps.shape != (1,):
+    ring, counters, buf = verify_kw["ring"], verify_kw["counters"], verify_kw["buf"]
+    tensors = (w["out_cache_loc"], w["input_ids"], w["positions"], w.get("writer_ids"), e.slot, e.position, e.prev,
+               e.expected_token, e.enable, e.count, ring.rows, ring.write_index, counters, w["write_offsets"],
+               w["seed_slot"], buf, w["step"])
+
+    def make():
+        steps = _np(w["step"])
+        if steps is None or steps.dtype != np.int64 or steps.shape != (1,):
+            return None
+        a = _Args()
+        a.add(_words(buf))
+        for t in (e.slot, e.position, e.prev, e.expected_token):  # (``_np64``: the plan's, int64 by construction)
+            a.i64(t)
+        a.add(_np(e.enable), _np(e.count))
+        a.check, a.verify_fp = a.slot(), a.slot()
+        a.add(_np(ring.rows), _np(ring.write_index), _np(counters))
+        a.tag = a.slot()
+        a.i64(w["write_offsets"])
+        a.i64(w["seed_slot"])
+        a.requests = a.slot()
+        for t in (w["out_cache_loc"], w["input_ids"], w["positions"]):
+            a.i64(t)
+        a.add(buf.shape[1] >= ATTRIBUTION_STRIDE)
+        _optional64(a, w.get("writer_ids"))
+        a.step, a.write_fp, a.write_tag = a.slot(), a.slot(), a.slot()
+        a.add(steps)
+        a.steps = steps
+        return a
+
+    a = _packed("tail", tensors, make)
+    if a is None:
         return False
-    enable, count, slot = _np(e.enable), _np(e.count), _np64(e.slot)
+    args = a.call()
+    slot, enable, count, locs = args[1], args[5], args[6], args[a.requests + 1]
+    # the entries' own count bounds the fingerprint pass (the kernel re-reads enable and count itself)
     n = max(0, min(int(count[0]), slot.shape[0])) if enable[0] else 0
-    locs = _i64(w["out_cache_loc"])
-    ring, counters, writers = verify_kw["ring"], verify_kw["counters"], w.get("writer_ids")
-    buf = verify_kw["buf"]
-    k.tail(_words(buf), slot, _np64(e.position), _np64(e.prev), _np64(e.expected_token), enable, count,
-           bool(verify_kw.get("check_token", True)),
-           _fingerprints(slot[:n], verify_kw.get("sources", ()), int(verify_kw.get("real_kv_mode", 0))),
-           _np(ring.rows), _np(ring.write_index), _np(counters), int(verify_kw["launch_tag"]),
-           _np64(w["write_offsets"]), _np64(w["seed_slot"]), int(w["num_requests"]), locs, _i64(w["input_ids"]),
-           _i64(w["positions"]), buf.shape[1] >= ATTRIBUTION_STRIDE, _EMPTY64 if writers is None else _i64(writers),
-           writers is not None, int(steps[0]),
-           _fingerprints(locs, w.get("sources", ()), int(w.get("real_kv_mode", 0))), int(w["launch_tag"]), steps)
+    args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
+    args[a.verify_fp] = _fingerprints(slot[:n], verify_kw.get("sources", ()), int(verify_kw.get("real_kv_mode", 0)))
+    args[a.requests], args[a.step] = int(w["num_requests"]), int(a.steps[0])
+    args[a.write_fp] = _fingerprints(locs, w.get("sources", ()), int(w.get("real_kv_mode", 0)))
+    args[a.write_tag] = int(w["launch_tag"])
+    k.tail(*args)
     return True
