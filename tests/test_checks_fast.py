@@ -81,3 +81,31 @@ def test_batches_it_does_not_judge_go_to_the_python_checks():
     b.token_history = None
     assert not checks_fast.batch_ok(b, **LIMITS)
     checks.check_batch_values(batch(dtype=torch.int32), **LIMITS)  # (valid: the Python checks pass it)
+
+
+def test_the_compiled_pass_agrees_with_the_python_checks_on_random_batches():
+    # random small batches around the limits (rows, lengths, slots, token cells, valid lengths): the pass
+    # says yes exactly where the Python checks pass
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    small = st.integers(-2, 12)
+
+    @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+    @hypothesis.given(st.lists(st.tuples(st.integers(-1, NUM_ROWS), small, st.integers(-1, 4)), min_size=1,
+                               max_size=4),
+                      st.integers(-1, 2), st.lists(st.integers(-1, NUM_SLOTS), max_size=12),
+                      st.lists(st.tuples(st.integers(-1, NUM_ROWS), st.integers(-1, MAX_CONTEXT)), max_size=4),
+                      st.lists(st.integers(-1, MAX_CONTEXT + 1), min_size=1, max_size=4))
+    def check(reqs, extra, loc, cells, valid):
+        rows, prefix, extend = zip(*reqs)
+        n = max(0, sum(extend) + extra)
+        locs = (loc + [5] * n)[:n]
+        cell_rows, cell_cols = (tuple(c) for c in zip(*cells)) if cells else ((), ())
+        b = batch(rows=rows, prefix=prefix, extend=extend, loc=locs, cells=(cell_rows, cell_cols), valid=valid)
+        passed = python_checks_pass(b)
+        outcomes.add(passed)
+        assert checks_fast.batch_ok(b, **LIMITS) == passed
+
+    outcomes = set()
+    check()
+    assert outcomes == {True, False}  # (both kinds of batch were met)
