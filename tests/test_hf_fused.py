@@ -151,7 +151,8 @@ def test_a_fused_step_with_a_replay_thread_queues_its_replay_and_joins_it_first(
         fs.join()
         mine = [c for c in calls if "helper" not in c]
         helper = [c for c in calls if "helper" in c]
-        assert mine == [("close", "side"), ("wait", "slot-event", "compute"), ("wait", "slot-event", "default")]
+        # (the engine's thread closes the step on its own stream: it makes no stream switch)
+        assert mine == [("close", "default"), ("wait", "slot-event", "compute"), ("wait", "slot-event", "default")]
         assert helper == [("record", "graph-inputs", "default", "helper"),
                           ("record", "graph-forward", "compute", "helper"),
                           ("replay", "helper"), ("record", "slot-event", "side", "helper")]
@@ -163,6 +164,19 @@ def test_a_fused_step_with_a_replay_thread_queues_its_replay_and_joins_it_first(
     finally:
         fs.close()
     assert fs.replayer is None and fs.s.canary.monitor.observer.before_read is None
+
+
+def test_a_fused_step_with_a_replay_thread_whose_close_fails_records_after_the_helper(monkeypatch):
+    # the close fails before counting the slot's event: the turn's event and the step's end are recorded on
+    # the side stream once the helper issued the replay
+    fs, stage, slot, calls, streams = fused_step(monkeypatch, fail_close=True, waits=("graph-inputs", "graph-forward"),
+                                                 thread=True)
+    try:
+        assert calls[-3:] == [("record", "slot-event", "side", "helper"), ("record", "turn-0", "side"),
+                              ("record", "done", "side")]
+        assert streams.current() == "default" and fs.pending == "done" and stage.fences[0] is None
+    finally:
+        fs.close()
 
 
 def test_a_replay_thread_needs_in_graph_waits(monkeypatch):

@@ -108,10 +108,11 @@ def test_close_issues_what_was_queued_stops_the_thread_and_refuses_more():
     r, calls = recording_replayer()
     gate = threading.Event()
     r.submit(replay_of(calls, "last", gate), "last-event", "side")
+    helper = r._thread
     threading.Timer(0.1, gate.set).start()
     r.close()
     assert calls[-1] == ("record", "last-event", "side", "helper")
-    assert not any(t.name == "helper" for t in threading.enumerate())
+    assert not helper.is_alive()
     r.close()  # idempotent
     with pytest.raises(ReplayError, match="closed"):
         r.submit(lambda: None, "e", "side")

@@ -160,11 +160,13 @@ class FusedSteps:
         elif waits is not None:  # (the graph's first nodes wait for its own two events: two CUDA calls fewer)
             record_event(waits[0], here)
             record_event(waits[1], compute)
-        cache.set(side)
+        if replayer is None:  # (the helper's current stream is the side stream: no switch on this thread)
+            cache.set(side)
         try:
             self._replay(f, e, slot, done, replayer, before)
         finally:  # (a violation raised in mode "raise" too: the engine's streams still join what was issued)
-            cache.set(here)
+            if replayer is None:
+                cache.set(here)
             if self.fence is not None:
                 # the slot's event, recorded on the side stream after the replay, is the step's end: the
                 # engine's streams join it (no event of its own: one CUDA call fewer per step)
@@ -203,9 +205,16 @@ class FusedSteps:
             # next refill needs no CUDA call once the slot's observation has been read
             if slot.records != records:
                 self.fence = SlotFence(slot)
-            elif replayer is not None:
-                replayer.wait()  # (the turn's event, recorded below, must follow the replay the helper issues)
-            stage.copied(self.fence)
+            if self.fence is not None or replayer is None:
+                stage.copied(self.fence)
+            else:  # the turn's event must follow the replay the helper issues, on its stream
+                replayer.wait()
+                here = self.cache.current()
+                self.cache.set(self.replay_side)
+                try:
+                    stage.copied(None)
+                finally:
+                    self.cache.set(here)
 
     def join(self) -> None:
         """The engine's compute stream and the current stream wait for the last fused step: called before
