@@ -57,3 +57,30 @@ def test_compiled_read_table_refuses_rows_and_clamps_outside_its_arrays():
     with pytest.raises(IndexError, match="clamp outside"):
         hf_glue_cpu.read_table(out, np.array([1]), one, one, np.zeros(0, dtype=np.int64), -1)
     assert not out.any()  # nothing written by a refused call
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_new_reads_shortcut_answers_what_the_numpy_comparison_answers(seed):
+    # verify_new_reads' CPU shortcut: do the new tokens' read cells hold their write slots? The loop says 1
+    # or 0 where numpy says True or False, and -1 (numpy decides) for an index out of range or lengths apart
+    rng = np.random.default_rng(seed)
+    rtt = rng.integers(0, NUM_SLOTS, (NUM_ROWS, 20))
+    rows = rng.choice(NUM_ROWS, 3, replace=False).astype(np.int64)
+    token_req = np.sort(rng.integers(0, 3, 6))
+    positions = rng.integers(0, 20, 6).astype(np.int32)
+    loc = rtt[rows[token_req], positions].copy()
+
+    def numpy_says():
+        return np.array_equal(rtt[rows[token_req], positions], loc)
+
+    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req, positions, loc) == 1 and numpy_says()
+    loc[seed % 6] += 1  # one new token's read cell is not its write slot
+    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req, positions, loc) == 0 and not numpy_says()
+    loc[seed % 6] -= 1
+    positions[0] = 20  # out of range: numpy raises, the loop leaves it to numpy
+    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req, positions, loc) == -1
+    with pytest.raises(IndexError):
+        numpy_says()
+    positions[0] = -1  # numpy wraps a negative index: the loop leaves that to numpy too
+    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req, positions, loc) == -1
+    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req[:-1], positions, loc) == -1  # lengths apart

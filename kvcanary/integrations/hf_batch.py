@@ -39,6 +39,7 @@ def table_width(width: int, max_context: int, floor: int) -> int:
 class BatchBuilder(TokenRows):
     glue = None  # where the canary runs Triton (__init__): hf_glue's kernels for the read table and entries
     host_table = None  # where it runs numba: the host read table as one compiled loop (hf_glue_cpu.py)
+    new_reads_match = None  # and the new tokens' read-check shortcut as another
 
     def __init__(self, session):
         self.s = session
@@ -67,7 +68,7 @@ class BatchBuilder(TokenRows):
         elif backend == "numba":
             from kvcanary.integrations import hf_glue_cpu  # (imports numba)
 
-            self.host_table = hf_glue_cpu.read_table
+            self.host_table, self.new_reads_match = hf_glue_cpu.read_table, hf_glue_cpu.new_reads_match
 
     def build(self) -> ForwardBatch:
         """This step's batch, its device work issued eagerly."""
@@ -293,7 +294,9 @@ class BatchBuilder(TokenRows):
         # inside a captured step: its outcome would be baked into the capture).
         if shortcut and self.device.type == "cpu":
             v = getattr(batch, "host_views", None) or self._views(batch, io)
-            if np.array_equal(v.rtt[v.rows[v.token_req], v.positions], v.loc):
+            match = self.new_reads_match
+            same = -1 if match is None else match(v.rtt, v.rows, v.token_req, v.positions, v.loc)
+            if same == 1 or (same == -1 and np.array_equal(v.rtt[v.rows[v.token_req], v.positions], v.loc)):
                 return
         e = self.new_reads
 

@@ -1,4 +1,4 @@
-"""The transformers adapter's read table on the CPU as one compiled loop (numba), for the numba backend.
+"""The transformers adapter's host index work on the CPU as compiled loops (numba), for the numba backend.
 
 An eager CPU step fills the batch's read table from the engine's read index on the host
 (``BatchBuilder._fill_host``). As numpy that is half a dozen array operations over a table of
@@ -9,6 +9,11 @@ the same cells in one pass: row ``rows[i]`` of ``out`` gets, for every column ``
 requests before ``i``, or ``fill`` where ``start_i + c`` is not below ``limit`` (a read index shorter than
 the batch). Rows and the read index are bounds-checked: a value the numpy path would reject is an
 ``IndexError`` here too, never a write outside the table.
+
+``new_reads_match`` is the shortcut of the new tokens' read check (``BatchBuilder.verify_new_reads``): do
+the read table's cells of the new tokens hold their write slots? 1 yes, 0 no, -1 where an index is out
+of range or the lengths differ (the numpy expression then decides, as before: it wraps negative
+indices and raises on others).
 """
 
 from __future__ import annotations
@@ -36,6 +41,23 @@ def _read_table(out, rows, prefix, extend, read, clamp_max, limit, fill):  # pra
             else:
                 out[r, c] = read[min(max(j, 0), clamp_max)]
         start += prefix[i] + extend[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def new_reads_match(rtt, rows, token_req, positions, loc):  # pragma: no cover (compiled)
+    n_rows, width, n = rtt.shape[0], rtt.shape[1], loc.shape[0]
+    if token_req.shape[0] != n or positions.shape[0] != n:
+        return -1
+    for t in range(n):
+        i = token_req[t]
+        if i < 0 or i >= rows.shape[0]:
+            return -1
+        r, p = rows[i], positions[t]
+        if r < 0 or r >= n_rows or p < 0 or p >= width:
+            return -1
+        if rtt[r, p] != loc[t]:
+            return 0
+    return 1
 
 
 def read_table(out: np.ndarray, rows: np.ndarray, prefix: np.ndarray, extend: np.ndarray, read: np.ndarray,
