@@ -30,6 +30,10 @@ log = logging.getLogger("kvcanary")
 CPU_WIDTH_STEP = 64  # the CPU's reused batches: read-table columns rounded up to a power of two from this
 
 
+# ``limit`` of a read index that lists every slot the batch reads (the read-table loops: hf_glue, hf_glue_cpu)
+NO_LIMIT = 2**62
+
+
 def table_width(width: int, max_context: int, floor: int) -> int:
     """``width`` rounded up to a power of two of at least ``floor``, never past ``max_context`` (a wider
     batch fails the canary's size check as it is)."""
@@ -229,13 +233,18 @@ class BatchBuilder(TokenRows):
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
         if self.glue is not None and self.glue.ok:  # one kernel (hf_glue.py) for the tensor ops
-            full, glue = have == total, self.glue
-            glue.run("read table", lambda: glue.read_table(
-                rtt, rows_t, prefix_t, extend_t, read, read.shape[0] - 1 if full else max(0, have - 1),
-                glue.NO_LIMIT if full else have, 0 if full else self.s.layout.num_slots),
-                lambda: self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total), (rtt,))
+            glue, limits = self.glue, self._read_limits(have, total, read.shape[0])
+            glue.run("read table", lambda: glue.read_table(rtt, rows_t, prefix_t, extend_t, read, *limits),
+                     lambda: self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total), (rtt,))
             return rtt
         return self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total)
+
+    def _read_limits(self, have: int, total: int, n_read: int) -> tuple[int, int, int]:
+        """The read-table loops' (clamp_max, limit, fill): a read index listing all ``total`` slots is read up
+        to its end; one listing only ``have`` gives cells past them an out-of-range slot (``_read_table_ops``)."""
+        if have == total:
+            return n_read - 1, NO_LIMIT, 0
+        return max(0, have - 1), have, self.s.layout.num_slots
 
     def _read_table_ops(self, read, rows_t, prefix_t, extend_t, rtt, have: int, total: int) -> torch.Tensor:
         """``_read_table``'s device path as tensor ops. Cells the read index lacks get an out-of-range slot,
@@ -262,11 +271,7 @@ class BatchBuilder(TokenRows):
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
         if self.host_table is not None:  # (numba: one compiled pass, the same cells)
-            if have == total:
-                self.host_table(out, rows, v.prefix, v.extend, read, read.shape[0] - 1)
-            else:
-                self.host_table(out, rows, v.prefix, v.extend, read, max(0, have - 1), have,
-                                self.s.layout.num_slots)
+            self.host_table(out, rows, v.prefix, v.extend, read, *self._read_limits(have, total, read.shape[0]))
             return
         seen = v.prefix + v.extend
         idx = (np.cumsum(seen) - seen)[:, None] + np.arange(v.rtt.shape[1])

@@ -15,10 +15,10 @@ one kernel, with the same results cell for cell:
   ``p = positions[t]``; ``count``, ``requested`` and ``enable`` as ``ops.fill_entries`` sets them.
 
 The tensor-op versions stay in ``hf_batch.py`` (the torch backend, and the check these are held to:
-tests/test_hf_glue.py); the CPU's eager steps use numpy there, or one numba loop (``hf_glue_cpu.py``). ``IndexKernels`` runs each kernel as the
-adapter calls it: on its first eager call also the tensor ops, compared on the host, and the tensor ops
-from then on, with a warning, where the kernel fails to compile or launch or gives other cells. The
-kernels are an optimisation, never a new way to fail or to report.
+tests/test_hf_glue.py); the CPU's eager steps use numpy there, or one numba loop (``hf_glue_cpu.py``).
+``IndexKernels`` runs each kernel as the adapter calls it: on its first eager call also the tensor ops,
+compared on the host, and the tensor ops from then on, with a warning, where the kernel fails to compile
+or launch or gives other cells. The kernels are an optimisation, never a new way to fail or to report.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from kvcanary.integrations.hf_batch import NO_LIMIT
 from kvcanary.ops import triton_ops
 from kvcanary.runtime.streams import capturing
 
@@ -37,7 +38,6 @@ log = logging.getLogger("kvcanary")
 
 READ_BLOCK = 256  # columns of the read table per loop iteration
 ENTRY_BLOCK = 256  # new tokens per program
-NO_LIMIT = 2**62  # ``limit`` of a read index that lists every slot the batch reads
 
 
 @triton.jit(do_not_specialize=["bs", "clamp_max", "limit", "fill", "width"])
@@ -105,8 +105,6 @@ def new_read_entries(entries, rtt: torch.Tensor, rows: torch.Tensor, token_req: 
 
 class IndexKernels:
     """The adapter's way to run the kernels above (``BatchBuilder``): ``ok`` until one of them fails."""
-
-    NO_LIMIT = NO_LIMIT
 
     def __init__(self):
         self.ok = True

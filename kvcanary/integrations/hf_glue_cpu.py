@@ -21,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-NO_LIMIT = 2**62  # ``limit`` of a read index that lists every slot the batch reads
+from kvcanary.integrations.hf_batch import NO_LIMIT
 
 
 @numba.njit(cache=True, nogil=True)

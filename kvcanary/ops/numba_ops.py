@@ -258,15 +258,18 @@ def tail(verify_kw: dict, write_kw: dict) -> bool:
             return None
         a = _Args()
         a.add(_words(buf))
+        a.slots = len(a.items)  # (where the entries' slots are: the fingerprint pass reads them per call)
         for t in (e.slot, e.position, e.prev, e.expected_token):  # (``_np64``: the plan's, int64 by construction)
             a.i64(t)
-        a.add(_np(e.enable), _np(e.count))
+        a.enable, a.count = _np(e.enable), _np(e.count)
+        a.add(a.enable, a.count)
         a.check, a.verify_fp = a.slot(), a.slot()
         a.add(_np(ring.rows), _np(ring.write_index), _np(counters))
         a.tag = a.slot()
         a.i64(w["write_offsets"])
         a.i64(w["seed_slot"])
         a.requests = a.slot()
+        a.locs = len(a.items)  # (the write slots, perhaps cast per call: read from the call's arguments)
         for t in (w["out_cache_loc"], w["input_ids"], w["positions"]):
             a.i64(t)
         a.add(buf.shape[1] >= ATTRIBUTION_STRIDE)
@@ -280,9 +283,9 @@ def tail(verify_kw: dict, write_kw: dict) -> bool:
     if a is None:
         return False
     args = a.call()
-    slot, enable, count, locs = args[1], args[5], args[6], args[a.requests + 1]
+    slot, locs = args[a.slots], args[a.locs]
     # the entries' own count bounds the fingerprint pass (the kernel re-reads enable and count itself)
-    n = max(0, min(int(count[0]), slot.shape[0])) if enable[0] else 0
+    n = max(0, min(int(a.count[0]), slot.shape[0])) if a.enable[0] else 0
     args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
     args[a.verify_fp] = _fingerprints(slot[:n], verify_kw.get("sources", ()), int(verify_kw.get("real_kv_mode", 0)))
     args[a.requests], args[a.step] = int(w["num_requests"]), int(a.steps[0])

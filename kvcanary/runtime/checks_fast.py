@@ -74,4 +74,3 @@ def batch_ok(batch: ForwardBatch, num_rows: int, num_slots: int, max_context: in
     table_rows, cols = batch.req_to_token.shape
     return bool(kernel(rows, pre, ext, min(table_rows, num_rows), cols, batch.num_tokens, loc,
                        num_slots, cell_rows, cell_cols, valid_lens, num_rows, max_context))
-

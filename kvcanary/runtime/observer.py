@@ -137,7 +137,11 @@ class HostObserver:
         copy overwrites it). ``_copy`` into it, then ``taken``."""
         slot = self.slots[self.next]
         self.next = (self.next + 1) % len(self.slots)
-        return slot, (self._finish(slot) if slot.pending is not None else [])
+        if slot.pending is None:
+            return slot, []
+        if self.before_read is not None:
+            self.before_read()
+        return slot, self._finish(slot)
 
     def taken(self, slot: _Slot, step: int, host_meta: dict, record: bool = True) -> list[Observation]:
         """The snapshot copy into ``slot`` was issued on the current stream (``take_slot``); ``record=False``:
@@ -191,8 +195,6 @@ class HostObserver:
     def _finish(self, slot: _Slot, landed: bool = False) -> list[Observation]:
         if slot.pending is None:
             return []
-        if self.before_read is not None:
-            self.before_read()
         if slot.event is not None:
             if not landed and slot.known < slot.records:
                 event_synchronize(slot.event)
