@@ -156,7 +156,7 @@ def main() -> int:
                          "are skipped (default 540, inside a 600 s command limit)")
     ap.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--attach-option", action="append", default=[], metavar="KEY=BOOL",
-                    help="an adapter mechanism on or off in the runs with the canary, e.g. replay_thread=true")
+                    help="an adapter mechanism on or off in the runs with the canary, e.g. fused_steps=false")
     ap.add_argument("--keep-each", action="store_true",
                     help="also keep one JSON per workload in OUT_DIR/each (the GPU runner returns at most 8 files)")
     args = ap.parse_args()

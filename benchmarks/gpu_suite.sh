@@ -3,10 +3,6 @@
 #   bash benchmarks/gpu_suite.sh tests    # the whole test suite natively (Triton compiled), self-check, demo
 #   bash benchmarks/gpu_suite.sh quick    # the adapter's graph, fused-step and index-kernel tests, then the host
 #                                         # timers of a steady decode step (1B, batch 1 and 64): about 3 minutes
-#   bash benchmarks/gpu_suite.sh replay   # the replay thread (attach option replay_thread): its tests, the
-#                                         # host cost of a replay by the engine's thread or a helper, the host
-#                                         # timers with it, then the 1B batch-1 2K row with the option off and
-#                                         # on: about 8 minutes
 #   bash benchmarks/gpu_suite.sh ops      # op throughput (benchmarks/ops_bench.py)
 #   bash benchmarks/gpu_suite.sh probe    # the decode-like op benchmark step by step (diagnosis of a device fault)
 #   bash benchmarks/gpu_suite.sh engine [SPEC ...]  # canary cost inside transformers continuous batching, 1B and 8B
@@ -37,20 +33,6 @@ case "$part" in
       timeout 150 $py benchmarks/host_profile.py --device cuda --model-size 1b --batch $b --context 2048 --steps 40 \
         --no-cprofile --timers > "$OUT/timers_b$b.txt" 2>&1
       echo "== batch $b"; sed -n '/steady decode steps timed/,$p' "$OUT/timers_b$b.txt" | head -20
-    done
-    ;;
-  replay)
-    timeout ${TESTS_TIMEOUT:-240} $py -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_replayer.py \
-      tests/test_hf_fused.py "tests/test_hf_graphs.py::test_captured_steps_report_what_eager_steps_report" 2>&1 \
-      | tee "$OUT/tests_replay.log" | tail -5
-    timeout 120 $py benchmarks/graph_launch.py --thread 2>&1 | tee "$OUT/graph_launch_thread.txt"
-    timeout 150 $py benchmarks/host_profile.py --device cuda --model-size 1b --batch 1 --context 2048 --steps 40 \
-      --no-cprofile --timers --attach-option replay_thread=true > "$OUT/timers_b1_replay_thread.txt" 2>&1
-    sed -n '/steady decode steps timed/,$p' "$OUT/timers_b1_replay_thread.txt" | head -24
-    for on in false true; do
-      timeout 180 $py benchmarks/engine_matrix.py --only 1b-decode-b1-c2k --budget-s 120 --deadline-s 150 \
-        --attach-option replay_thread=$on --out-dir "$OUT/replay_thread_$on" > "$OUT/replay_thread_$on.log" 2>&1
-      echo "replay_thread=$on"; tail -1 "$OUT/replay_thread_$on.log"
     done
     ;;
   ops)
@@ -94,5 +76,5 @@ case "$part" in
     done
     $py benchmarks/summarize_engine.py "$OUT"/engine_*.json --plot "$OUT/overhead.png" 2>&1 | tee "$OUT/engine_summary.txt"
     ;;
-  *) echo "unknown part $part (tests | quick | replay | ops | probe | engine)"; exit 2 ;;
+  *) echo "unknown part $part (tests | quick | ops | probe | engine)"; exit 2 ;;
 esac

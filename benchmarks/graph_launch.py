@@ -4,19 +4,11 @@ step). Prints the median and 10th percentile microseconds of the replay call alo
 
     python benchmarks/graph_launch.py
     python benchmarks/graph_launch.py --waits   # a fused step's ordering: eager waits against in-graph waits
-    python benchmarks/graph_launch.py --thread  # the replay issued by the engine's thread or by a helper
 
 ``--waits``: the host cost of ordering a 40-node graph on a side stream after two other streams (the
 inputs' and the compute stream), as a fused steady step does: two event records and two waits from the
 host then the replay, against two records and the replay of a graph whose first nodes wait for those
 (external) events; the two alternate step by step, idle, behind queued work and with cold caches.
-
-``--thread``: the host cost, on the engine's thread, of a step's tail as a fused step with the attach
-option ``replay_thread`` sees it: record the graph's two events and replay a 40-node graph on the side
-stream (its own thread), or queue that for the helper thread (``GraphReplayer``); then launch 20 small
-kernels and read a value back (the engine's next work and its read of the sampled tokens, a call that
-releases the GIL), then wait for the helper. Whether the driver lets the two threads' calls overlap
-decides whether the helper saves anything.
 """
 
 import statistics
@@ -28,7 +20,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcanary.runtime.replayer import GraphReplayer  # noqa: E402
 from kvcanary.runtime.streams import event_wait, record_event  # noqa: E402
 
 
@@ -127,49 +118,9 @@ def report(label: str, ts: dict, what: str = "") -> None:
               f"p10 {sorted(t)[len(t) // 10] * 1e6:6.1f} us{what}", flush=True)
 
 
-def threaded_steps(n=40, steps=400):
-    """Median / p10 host microseconds of a step's tail with the replay on the engine's thread or a helper's."""
-    cold = list(range(4_000_000))
-    here, compute, side = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
-    waits = (torch.cuda.Event(external=True), torch.cuda.Event(external=True))
-    graph, done = build(n, side=side, waits=waits), torch.cuda.Event()
-    helper = GraphReplayer(record_event, lambda: torch.cuda.set_stream(side))
-    x = torch.zeros(1, device="cuda")
-    try:
-        for label, cool in (("warm host", False), ("cold host", True)):
-            ts = {"engine's thread": [], "helper thread": []}
-            for i in range(steps):
-                kind = "engine's thread" if i % 2 == 0 else "helper thread"
-                torch.cuda.synchronize()
-                if cool:
-                    sum(cold)
-                t0 = time.perf_counter()
-                if kind == "engine's thread":  # a fused step with in-graph waits: two records, replay, record
-                    record_event(waits[0], here)
-                    record_event(waits[1], compute)
-                    torch.cuda.set_stream(side)
-                    graph.replay()
-                    record_event(done, side)
-                    torch.cuda.set_stream(here)
-                else:  # the same, queued for the helper (attach option replay_thread)
-                    helper.submit(graph.replay, done, side, ((waits[0], here), (waits[1], compute)))
-                for _ in range(20):
-                    x.add_(1)
-                x.item()
-                helper.wait()
-                ts[kind].append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
-            report(label, ts, " (that thread's records and replay, 20 launches, a read back)")
-    finally:
-        helper.close()
-
-
 def main():
     if "--waits" in sys.argv[1:]:
         ordered_steps()
-        return
-    if "--thread" in sys.argv[1:]:
-        threaded_steps()
         return
     cold = list(range(4_000_000))
     other = torch.cuda.Stream()

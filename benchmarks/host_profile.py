@@ -55,7 +55,6 @@ _TIMED = {
     "kvcanary.runtime.graphs:CudaGraphs": ("run",),
     "kvcanary.runtime.observer:HostObserver": ("snapshot", "collect", "take_slot", "taken"),
     "kvcanary.runtime.streams:CudaStreams": ("record", "wait", "use"),
-    "kvcanary.runtime.replayer:GraphReplayer": ("submit", "wait"),  # (attach option replay_thread)
 }
 _CALLS: dict[str, list[float]] = {}
 _STEADY = [False]  # the current step is a steady decode step (_steady): the only steps timed or profiled

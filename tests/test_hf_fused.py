@@ -6,7 +6,6 @@ refill asks CUDA nothing once the slot was taken again. Where the close fails be
 recorded, the step falls back to events of its own on the side stream.
 """
 
-import threading
 from collections import OrderedDict
 from types import SimpleNamespace
 
@@ -18,7 +17,6 @@ from kvcanary.integrations.hf_fused import FusedSteps
 from kvcanary.integrations.hf_staging import Staging
 from kvcanary.runtime import observer
 from kvcanary.runtime.observer import SlotFence
-from kvcanary.runtime.replayer import GraphReplayer
 from kvcanary.runtime.streams import record_event
 
 
@@ -35,7 +33,7 @@ class Streams:
         self.now = stream
 
 
-def fused_step(monkeypatch, fail_close: bool = False, waits=None, thread: bool = False):
+def fused_step(monkeypatch, fail_close: bool = False, waits=None):
     calls, streams = [], Streams()
     for module in (hf_fused, hf_staging, observer):
         monkeypatch.setattr(module, "record_event", lambda ev, s: calls.append(("record", ev, s)), raising=False)
@@ -54,14 +52,13 @@ def fused_step(monkeypatch, fail_close: bool = False, waits=None, thread: bool =
     def take_slot():
         return slot, []
 
-    def replayed_step(batch, s, done, launch_s, record=True):
+    def replayed_step(batch, s, done, launch_s):
         calls.append(("close", streams.current()))
         if fail_close:
             raise RuntimeError("close failed")
         s.records += 1  # what HostObserver.taken does on CUDA: record the slot's event on the current stream
         s.pending = (7, {})
-        if record:  # (False: the replay thread records it after the replay)
-            calls.append(("record", s.event, streams.current()))
+        calls.append(("record", s.event, streams.current()))
 
     obs = SimpleNamespace(eager_read=False, slots=[None, slot, None], next=1, take_slot=take_slot)
     canary = SimpleNamespace(monitor=SimpleNamespace(observer=obs), check_replayed=lambda b: None,
@@ -74,18 +71,9 @@ def fused_step(monkeypatch, fail_close: bool = False, waits=None, thread: bool =
     fs = FusedSteps.__new__(FusedSteps)
     fs.s, fs.g, fs.cache, fs.pending = session, SimpleNamespace(quiet=1), streams, None
     fs.events, fs.replays = ("inputs", "forward", "done"), 0
-    fs.replay_thread, fs.replayer = thread, None
-    if thread:  # FusedSteps._start_replayer with the recording stand-ins, the helper's records named
-        def start(side):
-            fs.replayer = GraphReplayer(lambda ev, s: calls.append(("record", ev, s, threading.current_thread().name)),
-                                        name="helper")
-            fs.replay_side, obs.before_read = side, fs.replayer.wait
-            return fs.replayer
-        fs._start_replayer = start
 
     def replay():
-        where = threading.current_thread().name if thread else streams.current()
-        calls.append(("replay", where))
+        calls.append(("replay", streams.current()))
     key = ("shape",)
     fs.entries = OrderedDict({key + (1,): SimpleNamespace(replay=replay, state=None, waits=waits)})
     e = SimpleNamespace(batch="batch")
@@ -140,49 +128,6 @@ def test_a_fused_step_whose_graph_waits_for_its_own_events_records_them_only(mon
     assert calls == [("record", "graph-inputs", "default"), ("record", "graph-forward", "compute"),
                      ("replay", "side"), ("close", "side"), ("record", "slot-event", "side")]
     assert streams.current() == "default" and fs.pending == "slot-event"
-
-
-def test_a_fused_step_with_a_replay_thread_queues_its_replay_and_joins_it_first(monkeypatch):
-    # replay_thread: the engine's thread closes the step; the helper records the graph's two events on the
-    # inputs' and the compute stream, issues the replay, then the slot's event on the side stream; join
-    # waits for the helper before the engine's streams wait for that event
-    fs, stage, slot, calls, streams = fused_step(monkeypatch, waits=("graph-inputs", "graph-forward"), thread=True)
-    try:
-        fs.join()
-        mine = [c for c in calls if "helper" not in c]
-        helper = [c for c in calls if "helper" in c]
-        # (the engine's thread closes the step on its own stream: it makes no stream switch)
-        assert mine == [("close", "default"), ("wait", "slot-event", "compute"), ("wait", "slot-event", "default")]
-        assert helper == [("record", "graph-inputs", "default", "helper"),
-                          ("record", "graph-forward", "compute", "helper"),
-                          ("replay", "helper"), ("record", "slot-event", "side", "helper")]
-        # the helper's record precedes the join's waits
-        assert calls.index(helper[-1]) < calls.index(("wait", "slot-event", "compute"))
-        assert fs.pending is None and fs.replayer.jobs == 1
-        assert fs.joined.slot is slot and fs.joined.records == 5 and stage.fences[0].records == 5
-        assert slot.pending == (7, {}) and fs.s.canary.monitor.observer.before_read == fs.replayer.wait
-    finally:
-        fs.close()
-    assert fs.replayer is None and fs.s.canary.monitor.observer.before_read is None
-
-
-def test_a_fused_step_with_a_replay_thread_whose_close_fails_records_after_the_helper(monkeypatch):
-    # the close fails before counting the slot's event: the turn's event and the step's end are recorded on
-    # the side stream once the helper issued the replay
-    fs, stage, slot, calls, streams = fused_step(monkeypatch, fail_close=True, waits=("graph-inputs", "graph-forward"),
-                                                 thread=True)
-    try:
-        assert calls[-3:] == [("record", "slot-event", "side", "helper"), ("record", "turn-0", "side"),
-                              ("record", "done", "side")]
-        assert streams.current() == "default" and fs.pending == "done" and stage.fences[0] is None
-    finally:
-        fs.close()
-
-
-def test_a_replay_thread_needs_in_graph_waits(monkeypatch):
-    # without its own waits the graph's order is the host's: the replay stays on the engine's thread
-    fs, stage, slot, calls, streams = fused_step(monkeypatch, thread=True)
-    assert fs.replayer is None and ("replay", threading.current_thread().name) in calls
 
 
 def test_a_fused_step_whose_close_fails_records_events_of_its_own(monkeypatch):

@@ -201,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(e.g. real_kv=all, check_v=true); repeatable; KV_CANARY_* variables apply first")
     ap.add_argument("--attach-option", action="append", default=[], metavar="KEY=BOOL",
                     help="an adapter mechanism on or off for the runs with the canary (step_graphs, late_hooks, "
-                         "fused_steps, in_graph_waits, replay_thread, token_history), e.g. fused_steps=false; "
-                         "repeatable")
+                         "fused_steps, in_graph_waits, token_history), e.g. fused_steps=false; repeatable")
     args = ap.parse_args(argv)
     if args.aa and not args.lockstep:
         ap.error("--aa applies to --lockstep runs only")

@@ -22,10 +22,7 @@ path also polls before each forward).
 On CUDA each graph's first nodes wait for two events of its own (``_capture_waiting``: external events),
 which the host records on the inputs' stream and on the compute stream right before the replay: the
 ordering of two host-side waits on the side stream, with two CUDA calls fewer per step (attach option
-``in_graph_waits``). With the attach option ``replay_thread`` (off by default; it needs those waits) the
-two records, the replay and the slot's event after it are issued from a helper thread
-(``runtime/replayer.py``): the engine's thread queues them, and ``join`` (and any read of a snapshot slot)
-waits until they were issued.
+``in_graph_waits``).
 
 Not fused (the unfused path runs the step): hooks that are not late (``late_hooks=False``, the token
 oracle, fault injection, CUDA without the engine's compute stream), a sweep due at the step's close,
@@ -42,7 +39,6 @@ import torch
 
 from kvcanary.runtime.graphs import capture, eager, replay_of
 from kvcanary.runtime.observer import SlotFence
-from kvcanary.runtime.replayer import GraphReplayer
 from kvcanary.runtime.streams import event_wait, record_event, stream_cache
 
 log = logging.getLogger("kvcanary")
@@ -81,11 +77,6 @@ class FusedSteps:
         # the graphs' first nodes wait for the inputs and the forward (_capture_waiting); off: eager waits
         self.in_graph_waits = cuda and bool(self.s.handle.options.get("in_graph_waits", True))
         self.run: Run | None = None  # the steady run of one shape: its pairs' entries and graphs (repeat)
-        # replays (and their slot events) issued from a helper thread (attach option replay_thread): made at
-        # the first replay that waits for its own events (the thread must know the side stream)
-        self.replay_thread = cuda and bool(self.s.handle.options.get("replay_thread", False))
-        self.replayer: GraphReplayer | None = None
-        self.replay_side = None  # the stream its replays run on (the canary's side stream)
 
     def usable(self) -> bool:
         """This step may run fused (its hooks late): the runtime has nothing to run between HEAD and TAIL."""
@@ -147,48 +138,31 @@ class FusedSteps:
             event_wait(inputs, side)
             record_event(forward, compute)
             event_wait(forward, side)
-        replayer, before = None, ()
-        if waits is not None and self.replay_thread:
-            replayer = self.replayer
-            if replayer is None or self.replay_side is not side:
-                self.close()
-                replayer = self._start_replayer(side)
-            # the helper records the graph's two events too, later than here: the graph then waits for a
-            # little more of each stream, and neither stream waits for the graph before ``join``, which
-            # waits for the helper first
-            before = ((waits[0], here), (waits[1], compute))
-        elif waits is not None:  # (the graph's first nodes wait for its own two events: two CUDA calls fewer)
+        else:  # (the graph's first nodes wait for its own two events: two CUDA calls fewer)
             record_event(waits[0], here)
             record_event(waits[1], compute)
-        if replayer is None:  # (the helper's current stream is the side stream: no switch on this thread)
-            cache.set(side)
+        cache.set(side)
         try:
-            self._replay(f, e, slot, done, replayer, before)
+            self._replay(f, e, slot, done)
         finally:  # (a violation raised in mode "raise" too: the engine's streams still join what was issued)
-            if replayer is None:
-                cache.set(here)
+            cache.set(here)
             if self.fence is not None:
                 # the slot's event, recorded on the side stream after the replay, is the step's end: the
                 # engine's streams join it (no event of its own: one CUDA call fewer per step)
                 self.pending = self.fence.slot.event
-            else:  # (_replay waited for the helper, if any, before it returned without a fence)
+            else:
                 record_event(done_ev, side)
                 self.pending = done_ev
         self.g.quiet = None  # a later unfused step waits for the compute stream (which will follow this one)
         return e.batch
 
-    def _replay(self, f: _Fused, e, slot, done, replayer: GraphReplayer | None = None, before=()) -> None:
+    def _replay(self, f: _Fused, e, slot, done) -> None:
         """Replay the step's graph and close the step; ``fence``: the slot's event the close recorded after
-        the replay (None where it recorded none: the CPU's eager read, or a close that failed first).
-        ``replayer``: the ``before`` records, the replay and that event are issued from its thread instead
-        (the graph waits for its own events, so the order on the device does not depend on when)."""
+        the replay (None where it recorded none: the CPU's eager read, or a close that failed first)."""
         c, stage = self.s.canary, self.s.builder.stage
         self.fence = None
         t0 = time.perf_counter()
-        if replayer is None:
-            f.replay()
-        else:
-            replayer.submit(f.replay, slot.event, self.replay_side, before)
+        f.replay()
         launch_s = time.perf_counter() - t0  # (the runtime adds it to its launch time where benchmarks ask)
         self.replays += 1
         c.launcher.restore(f.state)
@@ -198,23 +172,13 @@ class FusedSteps:
             return
         records = slot.records
         try:
-            # records the slot's event after the replay, here (or counts the one the helper records)
-            c.replayed_step(e.batch, slot, done, launch_s, replayer is None)
+            c.replayed_step(e.batch, slot, done, launch_s)  # (records the slot's event after the replay)
         finally:
             # the staged values' copy precedes that event: it stands for the turn's (SlotFence), so the turn's
             # next refill needs no CUDA call once the slot's observation has been read
             if slot.records != records:
                 self.fence = SlotFence(slot)
-            if self.fence is not None or replayer is None:
-                stage.copied(self.fence)
-            else:  # the turn's event must follow the replay the helper issues, on its stream
-                replayer.wait()
-                here = self.cache.current()
-                self.cache.set(self.replay_side)
-                try:
-                    stage.copied(None)
-                finally:
-                    self.cache.set(here)
+            stage.copied(self.fence)
 
     def join(self) -> None:
         """The engine's compute stream and the current stream wait for the last fused step: called before
@@ -224,29 +188,9 @@ class FusedSteps:
         waits for the compute stream only)."""
         event, self.pending = self.pending, None
         if event is not None:
-            if self.replayer is not None:
-                self.s._guarded(self.replayer.wait)  # (the helper issued the replay and the event)
             self.joined = self.fence
             event_wait(event, self.s.bp.inputs_and_outputs.compute_stream)
             event_wait(event, self.cache.current())
-
-    def _start_replayer(self, side) -> GraphReplayer:
-        """The helper thread issuing replays on ``side`` (torch keeps the current stream and device per
-        thread: the helper makes ``side`` its own once); snapshot slots are read only after it issued them."""
-        def setup():
-            torch.cuda.set_device(side.device)
-            torch.cuda.set_stream(side)
-
-        self.replayer, self.replay_side = GraphReplayer(record_event, setup), side
-        self.s.canary.monitor.observer.before_read = self.replayer.wait
-        return self.replayer
-
-    def close(self) -> None:
-        """Stop the replay thread, if any, once it issued what it was given."""
-        replayer, self.replayer = self.replayer, None
-        if replayer is not None:
-            self.s.canary.monitor.observer.before_read = None
-            replayer.close()
 
     def _capture(self, e, h, slot) -> _Fused:
         """Record the step's whole canary work into a graph (on the canary's side stream on CUDA: the

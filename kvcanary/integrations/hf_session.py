@@ -350,8 +350,6 @@ class Session(KvMoves):
         self.closed = True
         try:
             self._join()
-            if self.fused is not None:
-                self.fused.close()  # (its replay thread, if any: it issued everything joined above)
             with self.lock:
                 self.canary.flush()
         except BaseException as e:

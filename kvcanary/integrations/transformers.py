@@ -26,7 +26,7 @@ from kvcanary.runtime import CanaryConfig, Violation
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
 INTEGRATION_OPTIONS = ("token_oracle", "token_history", "timing", "max_context", "allow_unsupported_version",
-                       "step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "replay_thread")
+                       "step_graphs", "late_hooks", "fused_steps", "in_graph_waits")
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
 
 
@@ -55,9 +55,6 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
             results, less host time per step: docs/transformers.md, "Fused steady steps").
         in_graph_waits: a fused step's graph waits for the engine's inputs and forward itself, two CUDA
             calls fewer per step than waiting from the host (default True; same ordering).
-        replay_thread: with in-graph waits, issue a fused step's replay from a helper thread, so the
-            engine's thread only queues it (default False: an experiment whose effect on the H200 is not
-            measured yet; same results and ordering: docs/transformers.md, "Fused steady steps").
 
     Returns:
         a ``TransformersHandle``; ``handle.detach()`` restores the engine.

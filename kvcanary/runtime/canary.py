@@ -281,22 +281,20 @@ class Canary(RecordMoves):
             check_batch_values(batch, num_rows=self.num_rows, num_slots=self.pool.num_slots,
                                max_context=self.max_context)
 
-    def replayed_step(self, batch: ForwardBatch, slot=None, done=(), launch_s: float = 0.0,
-                      record: bool = True) -> None:
+    def replayed_step(self, batch: ForwardBatch, slot=None, done=(), launch_s: float = 0.0) -> None:
         """The host side of a whole step an adapter captured as one sequence and replayed after the forward
         (``device_before``, ``device_after`` and, given ``slot`` from ``HostObserver.take_slot``, the
         snapshot copy into it; ``done``: what taking the slot drained): the step closes as
         ``after_replayed`` closes it. Without ``slot`` the snapshot is taken here. Drains at the latest
         when the slot comes round again (no poll before the forward). ``launch_s``: the host seconds the
-        adapter spent launching the sequence (benchmarks' ``host_times``). ``record=False``: the adapter
-        records the slot's event itself, after the sequence (a replay issued from another thread)."""
+        adapter spent launching the sequence (benchmarks' ``host_times``)."""
         t0 = time.perf_counter()
         self._end_forward(batch)
         self._sweeps_unsnapshotted = False
         if slot is None:
             self.monitor.close_step()
         else:
-            self.monitor.close_taken(slot, list(done), record)
+            self.monitor.close_taken(slot, list(done))
         if self.host_times is not None:
             self._add_times(time.perf_counter() - t0, launch_s)
 

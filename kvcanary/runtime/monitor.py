@@ -76,11 +76,11 @@ class Monitor:
         if health:
             self._periodic()
 
-    def close_taken(self, slot, done: list[Observation], record: bool = True) -> None:
+    def close_taken(self, slot, done: list[Observation]) -> None:
         """``close_step`` of a step whose snapshot copy into ``slot`` (``HostObserver.take_slot``, which
         also gave ``done``) ran inside the caller's own captured sequence (the transformers adapter's
         fused steady steps): record it on the current stream, drain, periodic checks."""
-        self._process(done + self.observer.taken(slot, self.canary.step, self._meta(), record))
+        self._process(done + self.observer.taken(slot, self.canary.step, self._meta()))
         self._periodic()
 
     def drain_open(self, batch, step: int) -> None:

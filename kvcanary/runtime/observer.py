@@ -84,10 +84,6 @@ class SlotFence:
 class HostObserver:
     """Snapshots ``ring`` and ``watched`` tensors per step; ``collect`` returns finished ones in order."""
 
-    # called before a slot's event is queried or waited for: an adapter whose replays (and the events after
-    # them) are issued from a helper thread makes sure they were (runtime/replayer.py)
-    before_read = None
-
     def __init__(self, ring: ViolationRing, watched: dict[str, torch.Tensor]):
         self.ring = ring
         self.cuda = ring.rows.device.type == "cuda"
@@ -137,23 +133,16 @@ class HostObserver:
         copy overwrites it). ``_copy`` into it, then ``taken``."""
         slot = self.slots[self.next]
         self.next = (self.next + 1) % len(self.slots)
-        if slot.pending is None:
-            return slot, []
-        if self.before_read is not None:
-            self.before_read()
-        return slot, self._finish(slot)
+        return slot, (self._finish(slot) if slot.pending is not None else [])
 
-    def taken(self, slot: _Slot, step: int, host_meta: dict, record: bool = True) -> list[Observation]:
-        """The snapshot copy into ``slot`` was issued on the current stream (``take_slot``); ``record=False``:
-        the caller records the slot's event after it (its replay issued from a helper thread, which calls
-        ``before_read`` before anything here reads or waits for that event)."""
+    def taken(self, slot: _Slot, step: int, host_meta: dict) -> list[Observation]:
+        """The snapshot copy into ``slot`` was issued on the current stream (``take_slot``)."""
         slot.pending = (step, host_meta)
         self.order.append(slot)
         if not self.cuda:
             return self.collect(block=True)
         slot.records += 1
-        if record:
-            record_event(slot.event, self.streams.current())  # after the copy into pinned memory (_copy)
+        record_event(slot.event, self.streams.current())  # after the copy into pinned memory (_copy)
         return []
 
     def _read_now(self, step: int, host_meta: dict) -> Observation:
@@ -182,8 +171,6 @@ class HostObserver:
     def collect(self, block: bool = False) -> list[Observation]:
         """Observations whose copies have landed, oldest first; ``block`` waits for all."""
         out = []
-        if self.before_read is not None and self.order:
-            self.before_read()
         while self.order:
             slot = self.order[0]
             landed = self.cuda and event_query(slot.event)
