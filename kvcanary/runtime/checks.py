@@ -124,3 +124,28 @@ def canary_device(device: object) -> torch.device:
     elif dev.type != "cpu":
         raise ValueError(f"kv-canary: Canary device must be 'cpu' or a CUDA device, got {device!r}")
     return dev
+
+
+def check_injection(cfg, canary) -> None:
+    """ValueError for a fault-injection setting the canary cannot honour (before any state changes)."""
+    if cfg.mode == "none":
+        raise ValueError("kv-canary: fault injection needs mode 'log' or 'raise', got mode 'none'")
+    groups = [g.name for g in canary.groups]
+    flips = [n for n in ("inject_kv_prob", "inject_cached_prob", "inject_after_prob") if getattr(cfg, n) > 0]
+    if flips and cfg.inject_group not in groups:
+        raise ValueError(f"kv-canary: {flips[0]} targets inject_group={cfg.inject_group!r}, got a pool with "
+                         f"groups {groups} (give PoolSpec(swa=...) or set inject_group='full')")
+    for name in flips:
+        group = "full" if name == "inject_cached_prob" else cfg.inject_group
+        if cfg.real_kv == "none":
+            raise ValueError(f"kv-canary: {name} needs real-KV hashing, got real_kv='none' "
+                             "(set KV_CANARY_REAL_KV=partial or all)")
+        g = canary._group(group)
+        if not any(g.sources[kv] for kv in g.kvs):
+            raise ValueError(f"kv-canary: {name} needs real-KV sources in the {group} group, got none "
+                             "(give PoolSpec k_sources / SwaSpec k_sources)")
+    if cfg.inject_cached_prob and not cfg.sweep_interval:
+        raise ValueError("kv-canary: inject_cached_prob needs the periodic sweep, got sweep_interval=0 "
+                         "(set KV_CANARY_SWEEP_INTERVAL and a sweep provider)")
+    if cfg.inject_swap_prob and not cfg.input_check:
+        raise ValueError("kv-canary: inject_swap_prob needs the write-input assert, got input_check=False")

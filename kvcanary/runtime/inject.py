@@ -29,6 +29,7 @@ import torch
 
 from kvcanary.format import RealKvMode, RecordField as R
 from kvcanary.runtime.batch import batch_lists, translate_slot, verified_cells
+from kvcanary.runtime.checks import check_injection
 
 __all__ = ["KINDS", "Injection", "Injector"]
 log = logging.getLogger("kvcanary")
@@ -97,7 +98,7 @@ class Injector:
         self._swaps: dict[int, tuple[Injection, int]] = {}  # request id -> (record, token fed)
         self._sampler_calls = 0
         self._sweeps_seen = dict(canary.monitor.sweeps)
-        self._check_config()
+        check_injection(self.cfg, self.canary)
 
     # -- hooks (called by the Canary) ------------------------------------------------------------
     def before_forward(self, batch) -> None:
@@ -369,37 +370,12 @@ class Injector:
                 out.append((slot, owner[i] if i < len(owner) else -1, pos))
         return out
 
-    def _check_config(self) -> None:
-        cfg, canary = self.cfg, self.canary
-        if cfg.mode == "none":
-            raise ValueError("kv-canary: fault injection needs mode 'log' or 'raise', got mode 'none'")
-        groups = [g.name for g in canary.groups]
-        flips = [n for n in ("inject_kv_prob", "inject_cached_prob", "inject_after_prob") if getattr(cfg, n) > 0]
-        if flips and cfg.inject_group not in groups:
-            raise ValueError(f"kv-canary: {flips[0]} targets inject_group={cfg.inject_group!r}, got a pool with "
-                             f"groups {groups} (give PoolSpec(swa=...) or set inject_group='full')")
-        for name in flips:
-            group = "full" if name == "inject_cached_prob" else cfg.inject_group
-            if cfg.real_kv == "none":
-                raise ValueError(f"kv-canary: {name} needs real-KV hashing, got real_kv='none' "
-                                 "(set KV_CANARY_REAL_KV=partial or all)")
-            g = canary._group(group)
-            if not any(g.sources[kv] for kv in g.kvs):
-                raise ValueError(f"kv-canary: {name} needs real-KV sources in the {group} group, got none "
-                                 "(give PoolSpec k_sources / SwaSpec k_sources)")
-        if cfg.inject_cached_prob and not cfg.sweep_interval:
-            raise ValueError("kv-canary: inject_cached_prob needs the periodic sweep, got sweep_interval=0 "
-                             "(set KV_CANARY_SWEEP_INTERVAL and a sweep provider)")
-        if cfg.inject_swap_prob and not cfg.input_check:
-            raise ValueError("kv-canary: inject_swap_prob needs the write-input assert, got input_check=False")
-
 
 def _entry_slots(entries) -> list[int]:
     if not int(entries.enable.item()):
         return []
     n = min(int(entries.count.item()), entries.capacity)
     return entries.slot[:n].tolist()
-
 
 
 def _as_list(x) -> list[int]:
