@@ -1,9 +1,10 @@
 """Would a compiled steady host half pay? The adapter's steady decode step reads each request's offset and
-newest token in Python (``TokenRows._steady``, ``kvcanary/integrations/hf_tokens.py``); this times that
-per-request work as Python (the same operations, on stand-in request states) against the same work through
-the CPython API (``steady.c``, built here with the system's C compiler), with the host's caches warm and
-flushed before each step (a sum over a 3M-element list, as ``benchmarks/graph_launch.py`` does), at batch 1
-and 64. An experiment for the next lever, not a part of the package:
+newest token in Python (``TokenRows._steady``, ``kvcanary/integrations/hf_tokens.py``). This times that work
+as the adapter runs it (``_steady`` itself, on stand-in request states, its staging copy left out) against
+its per-request part through the CPython API (``steady.c``, built here with the system's C compiler), with
+the host's caches warm and flushed before each step (a sum over a 3M-element list, as
+``benchmarks/graph_launch.py`` does), at batch 1 and 64. An experiment for the next lever, not a part of
+the package:
 
     python benchmarks/steady_capi/bench.py
 """
@@ -15,10 +16,13 @@ import sys
 import sysconfig
 import tempfile
 import time
-from array import array
-from operator import add, attrgetter, getitem, sub
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kvcanary.integrations.hf_tokens import TokenRows  # noqa: E402
 
 STEADY_C = None  # the compiled module (build)
 
@@ -35,9 +39,6 @@ def build():
     return steady_c
 
 
-STATE_OFFSET, _S_GENERATED = attrgetter("position_offset"), attrgetter("generated_tokens")
-
-
 class State:
     """A stand-in for a transformers request state: the fields the steady step reads, and a few others."""
 
@@ -46,43 +47,25 @@ class State:
         self.position_offset, self.status, self.other, self.x = 105, 1, {}, i
 
 
-class St:
-    """The kept values of a steady run (``_Steady`` in hf_tokens.py)."""
+class _NoStaging:
+    """``Staging.send`` without the copy: the values stay in the kept array."""
+
+    def send(self, parts, copy=True, last=None):
+        return None, 0
 
 
 def make(bs):
+    """The adapter's own ``TokenRows`` after a step of ``bs`` stand-in requests, ready for steady steps."""
     states = [State(i) for i in range(bs)]
-    st = St()
-    st.need, st.ones, st.at = [s.position_offset for s in states], [1] * bs, [5] * bs
-    st.prefix, st.ends, st.width, st.total = st.need, array("q", st.need), 0, 0
-    st.values = np.zeros(9 * bs, dtype=np.int64)
-    st.words = memoryview(st.values).cast("B").cast("q")
-    return states, st
+    rows = TokenRows()
+    rows.init_rows(2 * bs + 1)
+    names = [s.request_id for s in states]
+    rows.last_names, rows.last_rows = names, rows._rows(names)
+    rows.last_rids, rows.last_states = list(range(1, bs + 1)), states
+    rows.sent.update((n, s.position_offset) for n, s in zip(names, states))  # the rows hold every token so far
+    rows.want_history, rows.stage = True, _NoStaging()
+    return states, rows
 
-
-def py_step(states, st, bs):
-    """The Python steady half's per-request work (as in ``TokenRows._steady`` with a token history)."""
-    offsets = list(map(STATE_OFFSET, states))
-    if list(map(sub, offsets, st.need)) != st.ones:
-        return None
-    words = st.words
-    at = st.at
-    try:
-        tokens = list(map(getitem, map(_S_GENERATED, states), at))
-    except IndexError:
-        return None
-    words[7 * bs:8 * bs] = array("q", tokens)
-    st.at = list(map(add, at, st.ones))
-    ends = array("q", offsets)
-    prefix, positions = st.prefix, st.ends
-    st.width += 1
-    st.total += bs
-    words[bs:2 * bs] = positions
-    words[4 * bs:5 * bs] = ends
-    words[6 * bs:7 * bs] = positions
-    st.prefix = st.need = offsets
-    st.ends = ends
-    return prefix
 
 def advance(states):
     for s in states:
@@ -91,9 +74,11 @@ def advance(states):
 
 def run(kind, bs, cold, n=400):
     """Median and 10th percentile microseconds of one step's per-request work (``kind``: py or c)."""
-    states, st = make(bs)
-    if kind == "c":
-        need = np.array(st.need, dtype=np.int64); at = np.array(st.at, dtype=np.int64)
+    states, rows = make(bs)
+    if kind == "c":  # the same kept values as the adapter's first steady step makes
+        words = memoryview(np.zeros(9 * bs, dtype=np.int64)).cast("B").cast("q")
+        need = np.array([s.position_offset for s in states], dtype=np.int64)
+        at = np.array([len(s.generated_tokens) for s in states], dtype=np.int64)
     junk = list(range(3_000_000)) if cold else None
     ts = []
     for i in range(n):
@@ -102,9 +87,9 @@ def run(kind, bs, cold, n=400):
             sum(junk)
         t0 = time.perf_counter()
         if kind == "py":
-            r = py_step(states, st, bs)
+            r = rows._steady(None, states, states, False)
         else:
-            r = STEADY_C.steady(states, need, at, st.words, bs)
+            r = STEADY_C.steady(states, need, at, words, bs)
         ts.append(time.perf_counter() - t0)
         assert r is not None and r is not False
     ts = ts[20:]
