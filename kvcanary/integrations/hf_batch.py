@@ -270,15 +270,14 @@ class BatchBuilder(TokenRows):
             self.warned_read_size = True
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
+        clamp_max, limit, fill = self._read_limits(have, total, read.shape[0])
         if self.host_table is not None:  # (numba: one compiled pass, the same cells)
-            self.host_table(out, rows, v.prefix, v.extend, read, *self._read_limits(have, total, read.shape[0]))
+            self.host_table(out, rows, v.prefix, v.extend, read, clamp_max, limit, fill)
             return
         seen = v.prefix + v.extend
         idx = (np.cumsum(seen) - seen)[:, None] + np.arange(v.rtt.shape[1])
-        if have == total:
-            out[rows] = read[np.minimum(idx, read.shape[0] - 1)]
-            return
-        out[rows] = np.where(idx < have, read[np.minimum(idx, max(0, have - 1))], self.s.layout.num_slots)
+        cells = read[np.minimum(idx, clamp_max)]
+        out[rows] = cells if limit == NO_LIMIT else np.where(idx < limit, cells, fill)
 
     def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:
         """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
