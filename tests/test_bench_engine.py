@@ -145,6 +145,32 @@ def test_trace_ranges_attribute_kernels_to_the_range_that_launched_them(tmp_path
     assert len(kept) == len(events) - 1 and bench_suite.trace_ranges(str(path)) == ranges
 
 
+def test_trace_kernels_split_a_range_by_kernel_name(tmp_path):
+    def ev(cat, name, ts, dur, corr=None):
+        e = {"cat": cat, "name": name, "ts": ts, "dur": dur}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    events = [
+        ev("user_annotation", "kvcanary_before", 0, 10), ev("cuda_runtime", "cudaGraphLaunch", 2, 1, 1),
+        ev("user_annotation", "kvcanary_before", 100, 10), ev("cuda_driver", "cuLaunchKernel", 101, 1, 2),
+        ev("user_annotation", "engine_forward", 20, 50), ev("cuda_runtime", "cudaLaunchKernel", 30, 1, 3),
+        # a graph replay (1): three kernels and a copy under one correlation id; a plain launch (2)
+        ev("kernel", "_read_table_kernel", 40, 2.0, 1), ev("kernel", "_new_reads_kernel", 43, 3.0, 1),
+        ev("kernel", "_read_table_kernel", 47, 2.5, 1), ev("gpu_memcpy", "Memcpy HtoD", 39, 0.5, 1),
+        ev("kernel", "_new_reads_kernel", 150, 1.0, 2), ev("kernel", "gemm", 35, 80.0, 3),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    split = bench_suite.trace_kernels(str(path))
+    assert split["count"] == 2
+    assert split["device_us"] == {"_read_table_kernel": 4.5, "_new_reads_kernel": 4.0, "Memcpy HtoD": 0.5}
+    assert list(split["device_us"]) == ["_read_table_kernel", "_new_reads_kernel", "Memcpy HtoD"]  # largest first
+    assert bench_suite.trace_kernels(str(path), "engine_forward") == {"count": 1, "device_us": {"gemm": 80.0}}
+    assert bench_suite.trace_ranges(str(path))["kvcanary_before"]["device_us"] == 9.0
+
+
 def test_canary_options_configure_the_canary_over_the_environment(monkeypatch):
     monkeypatch.setenv("KV_CANARY_REAL_KV", "all")
     monkeypatch.setenv("KV_CANARY_SWEEP_INTERVAL", "7")
@@ -228,6 +254,10 @@ def test_lockstep_summary_pairs_by_step_and_skips_what_does_not_match():
     assert s["gc_ms"] == {"without": 400.0, "with": 480.0}  # a tenth of the paired steps' 4.0 and 4.8 s
     assert abs(s["tokens_per_s"]["without"] - 3 / 17.0) < 1e-12  # every step of a generation counts
     assert s["paired_ci95_pct"] is None  # (three pairs: too few for an interval)
+    assert s["unmeasured_extra_ms"] == -8000.0  # the unmeasured step: 1.0 s with against 9.0 s without
+    two = summarize([{"without": {"steps": a, **out}, "with": {"steps": b, **out}},
+                     {"without": {"steps": b, **out}, "with": {"steps": a, **out}}] * 2)
+    assert two["unmeasured_extra_ms"] == 0.0  # the median of -8 s, +8 s, -8 s, +8 s
 
 
 def test_median_interval_covers_the_median_and_narrows_with_more_draws():

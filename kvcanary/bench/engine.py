@@ -67,7 +67,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     handle = attach(model, config=wl.canary_config, mode="log", timing=True, **wl.attach_options) if canary else None
     manager = bp = session = None
     steps, parts, outputs, phases = [], [], {}, {}
-    prof = ranges = None
+    prof = ranges = kernels = None
     canary_memory = None
     if wl.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(wl.device)
@@ -133,6 +133,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
             path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
             prof.export_chrome_trace(path)
             ranges = bench_suite.trace_ranges(path)
+            kernels = bench_suite.trace_kernels(path)  # the canary's device time by kernel (fused steps: before)
             if not trace:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         outputs = generated(manager, bp)
@@ -161,8 +162,8 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     phases["generated_tokens"] = made
     phases["tokens_per_s"] = made / phases["loop_s"] if phases.get("loop_s") else None
     return {"steps": steps, "parts": parts, "canary_s": [p["total_s"] for p in parts], "outputs": outputs,
-            "violations": violations, "profile": ranges, "peak_bytes": peak, "canary_memory": canary_memory,
-            "phases": phases}
+            "violations": violations, "profile": ranges, "kernels": kernels, "peak_bytes": peak,
+            "canary_memory": canary_memory, "phases": phases}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         r += 1
     if not args.no_profile and not args.aa:  # (an A/A run has no canary to split the GPU time with)
         # last, in a run of its own: the profiler's hooks may slow every later launch in the process
-        profile = run_once(model, wl, canary=True, profile=True, trace=args.trace)["profile"]
+        profiled_run = run_once(model, wl, canary=True, profile=True, trace=args.trace)
+        profile, kernels = profiled_run["profile"], profiled_run["kernels"]
 
     q_off, q_on = quantiles(off), quantiles(on)
     q_c = quantiles([p["total_s"] for p in parts])
@@ -335,13 +337,19 @@ def main(argv: list[str] | None = None) -> int:
             result["step_parts_us"], result["unpaired_steps"] = paired["parts_us"], paired["unpaired"]
             result["gc_ms_in_paired_steps"] = paired["gc_ms"]
             tps = paired["tokens_per_s"]
-            result["generation"].update(tokens_per_s_without=tps["without"], tokens_per_s_with=tps["with"])
+            result["generation"].update(tokens_per_s_without=tps["without"], tokens_per_s_with=tps["with"],
+                                        unmeasured_extra_ms=paired["unmeasured_extra_ms"])
         result["canary_share_of_step"] = q_c["median_ms"] / q_on["median_ms"] if q_c.get("n") else None
         g = result["generation"]
         if g["tokens_per_s_without"] and g["tokens_per_s_with"]:
             g["overhead_pct"] = 100 * (g["tokens_per_s_without"] / g["tokens_per_s_with"] - 1)
     if profile:
         result["gpu_time"] = bench_suite.gpu_time(profile)
+        n = max(1, kernels["count"]) if kernels else 1
+        # device microseconds per profiled step of each kernel the before hook launched (a fused step's
+        # whole graph): what the canary's GPU time is made of
+        per_step = (kernels or {}).get("device_us", {})
+        result["gpu_time"]["before_kernels_us_per_step"] = {k: round(v / n, 2) for k, v in per_step.items()}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

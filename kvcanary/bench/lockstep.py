@@ -142,20 +142,24 @@ def summarize(rounds: list[dict]) -> dict:
 
     Returns the paired steps' seconds (``off``, ``on``), the median of the pairs' ratios less one
     (``paired_pct``), the median microseconds of each step part per engine, whole-generation tokens per
-    second of each engine (tokens over the sum of all its steps), the collector's total milliseconds inside
-    the paired steps per engine, the steps that did not pair, and an interval for the paired median
+    second of each engine (tokens over the sum of all its steps), the median over rounds of the with-engine's
+    extra milliseconds in the steps not measured (``unmeasured_extra_ms``), the collector's total milliseconds
+    inside the paired steps per engine, the steps that did not pair, and an interval for the paired median
     (``paired_ci95_pct``, ``median_interval``)."""
     off, on, ratios, unpaired = [], [], [], 0
     by_part = {False: {k: [] for k in PARTS}, True: {k: [] for k in PARTS}}
     gen_tps = {False: [], True: []}
+    once = []  # per round: the with-engine's extra seconds in the steps not measured (prefill, captures)
     for r in rounds:
         a, b = r["without"]["steps"], r["with"]["steps"]
         unpaired += abs(len(a) - len(b))
+        extra = 0.0
         for sa, sb in zip(a, b):
             if sa[:2] != sb[:2]:
                 unpaired += 1
                 continue
             if not (sa[2] and sb[2]):
+                extra += sum(sb[3][:3]) - sum(sa[3][:3])
                 continue
             ta, tb = sum(sa[3][:3]), sum(sb[3][:3])
             off.append(ta)
@@ -170,6 +174,7 @@ def summarize(rounds: list[dict]) -> dict:
             total = sum(sum(s[3][:3]) for s in steps)
             if total:
                 gen_tps[c].append(tokens / total)
+        once.append(extra)
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return {
         "off": off, "on": on, "unpaired": unpaired,
@@ -183,4 +188,7 @@ def summarize(rounds: list[dict]) -> dict:
         "parts_us": {("with" if c else "without"): {k: round(1e6 * med(v), 1) if v else None for k, v in d.items()}
                      for c, d in by_part.items()},
         "tokens_per_s": {("with" if c else "without"): med(v) for c, v in gen_tps.items()},
+        # what a generation pays once (its prefill and the first decode steps, where graphs are captured):
+        # the whole-generation tokens/s counts it, the paired overhead does not
+        "unmeasured_extra_ms": round(1e3 * med(once), 3) if once else None,
     }

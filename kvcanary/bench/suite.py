@@ -24,6 +24,30 @@ _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # Triton launches through the dr
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def _load_trace(path: str):
+    """(named ranges, launches sorted by time as (ts, correlation), device events by correlation) of a trace."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    launches = sorted((e["ts"], e["args"]["correlation"]) for e in events
+                      if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {}))
+    # every kernel and copy of a CUDA graph's replay carries the replay's correlation id
+    device: dict = {}
+    for e in events:
+        if e.get("cat") in _DEVICE_CATS and "correlation" in e.get("args", {}):
+            device.setdefault(e["args"]["correlation"], []).append(e)
+    return [e for e in events if e.get("cat") == "user_annotation"], launches, device
+
+
+def _inside(ranges, launches, name: str):
+    """Per range event called ``name``: the range and the correlation ids of the launches inside it."""
+    starts = [t for t, _ in launches]
+    for e in ranges:
+        if e.get("name") == name:
+            i, j = bisect.bisect_left(starts, e["ts"]), bisect.bisect_right(starts, e["ts"] + e["dur"])
+            yield e, [c for _, c in launches[i:j]]
+
+
 def trace_ranges(path: str, names=RANGES) -> dict:
     """Per named profiler range of a chrome trace: device microseconds of the kernels and copies
     launched inside it (matched to their launch by correlation id: all of a graph replay's), host
@@ -32,28 +56,28 @@ def trace_ranges(path: str, names=RANGES) -> dict:
     The profiler's own per-event device totals were not reliable for these ranges (one H200 run
     counted 2.4x the traced kernel time, another 0.4x); the trace's kernels are the ground truth.
     """
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    launches = sorted((e["ts"], e["args"]["correlation"]) for e in events
-                      if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {}))
-    # summed per launch: every kernel and copy of a CUDA graph's replay carries the replay's correlation id
-    device_us: dict = {}
-    for e in events:
-        if e.get("cat") in _DEVICE_CATS and "correlation" in e.get("args", {}):
-            c = e["args"]["correlation"]
-            device_us[c] = device_us.get(c, 0.0) + e["dur"]
-    starts = [t for t, _ in launches]
+    ranges, launches, device = _load_trace(path)
     out = {n: {"device_us": 0.0, "cpu_us": 0.0, "count": 0} for n in names}
-    for e in events:
-        if e.get("cat") != "user_annotation" or e.get("name") not in out:
-            continue
-        i, j = bisect.bisect_left(starts, e["ts"]), bisect.bisect_right(starts, e["ts"] + e["dur"])
-        r = out[e["name"]]
-        r["device_us"] += sum(device_us.get(c, 0.0) for _, c in launches[i:j])
-        r["cpu_us"] += e["dur"]
-        r["count"] += 1
+    for n, r in out.items():
+        for e, corr in _inside(ranges, launches, n):
+            r["device_us"] += sum(k["dur"] for c in corr for k in device.get(c, ()))
+            r["cpu_us"] += e["dur"]
+            r["count"] += 1
     return out
+
+
+def trace_kernels(path: str, name: str = "kvcanary_before") -> dict:
+    """Device microseconds per kernel (or copy) name launched inside the ranges called ``name``, summed over
+    them, and the ranges' count: which of the canary's kernels its device time is made of."""
+    ranges, launches, device = _load_trace(path)
+    per: dict = {}
+    count = 0
+    for _, corr in _inside(ranges, launches, name):
+        count += 1
+        for c in corr:
+            for k in device.get(c, ()):
+                per[k["name"]] = per.get(k["name"], 0.0) + k["dur"]
+    return {"count": count, "device_us": dict(sorted(per.items(), key=lambda kv: -kv[1]))}
 
 
 def slim_trace(path: str) -> None:
