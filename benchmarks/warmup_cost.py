@@ -9,6 +9,8 @@ how long they took on the host.
 
     python benchmarks/warmup_cost.py --device cuda --model-size 1b --batch 1 --context 2048 --rounds 3
     python benchmarks/warmup_cost.py --device cpu --model-size tiny --batch 2 --context 64 --rounds 1 --steps 8
+    python benchmarks/warmup_cost.py --device cuda --model-size 1b --batch 64 --rounds 2 --cprofile-mixed 20
+        # cProfile of the canary's hooks over the last round's first 20 steps that mix prefill and decode
 """
 
 from __future__ import annotations
@@ -47,6 +49,36 @@ def _timed_captures(stats: dict):
         mod.capture = capture
 
 
+def _profile_mixed(limit: int, state: dict):
+    """cProfile the canary's hooks over the first ``limit`` steps with more new tokens than requests
+    (prefill chunks, mixed with decodes) while ``state["on"]``; the profile is ``state["prof"]``."""
+    import cProfile
+
+    from kvcanary.integrations import hf_session
+
+    prof = state["prof"] = cProfile.Profile()
+    cls = hf_session.Session
+
+    def wrap(fn, first: bool, last: bool):
+        def run(self, *args):
+            if first:
+                io = self.bp.inputs_and_outputs
+                state["now"] = (state["on"] and state["n"] < limit
+                                and io.total_seqlen_q > len(io.requests_in_batch))
+                state["n"] += state["now"]
+            if not state["now"]:
+                return fn(self, *args)
+            prof.enable()
+            try:
+                return fn(self, *args)
+            finally:
+                prof.disable()
+        return run
+
+    for name in ("_before", "_after", "_before_update", "_after_update"):
+        setattr(cls, name, wrap(getattr(cls, name), name == "_before", name == "_after_update"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -57,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", type=int, default=18, help="decode steps skipped at the start (as the matrix)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--show", type=int, default=0, help="print each of the first N steps of the last round")
+    ap.add_argument("--cprofile-mixed", type=int, default=0, metavar="N",
+                    help="cProfile the hooks over the last round's first N steps that mix prefill and decode")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -68,12 +102,16 @@ def main(argv=None) -> int:
     wl = Workload(args, device)
     stats = {"captures": 0, "capture_s": 0.0}
     _timed_captures(stats)
+    profiling = {"on": False, "now": False, "n": 0}
+    if args.cprofile_mixed:
+        _profile_mixed(args.cprofile_mixed, profiling)
     # warm-up: Triton kernels compile, the allocator grows (not counted)
     warm_args = argparse.Namespace(**{**vars(args), "context": min(args.context, 256), "steps": 4, "skip": 2})
     lockstep.run_lockstep(model, Workload(warm_args, device), first_canary=False)
     rounds = []
     for r in range(args.rounds):
         stats.update(captures=0, capture_s=0.0)
+        profiling["on"] = r == args.rounds - 1
         res = lockstep.run_lockstep(model, wl, first_canary=bool(r % 2))
         a, b = res["without"]["steps"], res["with"]["steps"]
         if [s[:2] for s in a] != [s[:2] for s in b]:
@@ -92,9 +130,21 @@ def main(argv=None) -> int:
         rounds.append(row)
         print(json.dumps(row), file=sys.stderr)
         if r == args.rounds - 1 and args.show:
+            host = [t["before_s"] + t["after_s"] + t["update_s"] for t in res["timings"]]
             for i, (sa, d) in enumerate(zip(a[:args.show], diff)):
+                h = f", canary host {host[i] * 1e3:6.3f} ms" if i < len(host) else ""
                 print(f"  step {i:3d}: batch {sa[0]:3d} tokens {sa[1]:5d} paired {sa[2]!s:5s} "
-                      f"without {sum(sa[3][:3]) * 1e3:8.3f} ms, extra {d:+8.3f} ms", file=sys.stderr)
+                      f"without {sum(sa[3][:3]) * 1e3:8.3f} ms, extra {d:+8.3f} ms{h}", file=sys.stderr)
+    if args.cprofile_mixed and profiling["n"]:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        st = pstats.Stats(profiling["prof"], stream=text)
+        print(f"cProfile over {profiling['n']} mixed steps (seconds summed over them):", file=text)
+        st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("cumulative").print_stats(40)
+        print(text.getvalue(), file=sys.stderr)
     med = lambda k: statistics.median(x[k] for x in rounds)  # noqa: E731
     out = {"workload": {k: getattr(args, k) for k in ("model_size", "batch", "context", "steps", "skip")},
            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "rounds": rounds,

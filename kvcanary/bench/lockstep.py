@@ -53,7 +53,7 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
 
     Returns per engine (False: without the canary, True: with it) the timed steps (``steps``: one
     ``(batch, tokens, measured, seconds by part)`` per step), outputs, the canary's host seconds per
-    measured step (``parts``) and violations found."""
+    measured step (``parts``), violations found and the session's timing row of every step (``timings``)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -65,7 +65,7 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
     managers, bps, handle, session = {}, {}, None, None
     cb, gc_s = _gc_clock()
     out = {c: {"steps": [], "outputs": {}} for c in (False, True)}
-    parts, violations = [], 0
+    parts, violations, timings = [], 0, []
     try:
         for c in (False, True):
             m = model.init_continuous_batching(gen, ContinuousBatchingConfig(**wl.cb))
@@ -114,6 +114,7 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
         if handle is not None:
             handle.flush()
             violations = len(handle.violations)
+            timings = list(session.timings)
     finally:
         if cb in gc.callbacks:
             gc.callbacks.remove(cb)
@@ -123,7 +124,8 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    return {"without": out[False], "with": out[True], "parts": parts, "violations": violations}
+    return {"without": out[False], "with": out[True], "parts": parts, "violations": violations,
+            "timings": timings}
 
 
 def median_interval(xs: list[float], z: float = 1.96) -> tuple[float, float] | None:
