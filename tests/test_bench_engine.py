@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -308,3 +309,34 @@ def test_lockstep_a_a_runs_two_bare_engines(tmp_path, capsys):
     with pytest.raises(SystemExit):
         engine.main(["--device", "cpu", "--aa"])
     assert "--aa applies to --lockstep runs only" in capsys.readouterr().err
+
+
+def test_warmup_cost_pairs_whole_generations_and_profiles_the_mixed_steps(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import warmup_cost
+
+    from kvcanary.integrations import hf_fused, hf_graph, hf_session
+    from kvcanary.runtime import graphs
+
+    hooks = {n: getattr(hf_session.Session, n) for n in ("_before", "_after", "_before_update", "_after_update")}
+    captures = {m: m.capture for m in (graphs, hf_graph, hf_fused)}
+    try:
+        out = tmp_path / "w.json"
+        assert warmup_cost.main(["--device", "cpu", "--model-size", "tiny", "--batch", "4", "--context", "40",
+                                 "--steps", "4", "--skip", "2", "--rounds", "1", "--show", "3",
+                                 "--cprofile-mixed", "2", "--json", str(out)]) == 0
+    finally:
+        for n, fn in hooks.items():  # (the script wraps the hooks for its profile, and capture to time it)
+            setattr(hf_session.Session, n, fn)
+        for m, fn in captures.items():
+            m.capture = fn
+    res = json.loads(out.read_text())
+    (r,) = res["rounds"]
+    # every step of the generation is either paired (the last --steps decode steps, less --skip) or not
+    assert r["paired_steps"] >= 4 and r["steps"] > r["paired_steps"]
+    assert r["whole_ms_with"] > 0 and r["whole_ms_without"] > 0
+    assert r["captures"] == 0  # (the CPU takes no CUDA-graph path)
+    err = capsys.readouterr().err
+    assert err.count("  step ") == 3 and "canary host" in err
+    # (at most the 2 asked for: this tiny generation prefills in one or two chunks)
+    assert re.search(r"cProfile over [12] mixed steps", err) and "_before_forward" in err
