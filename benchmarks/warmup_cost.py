@@ -9,6 +9,8 @@ how long they took on the host.
 
     python benchmarks/warmup_cost.py --device cuda --model-size 1b --batch 1 --context 2048 --rounds 3
     python benchmarks/warmup_cost.py --device cpu --model-size tiny --batch 2 --context 64 --rounds 1 --steps 8
+    python benchmarks/warmup_cost.py --device cuda --model-size 1b --batch 16 --rounds 2 --stagger 2
+        # and the paired cost of decode steps while the batch shrinks by one request every 2 steps
     python benchmarks/warmup_cost.py --device cuda --model-size 1b --batch 64 --rounds 2 --cprofile-mixed 20
         # cProfile of the canary's hooks over the last round's first 20 steps that mix prefill and decode
 """
@@ -79,6 +81,19 @@ def _profile_mixed(limit: int, state: dict):
         setattr(cls, name, wrap(getattr(cls, name), name == "_before", name == "_after_update"))
 
 
+def _shrinking(a: list, b: list, timings: list, batch: int) -> dict:
+    """The decode steps of a shrinking batch (fewer requests than at the start, one token each): their count,
+    the median over them of the with/without step ratio less one, and the canary's median host time."""
+    idx = [i for i, s in enumerate(a) if 0 < s[0] < batch and s[1] == s[0]]
+    if not idx:
+        return {"steps": 0}
+    ratios = [sum(b[i][3][:3]) / sum(a[i][3][:3]) for i in idx]
+    host = [timings[i]["before_s"] + timings[i]["after_s"] + timings[i]["update_s"] for i in idx if i < len(timings)]
+    return {"steps": len(idx), "paired_pct": round(100 * (statistics.median(ratios) - 1), 3),
+            "canary_host_ms": round(1e3 * statistics.median(host), 4) if host else None,
+            "median_step_ms_without": round(1e3 * statistics.median(sum(a[i][3][:3]) for i in idx), 3)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -88,6 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64, help="paired decode steps per generation")
     ap.add_argument("--skip", type=int, default=18, help="decode steps skipped at the start (as the matrix)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stagger", type=int, default=0, metavar="K",
+                    help="request i generates K * i tokens more: at the end the batch shrinks by one request every K "
+                         "decode steps (serving's changing batches); prints the paired cost of those steps")
     ap.add_argument("--show", type=int, default=0, help="print each of the first N steps of the last round")
     ap.add_argument("--cprofile-mixed", type=int, default=0, metavar="N",
                     help="cProfile the hooks over the last round's first N steps that mix prefill and decode")
@@ -98,7 +116,8 @@ def main(argv=None) -> int:
     args.mode, args.canary_option, args.attach_option = "decode", [], []
     args.chunk, args.block_size = (4096, 256) if cuda else (256, 16)
     model = build_model(args.model_size, device, torch.bfloat16 if cuda else torch.float32,
-                        args.context + args.steps + args.skip + 64, "varlen" if cuda else "sdpa")
+                        args.context + args.steps + args.skip + 64 + args.stagger * args.batch,
+                        "varlen" if cuda else "sdpa")
     wl = Workload(args, device)
     stats = {"captures": 0, "capture_s": 0.0}
     _timed_captures(stats)
@@ -106,7 +125,8 @@ def main(argv=None) -> int:
     if args.cprofile_mixed:
         _profile_mixed(args.cprofile_mixed, profiling)
     # warm-up: Triton kernels compile, the allocator grows (not counted)
-    warm_args = argparse.Namespace(**{**vars(args), "context": min(args.context, 256), "steps": 4, "skip": 2})
+    warm_args = argparse.Namespace(**{**vars(args), "context": min(args.context, 256), "steps": 4, "skip": 2,
+                                      "stagger": 0})
     lockstep.run_lockstep(model, Workload(warm_args, device), first_canary=False)
     rounds = []
     for r in range(args.rounds):
@@ -127,6 +147,8 @@ def main(argv=None) -> int:
                "whole_ms_without": round(sum(sum(s[3][:3]) for s in a) * 1e3, 1),
                "whole_ms_with": round(sum(sum(s[3][:3]) for s in b) * 1e3, 1),
                "captures": stats["captures"], "capture_ms": round(stats["capture_s"] * 1e3, 2)}
+        if args.stagger:
+            row["shrinking"] = _shrinking(a, b, res["timings"], args.batch)
         rounds.append(row)
         print(json.dumps(row), file=sys.stderr)
         if r == args.rounds - 1 and args.show:
@@ -146,7 +168,7 @@ def main(argv=None) -> int:
         st.sort_stats("cumulative").print_stats(40)
         print(text.getvalue(), file=sys.stderr)
     med = lambda k: statistics.median(x[k] for x in rounds)  # noqa: E731
-    out = {"workload": {k: getattr(args, k) for k in ("model_size", "batch", "context", "steps", "skip")},
+    out = {"workload": {k: getattr(args, k) for k in ("model_size", "batch", "context", "steps", "skip", "stagger")},
            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "rounds": rounds,
            "median_extra_ms_unpaired_steps": med("extra_ms_unpaired_steps"),
            "median_capture_ms": med("capture_ms"), "median_captures": med("captures")}

@@ -324,7 +324,7 @@ def test_warmup_cost_pairs_whole_generations_and_profiles_the_mixed_steps(tmp_pa
         out = tmp_path / "w.json"
         assert warmup_cost.main(["--device", "cpu", "--model-size", "tiny", "--batch", "4", "--context", "40",
                                  "--steps", "4", "--skip", "2", "--rounds", "1", "--show", "3",
-                                 "--cprofile-mixed", "2", "--json", str(out)]) == 0
+                                 "--cprofile-mixed", "2", "--stagger", "1", "--json", str(out)]) == 0
     finally:
         for n, fn in hooks.items():  # (the script wraps the hooks for its profile, and capture to time it)
             setattr(hf_session.Session, n, fn)
@@ -336,6 +336,8 @@ def test_warmup_cost_pairs_whole_generations_and_profiles_the_mixed_steps(tmp_pa
     assert r["paired_steps"] >= 4 and r["steps"] > r["paired_steps"]
     assert r["whole_ms_with"] > 0 and r["whole_ms_without"] > 0
     assert r["captures"] == 0  # (the CPU takes no CUDA-graph path)
+    # --stagger 1: the last three requests finish one step apart, so the batch shrinks 4 -> 3 -> 2 -> 1
+    assert r["shrinking"]["steps"] == 3 and r["shrinking"]["canary_host_ms"] > 0
     err = capsys.readouterr().err
     assert err.count("  step ") == 3 and "canary host" in err
     # (at most the 2 asked for: this tiny generation prefills in one or two chunks)

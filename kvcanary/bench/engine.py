@@ -76,7 +76,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
         bp = manager._create_batch_processor()
         manager.batch_processor = bp
         for i, p in enumerate(wl.prompts):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=wl.new_tokens)
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=wl.max_new_tokens(i))
         session = handle.sessions[-1] if canary else None
         if session is not None:
             canary_memory = session.canary.memory()

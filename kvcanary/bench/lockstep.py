@@ -74,7 +74,7 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
             bps[c] = m.batch_processor = m._create_batch_processor()
             managers[c] = m
             for i, p in enumerate(wl.prompts):
-                m.add_request(p, request_id=f"r{i}", max_new_tokens=wl.new_tokens)
+                m.add_request(p, request_id=f"r{i}", max_new_tokens=wl.max_new_tokens(i))
         if handle is not None:
             session = handle.sessions[-1]
             session.canary.host_times = {"runtime_s": 0.0, "launch_s": 0.0}

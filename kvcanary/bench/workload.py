@@ -51,8 +51,12 @@ class Workload:
         # tokens that, once every prompt is prefilled, `steps` more steps decode the whole batch together.
         prefill_steps = math.ceil(args.batch * context / max(1, args.chunk - args.batch)) + 1
         self.new_tokens = prefill_steps + args.skip + args.steps + 2 if args.mode == "decode" else 1
+        # request i generates ``stagger * i`` tokens more than the first: the batch shrinks by one request every
+        # ``stagger`` decode steps at the end, as in serving, where requests finish at different times
+        self.stagger = int(getattr(args, "stagger", 0) or 0)
         bs = args.block_size
-        blocks = args.batch * (math.ceil((context + self.new_tokens + 1) / bs) + 1) + 8
+        longest = self.new_tokens + self.stagger * max(0, args.batch - 1)
+        blocks = args.batch * (math.ceil((context + longest + 1) / bs) + 1) + 8
         self.cb = dict(block_size=bs, num_blocks=blocks, max_batch_tokens=args.chunk,
                        max_requests_per_batch=args.batch, use_async_batching=False, use_cuda_graph=False,
                        allow_block_sharing=False, scheduler_type="fifo", safety_margin=0.0,
@@ -62,6 +66,10 @@ class Workload:
 
         self.canary_config = canary_config(args.canary_option)
         self.attach_options = attach_options(getattr(args, "attach_option", None))
+
+    def max_new_tokens(self, i: int) -> int:
+        """Tokens request ``i`` generates."""
+        return self.new_tokens + self.stagger * i
 
     def measured(self, batch: int, tokens: int) -> bool:
         """Steps that count: pure decode steps of the whole batch, or prefill chunks."""
