@@ -49,6 +49,10 @@ MATRIX = {
     # A/A: both engines bare (--aa), the pairing's own floor on this host, next to the rows it qualifies
     "1b-decode-b1-c2k-aa": ("1b", 1, 2048, "decode", ["--steps", "64", *WARM, *LOCK, "--aa"], 0.8),
     "8b-decode-b1-c2k-aa": ("8b", 1, 2048, "decode", ["--steps", "48", *WARM, *LOCK, "--aa"], 1.0),
+    # serving's case: the batch shrinks by one request every second step at the end, so every measured step
+    # is a batch whose shape is new or two steps old (no --skip: the steady steps before are not measured)
+    "1b-decode-b16-c2k-shrink2": ("1b", 16, 2048, "decode", ["--steps", "24", "--skip", "0", "--stagger", "2",
+                                                             *LOCK], 1.0),
     # last: the heaviest (a 19 s prefill per generation), it takes what the others left; two of its KV
     # caches (73 GB each) do not fit one H200, so its runs, not steps, are paired
     "8b-decode-b64-c8k": ("8b", 64, 8192, "decode", ["--steps", "12", *WARM], 3.0),
@@ -73,7 +77,8 @@ def run(names: list[str], budget_s: float, out_dir: Path, rounds: int, options: 
         weights = [MATRIX[n][5] for n in names[i:]]
         share = left * MATRIX[name][5] / sum(weights)
         rounds_budget = max(0.0, share - FIXED_S)
-        path = each_dir / f"engine_{size}_b{batch}_c{ctx}_{mode}{'_aa' if '--aa' in extra else ''}.json"
+        tag = "_aa" if "--aa" in extra else "_shrink" if "--stagger" in extra else ""
+        path = each_dir / f"engine_{size}_b{batch}_c{ctx}_{mode}{tag}.json"
         cmd = [sys.executable, "-m", "kvcanary.bench.engine", "--device", "cuda", "--model-size", size,
                "--batch", str(batch), "--context", str(ctx), "--mode", mode, "--json", str(path),
                "--rounds", str(rounds), "--budget-s", f"{rounds_budget:.0f}", *extra, *options]
@@ -130,6 +135,8 @@ def table(results: list[dict]) -> str:
         # (an A/A row's engines are both bare: no GPU share; rows before 0f8ff13 carried a profiled canary run's)
         gpu = None if w.get("a_a") else (d.get("gpu_time") or {}).get("canary_over_forward")
         wl = f"{w['mode']}, batch {w['batch']}, {w['context'] // 1024}K" + (" (A/A: both bare)" if w.get("a_a") else "")
+        if w.get("stagger"):
+            wl += f", shrinking by one request every {w['stagger']} steps"
         pairs = f"{w['rounds']} rounds, " + ("steps paired" if w.get("pairing") == "steps" else "runs paired")
         out.append(
             f"| {w['model_size'].upper()} | {wl} | {d['overhead_pct']:+.2f}% / {d.get('overhead_pct_paired') or 0:+.2f}% | "

@@ -57,6 +57,21 @@ _TIMED = {
     "kvcanary.runtime.streams:CudaStreams": ("record", "wait", "use"),
 }
 _CALLS: dict[str, list[float]] = {}
+
+
+def profile_while(fn, prof: cProfile.Profile, active):
+    """The method ``fn`` run under ``prof`` whenever ``active()`` holds (then plainly)."""
+    def run(self, *args):
+        if not active():
+            return fn(self, *args)
+        prof.enable()
+        try:
+            return fn(self, *args)
+        finally:
+            prof.disable()
+    return run
+
+
 _STEADY = [False]  # the current step is a steady decode step (_steady): the only steps timed or profiled
 STEADY_AFTER = 20  # canary steps before a decode step counts as steady (kernels compiled, graphs captured)
 
@@ -245,19 +260,8 @@ def main(argv: list[str]) -> None:
     prof = cProfile.Profile()
     cls = hf_session.Session
 
-    def profiled(fn):
-        def run(self, *args):
-            if not _STEADY[0]:
-                return fn(self, *args)
-            prof.enable()
-            try:
-                return fn(self, *args)
-            finally:
-                prof.disable()
-        return run
-
     for name in () if plain else ("_before", "_after"):
-        setattr(cls, name, profiled(getattr(cls, name)))
+        setattr(cls, name, profile_while(getattr(cls, name), prof, lambda: _STEADY[0]))
     _mark_steady()
     bench_engine.main(argv + ["--rounds", "1", "--no-profile"])
     if timers:

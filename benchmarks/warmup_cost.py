@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (host_profile's hook wrapper)
 
 import torch  # noqa: E402
 
@@ -56,29 +57,23 @@ def _profile_mixed(limit: int, state: dict):
     (prefill chunks, mixed with decodes) while ``state["on"]``; the profile is ``state["prof"]``."""
     import cProfile
 
+    from host_profile import profile_while
+
     from kvcanary.integrations import hf_session
 
     prof = state["prof"] = cProfile.Profile()
     cls = hf_session.Session
-
-    def wrap(fn, first: bool, last: bool):
-        def run(self, *args):
-            if first:
-                io = self.bp.inputs_and_outputs
-                state["now"] = (state["on"] and state["n"] < limit
-                                and io.total_seqlen_q > len(io.requests_in_batch))
-                state["n"] += state["now"]
-            if not state["now"]:
-                return fn(self, *args)
-            prof.enable()
-            try:
-                return fn(self, *args)
-            finally:
-                prof.disable()
-        return run
-
     for name in ("_before", "_after", "_before_update", "_after_update"):
-        setattr(cls, name, wrap(getattr(cls, name), name == "_before", name == "_after_update"))
+        setattr(cls, name, profile_while(getattr(cls, name), prof, lambda: state["now"]))
+    before = cls._before
+
+    def decide(self, *args):  # (a step's first hook: whether this step is one to profile)
+        io = self.bp.inputs_and_outputs
+        state["now"] = state["on"] and state["n"] < limit and io.total_seqlen_q > len(io.requests_in_batch)
+        state["n"] += state["now"]
+        return before(self, *args)
+
+    cls._before = decide
 
 
 def _shrinking(a: list, b: list, timings: list, batch: int) -> dict:
@@ -105,7 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--stagger", type=int, default=0, metavar="K",
                     help="request i generates K * i tokens more: at the end the batch shrinks by one request every K "
-                         "decode steps (serving's changing batches); prints the paired cost of those steps")
+                         "decode steps (serving's changing batches); those are then the paired steps (less --skip), "
+                         "and their paired cost is printed")
     ap.add_argument("--show", type=int, default=0, help="print each of the first N steps of the last round")
     ap.add_argument("--cprofile-mixed", type=int, default=0, metavar="N",
                     help="cProfile the hooks over the last round's first N steps that mix prefill and decode")

@@ -332,8 +332,8 @@ def test_warmup_cost_pairs_whole_generations_and_profiles_the_mixed_steps(tmp_pa
             m.capture = fn
     res = json.loads(out.read_text())
     (r,) = res["rounds"]
-    # every step of the generation is either paired (the last --steps decode steps, less --skip) or not
-    assert r["paired_steps"] >= 4 and r["steps"] > r["paired_steps"]
+    # with --stagger the measured (paired) steps are the shrinking batch's, less --skip
+    assert r["paired_steps"] == r["shrinking"]["steps"] - 2 and r["steps"] > r["shrinking"]["steps"]
     assert r["whole_ms_with"] > 0 and r["whole_ms_without"] > 0
     assert r["captures"] == 0  # (the CPU takes no CUDA-graph path)
     # --stagger 1: the last three requests finish one step apart, so the batch shrinks 4 -> 3 -> 2 -> 1
@@ -342,3 +342,22 @@ def test_warmup_cost_pairs_whole_generations_and_profiles_the_mixed_steps(tmp_pa
     assert err.count("  step ") == 3 and "canary host" in err
     # (at most the 2 asked for: this tiny generation prefills in one or two chunks)
     assert re.search(r"cProfile over [12] mixed steps", err) and "_before_forward" in err
+
+
+def test_engine_bench_stagger_measures_the_shrinking_batch_steps(tmp_path, capsys):
+    from kvcanary.bench import engine
+
+    out = tmp_path / "e.json"
+    assert engine.main(["--device", "cpu", "--model-size", "tiny", "--batch", "4", "--context", "40", "--steps", "4",
+                        "--skip", "0", "--stagger", "2", "--lockstep", "--rounds", "1", "--no-profile",
+                        "--warmup-context", "16", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["workload"]["stagger"] == 2 and r["correctness"] == {"tokens_identical": True, "violations": 0}
+    # the last three requests finish two steps apart: batches of 3, 2 and 1 requests, two decode steps each
+    assert r["step_with_canary"]["n"] == r["step_without_canary"]["n"] == 6
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import engine_matrix
+
+    row = engine_matrix.table([{"name": "tiny", **r}]).splitlines()[2]
+    assert "decode, batch 4, 0K, shrinking by one request every 2 steps" in row
+    assert engine_matrix.MATRIX["1b-decode-b16-c2k-shrink2"][4][:6] == ["--steps", "24", "--skip", "0", "--stagger", "2"]

@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (decode mode)")
     ap.add_argument("--skip", type=int, default=2, help="measured-kind steps skipped at the start of each run")
+    ap.add_argument("--stagger", type=int, default=0, metavar="K",
+                    help="decode: request i generates K * i more tokens, so at the end the batch shrinks by one "
+                         "request every K steps (as in serving); then those steps are the measured ones")
     ap.add_argument("--rounds", type=int, default=2, help="alternating (without, with) rounds after warm-up, at least")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="after --rounds, keep adding rounds while one more (of the average length) fits in this "
@@ -302,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "workload": {"model_size": args.model_size, **SIZES[args.model_size], "vocab_size": VOCAB,
                      "dtype": str(dtype).replace("torch.", ""), "batch": args.batch, "context": args.context,
-                     "mode": args.mode, "max_batch_tokens": args.chunk, "block_size": args.block_size,
+                     "mode": args.mode, "stagger": args.stagger, "max_batch_tokens": args.chunk, "block_size": args.block_size,
                      "rounds": r, "pairing": "steps" if lock is not None else "runs", "a_a": args.aa,
                      "attention": "paged|kvc_varlen" if args.attention == "varlen" else "paged|sdpa", "cuda_graphs": False,
                      "async_batching": False, "canary_options": args.canary_option,

@@ -72,8 +72,11 @@ class Workload:
         return self.new_tokens + self.stagger * i
 
     def measured(self, batch: int, tokens: int) -> bool:
-        """Steps that count: pure decode steps of the whole batch, or prefill chunks."""
+        """Steps that count: pure decode steps of the whole batch (with ``stagger``: of the shrinking batch, which
+        has fewer requests), or prefill chunks."""
         if self.args.mode == "decode":
+            if self.stagger:
+                return 0 < batch < self.args.batch and tokens == batch
             return batch == self.args.batch and tokens == batch
         return tokens > batch
 
