@@ -76,10 +76,11 @@ def _profile_mixed(limit: int, state: dict):
     cls._before = decide
 
 
-def _shrinking(a: list, b: list, timings: list, batch: int) -> dict:
-    """The decode steps of a shrinking batch (fewer requests than at the start, one token each): their count,
-    the median over them of the with/without step ratio less one, and the canary's median host time."""
-    idx = [i for i, s in enumerate(a) if 0 < s[0] < batch and s[1] == s[0]]
+def _shrinking(a: list, b: list, timings: list, wl) -> dict:
+    """The decode steps of a shrinking batch (``wl.measured`` with a stagger: fewer requests than at the start,
+    one token each, --skip not applied): their count, the median over them of the with/without step ratio
+    less one, and the canary's median host time."""
+    idx = [i for i, s in enumerate(a) if wl.measured(s[0], s[1])]
     if not idx:
         return {"steps": 0}
     ratios = [sum(b[i][3][:3]) / sum(a[i][3][:3]) for i in idx]
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
                "whole_ms_with": round(sum(sum(s[3][:3]) for s in b) * 1e3, 1),
                "captures": stats["captures"], "capture_ms": round(stats["capture_s"] * 1e3, 2)}
         if args.stagger:
-            row["shrinking"] = _shrinking(a, b, res["timings"], args.batch)
+            row["shrinking"] = _shrinking(a, b, res["timings"], wl)
         rounds.append(row)
         print(json.dumps(row), file=sys.stderr)
         if r == args.rounds - 1 and args.show:

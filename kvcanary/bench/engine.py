@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "workload": {"model_size": args.model_size, **SIZES[args.model_size], "vocab_size": VOCAB,
                      "dtype": str(dtype).replace("torch.", ""), "batch": args.batch, "context": args.context,
-                     "mode": args.mode, "stagger": args.stagger, "max_batch_tokens": args.chunk, "block_size": args.block_size,
+                     "mode": args.mode, "stagger": args.stagger, "max_batch_tokens": args.chunk,
+                     "block_size": args.block_size,
                      "rounds": r, "pairing": "steps" if lock is not None else "runs", "a_a": args.aa,
                      "attention": "paged|kvc_varlen" if args.attention == "varlen" else "paged|sdpa", "cuda_graphs": False,
                      "async_batching": False, "canary_options": args.canary_option,
@@ -348,11 +349,10 @@ def main(argv: list[str] | None = None) -> int:
             g["overhead_pct"] = 100 * (g["tokens_per_s_without"] / g["tokens_per_s_with"] - 1)
     if profile:
         result["gpu_time"] = bench_suite.gpu_time(profile)
-        n = max(1, kernels["count"]) if kernels else 1
         # device microseconds per profiled step of each kernel the before hook launched (a fused step's
-        # whole graph): what the canary's GPU time is made of
-        per_step = (kernels or {}).get("device_us", {})
-        result["gpu_time"]["before_kernels_us_per_step"] = {k: round(v / n, 2) for k, v in per_step.items()}
+        # whole graph): what the canary's GPU time is made of (the same trace as ``profile``)
+        n = max(1, kernels["count"])
+        result["gpu_time"]["before_kernels_us_per_step"] = {k: round(v / n, 2) for k, v in kernels["device_us"].items()}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
