@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvcanary import ops  # noqa: E402
-from kvcanary.integrations.hf_batch import BatchBuilder  # noqa: E402
+from kvcanary.integrations.hf_batch import BatchBuilder, new_read_ops  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
 
@@ -62,19 +62,24 @@ def test_read_table_kernel_fills_what_tensor_ops_and_numpy_fill(seed, bs, short,
     builder(False)._fill_host(views, io, total)
     assert torch.equal(tables[0], tables[1]) and torch.equal(tables[0], host)
     # (the check can fail: the untouched rows kept their marker, the request rows got slots, short ones the fill)
-    untouched = sorted(set(range(9)) - set(rows.tolist()))
+    untouched = sorted(set(range(9)) - set(rows.tolist()) | {0})  # (row 0, the padding row, is never filled)
     assert all((tables[1][r] == -5).all() for r in untouched)
     assert ((tables[1] == NUM_SLOTS).any().item()) == (short > 0 and width > 1)
 
 
 @pytest.mark.parametrize("capacity", [64, 5])
-def test_new_read_entries_kernel_fills_what_fill_entries_fills(capacity):
+@pytest.mark.parametrize("pad", [0, 2])
+def test_new_read_entries_kernel_fills_what_fill_entries_fills(capacity, pad):
+    # ``pad`` padding requests at the batch's end (row 0, one token each, as a batch padded to its bucket):
+    # their positions are stale values far outside the table, which neither path may read
     g = torch.Generator().manual_seed(7)
     rtt = torch.randint(0, NUM_SLOTS, (9, 50), generator=g).to(DEVICE)
-    rows = torch.tensor([4, 0, 7], device=DEVICE)
-    token_req = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0], device=DEVICE)
-    positions = torch.tensor([0, 1, 13, 49, 2, 0, 14, 2], dtype=torch.int32, device=DEVICE)
-    input_ids = torch.randint(0, 1000, (8,), generator=g, dtype=torch.int32).to(DEVICE)
+    rows = torch.tensor([4, 3, 7] + [0] * pad, device=DEVICE)
+    extend = torch.tensor([3, 2, 3] + [1] * pad, device=DEVICE)
+    token_req = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2] + list(range(3, 3 + pad)), device=DEVICE)
+    positions = torch.tensor([0, 1, 2, 13, 14, 47, 48, 49] + [10**6] * pad, dtype=torch.int32, device=DEVICE)
+    n = 8 + pad
+    input_ids = torch.randint(0, 1000, (n,), generator=g, dtype=torch.int32).to(DEVICE)
     got = []
     for glue in (False, True):
         b = builder(glue)
@@ -82,26 +87,24 @@ def test_new_read_entries_kernel_fills_what_fill_entries_fills(capacity):
         # the entries start dirty: whatever a step leaves past the count is never read, the rest must agree
         for t in (b.new_reads.slot, b.new_reads.position, b.new_reads.prev, b.new_reads.expected_token):
             t.fill_(-9)
-        batch = SimpleNamespace(req_pool_indices=rows, token_req=token_req, positions=positions, input_ids=input_ids,
-                                req_to_token=rtt)
         if glue:
-            b.glue.new_read_entries(b.new_reads, rtt, rows, token_req, positions, input_ids)
+            b.glue.new_read_entries(b.new_reads, rtt, rows, extend, token_req, positions, input_ids)
         else:
-            per = rows[token_req]
-            pos = positions.to(torch.int64)
-            ops.fill_entries(b.new_reads, rtt[per, pos], pos, torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1),
-                             input_ids)
+            new_read_ops(b.new_reads, rtt, rows, extend, token_req, positions, input_ids)
         e = b.new_reads
         got.append([t.cpu() for t in (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, e.enable)])
-        del batch
     for a, b in zip(*got):
         assert torch.equal(a, b)
     slot, position, prev, expected, count, requested, enable = got[1]
-    k = min(8, capacity)
+    k = min(8, capacity)  # (the real tokens: the padding's are past the count)
     assert count.item() == k and requested.item() == 8 and enable.item() == int(8 <= capacity)
+    assert slot[:k].tolist() == [int(rtt[rows[r], p]) for r, p in zip(token_req.tolist()[:k], positions.tolist()[:k])]
     assert prev[:k].tolist() == [-1 if p == 0 else int(rtt[rows[r], p - 1]) for r, p in
                                  zip(token_req.tolist()[:k], positions.tolist()[:k])]
     assert np.array_equal(expected[:k].numpy(), input_ids[:k].cpu().numpy())
+    if pad and capacity >= n:  # a padding token's entry reads no cell
+        assert slot[8:n].tolist() == [0] * pad and position[8:n].tolist() == [0] * pad
+        assert prev[8:n].tolist() == [-1] * pad
 
 
 @pytest.mark.parametrize("fault", ["raises", "wrong-cells", None])

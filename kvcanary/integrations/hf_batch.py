@@ -34,6 +34,13 @@ CPU_WIDTH_STEP = 64  # the CPU's reused batches: read-table columns rounded up t
 NO_LIMIT = 2**62
 
 
+def bucket(bs: int, cap: int) -> int:
+    """The size a decode batch of ``bs`` requests is padded to: the next power of two, at most ``cap`` (and never
+    below ``bs``). A batch that shrinks or grows inside its bucket keeps the shape its step graphs were captured
+    with (``hf_graph.py``)."""
+    return bs if bs >= cap or bs < 1 else min(1 << (bs - 1).bit_length(), cap)
+
+
 def table_width(width: int, max_context: int, floor: int) -> int:
     """``width`` rounded up to a power of two of at least ``floor``, never past ``max_context`` (a wider
     batch fails the canary's size check as it is)."""
@@ -58,6 +65,9 @@ class BatchBuilder(TokenRows):
         self.stage = Staging(self.device)
         self.in_block = torch.arange(session.layout.block_size, dtype=torch.int64, device=self.device)
         self.warned_read_size = False
+        # decode steps padded to their size bucket (``bucket``; hf_graph.py sets it where step graphs run): at most
+        # this many requests, 0 = no padding
+        self.pad_cap = 0
         self.new_reads = ops.Entries.allocate(session.canary.max_tokens, self.device)
         self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
         self.cpu_batches: dict = {}  # CPU: a reused ForwardBatch per shape (_cpu_batch)
@@ -113,9 +123,12 @@ class BatchBuilder(TokenRows):
                                rtt=batch.req_to_token.numpy(),
                                read=io.read_index_storage[self.s.layout.full_group].numpy())
 
-    def host_part(self, copy: bool = True) -> HostStep:
+    def host_part(self, copy: bool = True, padded: bool = False) -> HostStep:
         """The host half of a step: per-request facts and token cells, staged to the device in one copy
-        (``copy=False``: left to the caller, ``Staging.copy``).
+        (``copy=False``: left to the caller, ``Staging.copy``). ``padded``: a decode step's batch is padded to
+        its size bucket (``pad_cap``) with padding requests (SPEC: row 0, prefix 0, one token each, after
+        every real request; no token cell of their own but a write of token 0 into the token table's padding
+        row), which the plan, the writes, the read table and the new tokens' read check all skip.
 
         Per-request attributes are read with ``map`` over ``attrgetter`` (C loops, no Python frame per
         request), and a batch of the same requests as the last step reuses its rows and ids.
@@ -128,7 +141,7 @@ class BatchBuilder(TokenRows):
         # the same request states as the last step (compared by identity first: one C loop), each one position
         # further (``_steady`` checks the offsets, which the engine advanced by each request's query length)
         if states == self.last_states:
-            h = self._steady(io, reqs, states, copy)
+            h = self._steady(io, reqs, states, copy, padded)
             if h is not None:
                 return h
         extend = list(map(QUERY, reqs))
@@ -147,15 +160,31 @@ class BatchBuilder(TokenRows):
             rids = [ids.get(n) or s.request_id(n) for n in names]
             self.last_names, self.last_rows, self.last_rids = names, rows, rids
         self.last_states = states
-        parts = [rows + prefix + extend + rids]
-        n = 4 * bs
-        if self.want_history:
-            parts += self._token_cells(reqs, names, rows, prefix, extend, one_each)
+        cells = self._token_cells(reqs, names, rows, prefix, extend, one_each) if self.want_history else []
+        pad = self.padding(io, bs) if padded and one_each and len(cells) < 2 else 0  # (long runs: never decode)
+        if pad:
+            z = [0] * pad
+            parts = [rows + z + prefix + z + extend + [1] * pad + rids + z]
+            if cells:
+                c, k = cells[0], (len(cells[0]) - bs) // 3  # valid lengths, then k cell rows, columns, tokens
+                cells = [c[:bs] + z + c[bs:bs + k] + z + c[bs + k:bs + 2 * k] + z + c[bs + 2 * k:] + z]
+        else:
+            parts = [rows + prefix + extend + rids]
+        parts += cells
         # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
-        parts.append(self._iota_np(bs) if one_each else np.repeat(self._iota_np(bs), extend))
+        parts.append(self._iota_np(bs + pad) if one_each else np.repeat(self._iota_np(bs), extend))
         packed, small = self.stage.send(parts, copy)
         width = max(map(add, prefix, extend), default=0)
-        return HostStep(io, reqs, bs, T, prefix, extend, rids, packed, n, small, width, sum(prefix) + T)
+        return HostStep(io, reqs, bs + pad, T + pad, prefix, extend, rids, packed, 4 * (bs + pad), small, width,
+                        sum(prefix) + T, pad)
+
+    def padding(self, io, bs: int) -> int:
+        """Padding requests that take a decode step of ``bs`` requests to its bucket: within the canary's sizes
+        and the engine's input storages (their cells past the real tokens are read, never written)."""
+        if not self.pad_cap:
+            return 0
+        cap = min(self.pad_cap, io.input_ids.shape[0], io.position_ids.shape[0], io.write_index_storage.shape[1])
+        return bucket(bs, cap) - bs
 
     def _iota_np(self, n: int) -> np.ndarray:
         if self.iota_np.shape[0] < n:
@@ -255,10 +284,12 @@ class BatchBuilder(TokenRows):
         # [bs, width] positions into the flat read index; cells past a request's length are never read.
         idx = (torch.cumsum(seen, 0) - seen).unsqueeze(1) + self._arange(width)
         if have == total:
-            rtt[rows_t] = read.index_select(0, idx.view(-1).clamp_(max=read.shape[0] - 1)).view(idx.shape)
-            return rtt
-        got = read.index_select(0, idx.view(-1).clamp(max=max(0, have - 1))).view(idx.shape)
-        rtt[rows_t] = torch.where(idx < have, got, self.s.layout.num_slots)
+            cells = read.index_select(0, idx.view(-1).clamp_(max=read.shape[0] - 1)).view(idx.shape)
+        else:
+            got = read.index_select(0, idx.view(-1).clamp(max=max(0, have - 1))).view(idx.shape)
+            cells = torch.where(idx < have, got, self.s.layout.num_slots)
+        # row 0, the padding requests' (a batch padded to its bucket), keeps its cells: never filled
+        rtt[rows_t] = torch.where((rows_t == 0).unsqueeze(1), rtt[0], cells)
         return rtt
 
     def _fill_host(self, v, io, total: int) -> None:
@@ -277,7 +308,8 @@ class BatchBuilder(TokenRows):
         seen = v.prefix + v.extend
         idx = (np.cumsum(seen) - seen)[:, None] + np.arange(v.rtt.shape[1])
         cells = read[np.minimum(idx, clamp_max)]
-        out[rows] = cells if limit == NO_LIMIT else np.where(idx < limit, cells, fill)
+        cells = cells if limit == NO_LIMIT else np.where(idx < limit, cells, fill)
+        out[rows] = np.where((rows == 0)[:, None], out[0], cells)  # (row 0, the padding row: never filled)
 
     def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:
         """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
@@ -303,21 +335,15 @@ class BatchBuilder(TokenRows):
             if same == 1 or (same == -1 and np.array_equal(v.rtt[v.rows[v.token_req], v.positions], v.loc)):
                 return
         e = self.new_reads
-
-        def tensor_ops():
-            per = batch.req_pool_indices[batch.token_req]
-            pos = batch.positions.to(torch.int64)
-            slots = rtt[per, pos]
-            prev = torch.where(pos > 0, rtt[per, (pos - 1).clamp(min=0)], -1)
-            ops.fill_entries(e, slots, pos, prev, batch.input_ids)
-
+        rows, extend, token_req = batch.req_pool_indices, batch.extend_lens, batch.token_req
         if self.glue is not None and self.glue.ok:  # one kernel (hf_glue.py) for the tensor ops
             glue = self.glue
             glue.run("new tokens' read entries", lambda: glue.new_read_entries(
-                e, rtt, batch.req_pool_indices, batch.token_req, batch.positions, batch.input_ids), tensor_ops,
+                e, rtt, rows, extend, token_req, batch.positions, batch.input_ids),
+                lambda: new_read_ops(e, rtt, rows, extend, token_req, batch.positions, batch.input_ids),
                 (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, e.enable))
         else:
-            tensor_ops()
+            new_read_ops(e, rtt, rows, extend, token_req, batch.positions, batch.input_ids)
         # On the side stream, ordered after HEAD's write and after the entries filled here; the step's
         # close joins it, so the next step's fill cannot overwrite entries still being read.
         with c.launcher.side():
@@ -377,3 +403,18 @@ class BatchBuilder(TokenRows):
         if T:
             swa_w = io.write_index_storage[lay.swa_group, :T]
             table[out_cache_loc] = torch.where(swa_w == lay.write_trash, torch.zeros_like(swa_w), swa_w)
+
+
+def new_read_ops(e, rtt, rows, extend, token_req, positions, input_ids) -> None:
+    """The new tokens' read entries as tensor ops (``hf_glue.new_read_entries``'s twin, cell for cell): the
+    counts are those of the real tokens, and a padding token (its request in row 0) reads no cell."""
+    per = rows[token_req]
+    real = per != 0
+    pos = torch.where(real, positions.to(torch.int64), 0)
+    slots = torch.where(real, rtt[per, pos], 0)
+    prev = torch.where(real & (pos > 0), rtt[per, (pos - 1).clamp(min=0)], -1)
+    ops.fill_entries(e, slots, pos, prev, input_ids)
+    n = torch.where(rows != 0, extend.to(torch.int64), 0).sum()
+    e.requested.copy_(n.view(1))
+    e.count.copy_(n.clamp(max=e.capacity).view(1))
+    e.enable.copy_((n <= e.capacity).view(1))

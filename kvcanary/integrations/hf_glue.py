@@ -9,10 +9,14 @@ one kernel, with the same results cell for cell:
 - ``read_table``: row ``rows[i]`` of ``out`` gets, for every column ``c < out.shape[1]``,
   ``read[min(start_i + c, clamp_max)]`` where ``start_i`` is the sum of ``prefix + extend`` over the
   requests before ``i``; cells whose ``start_i + c`` is not below ``limit`` get ``fill`` instead (a read
-  index shorter than the batch: ``BatchBuilder._read_table``).
+  index shorter than the batch: ``BatchBuilder._read_table``). Row 0, the padding row, is never filled.
 - ``new_read_entries``: entry ``t`` of the first ``min(T, capacity)`` is (``rtt[r, p]``, ``p``,
   ``rtt[r, p - 1]`` or -1 at position 0, ``input_ids[t]``) with ``r = rows[token_req[t]]`` and
-  ``p = positions[t]``; ``count``, ``requested`` and ``enable`` as ``ops.fill_entries`` sets them.
+  ``p = positions[t]``; ``count``, ``requested`` and ``enable`` as ``ops.fill_entries`` sets them for the
+  batch's real tokens: ``extend`` summed over the requests outside row 0. A padding request's tokens (row 0,
+  after every real request: a batch padded to its size bucket, ``hf_batch.py``) come last; their entries
+  are (0, 0, -1, ``input_ids[t]``) past the count, never read: their positions are not read either (the
+  engine's input storage past the real tokens holds stale values).
 
 The tensor-op versions stay in ``hf_batch.py`` (the torch backend, and the check these are held to:
 tests/test_hf_glue.py); the CPU's eager steps use numpy there, or one numba loop (``hf_glue_cpu.py``).
@@ -50,34 +54,40 @@ def _read_table_kernel(p_rows, p_prefix, p_extend, bs, p_read, clamp_max, limit,
         tl.load(p_extend + o_b, mask=m_b, other=0).to(tl.int64)
     start = tl.sum(tl.where(o_b < i, seen, 0), axis=0)  # the requests before this one, back to back
     row = tl.load(p_rows + i).to(tl.int64)
-    for c0 in range(0, width, BLOCK):
+    cols = tl.where(row == 0, 0, width)  # (row 0: the padding requests', never read: not filled)
+    for c0 in range(0, cols, BLOCK):
         o_c = c0 + tl.arange(0, BLOCK).to(tl.int64)
-        m = o_c < width
+        m = o_c < cols
         idx = start + o_c
         got = tl.load(p_read + tl.minimum(idx, clamp_max), mask=m & (idx < limit), other=0)
         tl.store(p_out + row * out_s0 + o_c, tl.where(idx < limit, got, fill), mask=m)
 
 
-@triton.jit(do_not_specialize=["T", "capacity"])
-def _new_reads_kernel(p_rtt, rtt_s0, p_rows, p_token_req, p_pos, p_ids, T, capacity, p_slot, p_position, p_prev,
-                      p_expected, p_count, p_requested, p_enable, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["bs", "T", "capacity"])
+def _new_reads_kernel(p_rtt, rtt_s0, p_rows, p_extend, bs, p_token_req, p_pos, p_ids, T, capacity, p_slot,
+                      p_position, p_prev, p_expected, p_count, p_requested, p_enable, BLOCK_B: tl.constexpr,
+                      BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     o = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m = o < tl.minimum(T, capacity)
     req = tl.load(p_token_req + o, mask=m, other=0).to(tl.int64)
     row = tl.load(p_rows + req, mask=m, other=0).to(tl.int64)
-    pos = tl.load(p_pos + o, mask=m, other=0).to(tl.int64)
-    slot = tl.load(p_rtt + row * rtt_s0 + pos, mask=m, other=0)
-    prev = tl.load(p_rtt + row * rtt_s0 + tl.maximum(pos - 1, 0), mask=m, other=0)
+    real = m & (row != 0)  # (a padding token's position is stale: never read)
+    pos = tl.load(p_pos + o, mask=real, other=0).to(tl.int64)
+    slot = tl.load(p_rtt + row * rtt_s0 + pos, mask=real, other=0)
+    prev = tl.load(p_rtt + row * rtt_s0 + tl.maximum(pos - 1, 0), mask=real, other=0)
     tl.store(p_slot + o, slot, mask=m)
     tl.store(p_position + o, pos, mask=m)
-    tl.store(p_prev + o, tl.where(pos > 0, prev, -1), mask=m)
+    tl.store(p_prev + o, tl.where(real & (pos > 0), prev, -1), mask=m)
     tl.store(p_expected + o, tl.load(p_ids + o, mask=m, other=0).to(tl.int64), mask=m)
     if pid == 0:
-        T64 = T.to(tl.int64)
-        tl.store(p_count, tl.minimum(T64, capacity))
-        tl.store(p_requested, T64)
-        tl.store(p_enable, (T64 <= capacity).to(tl.int32))
+        o_b = tl.arange(0, BLOCK_B)
+        m_b = o_b < bs
+        ext = tl.load(p_extend + o_b, mask=m_b, other=0).to(tl.int64)
+        n = tl.sum(tl.where(tl.load(p_rows + o_b, mask=m_b, other=0) != 0, ext, 0), axis=0)  # the real tokens
+        tl.store(p_count, tl.minimum(n, capacity))
+        tl.store(p_requested, n)
+        tl.store(p_enable, (n <= capacity).to(tl.int32))
 
 
 def read_table(out: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor,
@@ -91,16 +101,16 @@ def read_table(out: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, exte
                        width=out.shape[1], BLOCK_B=max(16, triton.next_power_of_2(bs)), BLOCK=READ_BLOCK)
 
 
-def new_read_entries(entries, rtt: torch.Tensor, rows: torch.Tensor, token_req: torch.Tensor,
+def new_read_entries(entries, rtt: torch.Tensor, rows: torch.Tensor, extend: torch.Tensor, token_req: torch.Tensor,
                      positions: torch.Tensor, input_ids: torch.Tensor) -> None:
     """Fill ``entries`` with the new tokens' read cells of ``rtt`` (the module's docstring)."""
-    T, capacity = positions.shape[0], entries.capacity
+    bs, T, capacity = rows.shape[0], positions.shape[0], entries.capacity
     grid = (max(1, -(-min(T, capacity) // ENTRY_BLOCK)),)
-    triton_ops._launch(_new_reads_kernel, grid, p_rtt=rtt, rtt_s0=rtt.stride(0), p_rows=rows, p_token_req=token_req,
-                       p_pos=positions, p_ids=input_ids, T=T, capacity=capacity, p_slot=entries.slot,
-                       p_position=entries.position, p_prev=entries.prev, p_expected=entries.expected_token,
-                       p_count=entries.count, p_requested=entries.requested, p_enable=entries.enable,
-                       BLOCK=ENTRY_BLOCK)
+    triton_ops._launch(_new_reads_kernel, grid, p_rtt=rtt, rtt_s0=rtt.stride(0), p_rows=rows, p_extend=extend, bs=bs,
+                       p_token_req=token_req, p_pos=positions, p_ids=input_ids, T=T, capacity=capacity,
+                       p_slot=entries.slot, p_position=entries.position, p_prev=entries.prev,
+                       p_expected=entries.expected_token, p_count=entries.count, p_requested=entries.requested,
+                       p_enable=entries.enable, BLOCK_B=max(16, triton.next_power_of_2(bs)), BLOCK=ENTRY_BLOCK)
 
 
 class IndexKernels:

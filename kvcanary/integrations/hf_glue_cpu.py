@@ -4,7 +4,7 @@ An eager CPU step fills the batch's read table from the engine's read index on t
 (``BatchBuilder._fill_host``). As numpy that is half a dozen array operations over a table of
 ``batch x width`` cells (cumulative sums, an index grid, a clamp, a gather, a row scatter), about 100 us
 of a tiny-model decode step at batch 4 and context 256 (dev CPU, 12ca468, host timers). This loop writes
-the same cells in one pass: row ``rows[i]`` of ``out`` gets, for every column ``c``,
+the same cells in one pass: row ``rows[i]`` of ``out`` (never row 0, the padding row) gets, for every column ``c``,
 ``read[min(start_i + c, clamp_max)]``, where ``start_i`` is the sum of ``prefix + extend`` over the
 requests before ``i``, or ``fill`` where ``start_i + c`` is not below ``limit`` (a read index shorter than
 the batch). Rows and the read index are bounds-checked: a value the numpy path would reject is an
@@ -34,6 +34,9 @@ def _read_table(out, rows, prefix, extend, read, clamp_max, limit, fill):  # pra
         r = rows[i]
         if r < 0 or r >= n_rows:
             raise IndexError("kv-canary: read table row outside the table")
+        if r == 0:  # (the padding row: never filled)
+            start += prefix[i] + extend[i]
+            continue
         for c in range(width):
             j = start + c
             if j >= limit:

@@ -87,6 +87,9 @@ class StepGraphs:
         self.fused_now = False  # this step ran fused: its after hook has nothing left to do
         self.last_fused = False  # the last step ran fused (the next one likely will: Session._late_step)
         self._ptrs = None  # (the engine's four input storages, their data pointers): before's shape key
+        # decode steps padded to their size bucket (hf_batch.bucket): a changing batch keeps its graphs
+        if session.handle.options.get("bucket_batches", True):
+            session.builder.pad_cap = min(session.canary.max_batch, session.canary.max_tokens)
 
     def new_pool(self):
         """A CUDA-graph memory pool (None for the CPU stand-in)."""

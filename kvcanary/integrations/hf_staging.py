@@ -36,6 +36,7 @@ class HostStep(NamedTuple):
     small: int  # values before each new token's batch index
     width: int  # max prefix + extend
     total: int  # prefix + new positions over the batch (the read index's expected length)
+    pad: int = 0  # padding requests (and tokens) at the end: counted in bs and T, not in prefix, extend, rids
 
 
 class Staging:

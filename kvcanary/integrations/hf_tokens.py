@@ -131,7 +131,7 @@ class TokenRows:
         sent.update(zip(names, need))
         return [need + rows + prefix + tokens]
 
-    def _steady(self, io, reqs, states: list, copy: bool) -> HostStep | None:
+    def _steady(self, io, reqs, states: list, copy: bool, padded: bool = False) -> HostStep | None:
         """A decode step of the same requests as the step before, each one position past the tokens its
         row holds (so one query token each: the engine advances an offset by its request's query length):
         the step's values in the kept array (rows, ids and batch indices stay; positions and
@@ -141,11 +141,15 @@ class TokenRows:
         Per step the requests are read twice (their offsets, their newest tokens); everything else is
         derived from the step before: each offset must be the last one plus one, so this step's prefix is the
         last step's offsets, and the width and total grow by one and by the batch size. Plain lists for the
-        checks: at these sizes a numpy call costs more than the whole list operation."""
+        checks: at these sizes a numpy call costs more than the whole list operation. ``padded``: the kept
+        array holds the batch padded to its bucket (``host_part``); only the real requests' cells change."""
         bs = len(states)
         st = self.steady
-        if st is None:
-            st = self.steady = _Steady(self, states)
+        if st is None or st.padded != padded:
+            if st is not None:
+                self.sync_sent()  # (the rows as the kept array left them: the new one starts from ``sent``)
+            st = self.steady = _Steady(self, states, self.padding(io, bs) if padded else 0, padded)
+        bp = st.bp
         offsets = list(map(STATE_OFFSET, states))
         # each row holds every position before this step's: the offsets are the last ones (or, at the run's
         # first step, the rows' lengths) plus one (a difference of one is a cached int: no int is made)
@@ -162,7 +166,7 @@ class TokenRows:
                 tokens = list(map(getitem, map(_S_GENERATED, states), at))
             except IndexError:
                 return None
-            words[7 * bs:8 * bs] = array("q", tokens)
+            words[7 * bp:7 * bp + bs] = array("q", tokens)
             st.at = list(map(add, at, st.ones))
             self.unsynced = True
         # (``array`` converts Python ints faster than numpy, and a numpy call costs more than these inside the
@@ -176,16 +180,17 @@ class TokenRows:
             prefix, positions = st.prefix, st.ends
             st.width += 1
             st.total += bs
-        words[bs:2 * bs] = positions
+        words[bp:bp + bs] = positions
         if self.want_history:
-            words[4 * bs:5 * bs] = ends
-            words[6 * bs:7 * bs] = positions
+            words[4 * bp:4 * bp + bs] = ends
+            words[6 * bp:6 * bp + bs] = positions
         # the next step's prefix (as a list and as converted): these offsets; the rows hold them (sync_sent)
         st.prefix = st.need = offsets
         st.ends = ends
-        # (the batch indices, the last bs values: the last part, as in the general path)
-        packed, small = self.stage.send([words], copy, last=bs)
-        return HostStep(io, reqs, bs, bs, prefix, st.ones, self.last_rids, packed, 4 * bs, small, st.width, st.total)
+        # (the batch indices, the last bp values: the last part, as in the general path)
+        packed, small = self.stage.send([words], copy, last=bp)
+        return HostStep(io, reqs, bp, bp, prefix, st.ones, self.last_rids, packed, 4 * bp, small, st.width, st.total,
+                        bp - bs)
 
     def sync_sent(self) -> None:
         """``sent`` as the steady steps left the rows (they advance a kept array, not the dict)."""
@@ -221,17 +226,25 @@ class TokenRows:
 class _Steady:
     """The kept values of a batch of the same requests, in ``host_part``'s layout: rows, positions,
     new tokens (1 each), ids, then (with a token history) valid lengths, cell rows, cell columns,
-    cell tokens, then each new token's batch index; and what the next steady step checks."""
+    cell tokens, then each new token's batch index; and what the next steady step checks. Each part holds
+    ``bp`` values: the ``bs`` requests', then the padding requests' (row 0, position 0, one token, id 0, no
+    history, a cell of token 0 at the padding row's column 0)."""
 
-    __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "ends", "width", "total")
+    __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "ends", "width", "total", "bp",
+                 "padded")
 
-    def __init__(self, rows: TokenRows, states: list):
+    def __init__(self, rows: TokenRows, states: list, pad: int = 0, padded: bool = False):
         bs, names = len(states), rows.last_names
+        self.bp, self.padded = bs + pad, padded
+        z = np.zeros(pad, dtype=np.int64)
         ones = np.ones(bs, dtype=np.int64)
-        parts = [rows.last_rows, ones, ones, rows.last_rids]
+        real_rows = np.concatenate([np.asarray(rows.last_rows, dtype=np.int64), z])
+        padded_ones = np.concatenate([ones, z])
+        parts = [real_rows, padded_ones, np.ones(bs + pad, dtype=np.int64),
+                 np.concatenate([np.asarray(rows.last_rids, dtype=np.int64), z])]
         if rows.want_history:
-            parts += [ones, rows.last_rows, ones, ones]
-        parts.append(np.arange(bs, dtype=np.int64))
+            parts += [padded_ones, real_rows, padded_ones, padded_ones]
+        parts.append(np.arange(bs + pad, dtype=np.int64))
         self.values = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
         self.words = memoryview(self.values).cast("B").cast("q")  # the same memory, written from ``array``s
         self.ones = [1] * bs

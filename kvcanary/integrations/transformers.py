@@ -26,7 +26,7 @@ from kvcanary.runtime import CanaryConfig, Violation
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
 INTEGRATION_OPTIONS = ("token_oracle", "token_history", "timing", "max_context", "allow_unsupported_version",
-                       "step_graphs", "late_hooks", "fused_steps", "in_graph_waits")
+                       "step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "bucket_batches")
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
 
 
@@ -55,6 +55,9 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
             results, less host time per step: docs/transformers.md, "Fused steady steps").
         in_graph_waits: a fused step's graph waits for the engine's inputs and forward itself, two CUDA
             calls fewer per step than waiting from the host (default True; same ordering).
+        bucket_batches: with step graphs, pad each decode step's batch to its size bucket (the next power of
+            two) with padding requests that read and write nothing, so a batch that shrinks or grows keeps
+            replaying its bucket's graphs (default True; same results: docs/transformers.md, "Batch buckets").
 
     Returns:
         a ``TransformersHandle``; ``handle.detach()`` restores the engine.

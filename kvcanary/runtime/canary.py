@@ -118,6 +118,9 @@ class Canary(RecordMoves):
         # HEAD then runs beside the forward; False: the forward waits for HEAD (TAIL still overlaps).
         self.head_overlap = False
         self.host_times: dict[str, float] | None = None  # benchmarks: host s of the runtime part and launches
+        # tokens of the open forward's padding requests (row 0, at the batch's end: nothing written or read),
+        # set by an adapter that pads batches to a size bucket: left out of the tokens the stats count
+        self.padding_tokens = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def mark_ready(self) -> None:

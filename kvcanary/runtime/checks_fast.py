@@ -33,7 +33,7 @@ def _compiled():
 def _batch_values_ok(rows, pre, ext, row_limit, cols, n, loc, num_slots, cell_rows, cell_cols, valid_lens,
                      num_rows, max_context):  # pragma: no cover (compiled; checks.py's loop, as a yes or no)
     padding = False
-    total = 0
+    total = written = 0
     for i in range(rows.shape[0]):
         row, p, e = rows[i], pre[i], ext[i]
         if row < 0 or row >= row_limit or p < 0 or e < 0 or p + e > cols:
@@ -42,9 +42,11 @@ def _batch_values_ok(rows, pre, ext, row_limit, cols, n, loc, num_slots, cell_ro
             return False
         padding = padding or (row == 0 and e > 0)
         total += e
+        if row != 0:
+            written += e
     if total != n:
         return False
-    for i in range(loc.shape[0]):
+    for i in range(written):  # (the padding requests' tokens, last, are never written)
         if loc[i] >= num_slots:
             return False
     # (three loops, not one over a tuple: the views' array types may differ, which numba cannot iterate)

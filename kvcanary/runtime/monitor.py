@@ -61,7 +61,7 @@ class Monitor:
     # -- step bookkeeping ------------------------------------------------------------------------
     def note_forward(self, batch) -> None:
         self.forwards += 1
-        self.tokens += batch.num_tokens
+        self.tokens += batch.num_tokens - self.canary.padding_tokens
         self.batches[self.canary.step] = batch
         self.batches.pop(self.canary.step - KEEP_BATCHES, None)
 
@@ -230,7 +230,7 @@ class Monitor:
         for r, q in enumerate(extend):
             hits = [k for k in range(start, start + q) if loc[k] == slot and pos[k] == position]
             start += q
-            if not hits:
+            if not hits or rows[r] == 0:  # (padding writes nothing)
                 continue
             width = min(prefix[r] + q, batch.req_to_token.shape[1])
             cells = batch.req_to_token[rows[r], :width].tolist()
@@ -298,6 +298,8 @@ def _new_cells(batch) -> list[tuple[int, int, int, int]]:
     rows, prefix, ids = batch_lists(batch)
     out = []
     for r, (row, q) in enumerate(zip(rows, batch.extend_lens.tolist())):
+        if row == 0:  # (padding: its tokens read nothing)
+            continue
         p0 = prefix[r]
         width = min(p0 + q, batch.req_to_token.shape[1])
         cells = batch.req_to_token[row, :width].tolist()

@@ -1,0 +1,107 @@
+"""Decode batches padded to their size bucket (``bucket_batches``, integrations/hf_batch.py): a batch that
+shrinks or grows keeps replaying its bucket's step graphs, and everything the canary reports is what it
+reports without padding and without graphs (on the CPU the graph stand-in ``DispatchGraph`` replays)."""
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+triton = pytest.importorskip("triton")
+
+from kvcanary.demo import build_tiny_model, run_workload  # noqa: E402
+from kvcanary.integrations.hf_batch import BatchBuilder, bucket  # noqa: E402
+from kvcanary.integrations.hf_graph import StepGraphs  # noqa: E402
+
+from conftest import DEVICE  # noqa: E402
+from test_hf_graphs import graphed_run  # noqa: E402
+
+DEV = str(DEVICE)
+logging.getLogger("kvcanary").setLevel(logging.ERROR)
+pytestmark = pytest.mark.skipif(DEV == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton on the CPU needs TRITON_INTERPRET=1")
+
+
+def test_bucket_is_the_next_power_of_two_within_the_cap():
+    assert [bucket(n, 64) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64]
+    assert [bucket(n, 12) for n in (5, 9, 12, 13)] == [8, 12, 12, 13]  # (never below the batch: no padding)
+    assert bucket(0, 8) == 0
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_tiny_model(DEV)
+
+
+def staggered_prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(5, vocab, (4 + 5 * i,), generator=g).tolist() for i in range(6)]
+
+
+@pytest.fixture
+def staggered(monkeypatch):
+    """Request i generates 3 x i tokens more than request 0: the decode batch shrinks by one request every
+    three steps, as requests finish in serving."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    add = ContinuousBatchingManager.add_request
+
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, **kw):
+        return add(self, input_ids, request_id, 4 + 3 * int(request_id.rsplit("_", 1)[1]), **kw)
+
+    monkeypatch.setattr(ContinuousBatchingManager, "add_request", add_request)
+
+
+@pytest.mark.parametrize("bug", [None, "wrong-read-index", "never-written"])
+def test_a_changing_batch_padded_to_its_bucket_reports_what_eager_steps_report(llama, monkeypatch, staggered, bug):
+    verify = BatchBuilder.verify_new_reads  # (the eager CPU path's shortcut off: compare like with like)
+    monkeypatch.setattr(BatchBuilder, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
+    pads = []
+    host_part = BatchBuilder.host_part
+
+    def recording(self, copy=True, padded=False):
+        h = host_part(self, copy, padded)
+        if padded and h.T == h.bs:  # (a decode step: one new token per request)
+            pads.append((h.bs - h.pad, h.pad))
+        return h
+
+    monkeypatch.setattr(BatchBuilder, "host_part", recording)
+    kw = dict(prompts=staggered_prompts(llama.config.vocab_size), max_new_tokens=12, num_return_sequences=1, bug=bug,
+              cb={"max_batch_tokens": 32})
+    eager = run_workload(llama, backend="triton", step_graphs=False, **kw)
+    runs = {}
+    for on in (False, True):
+        pads.clear()
+        run, made = graphed_run(llama, monkeypatch, bucket_batches=on, **kw)
+        parts = made + [g.fused for g in made if g.fused is not None]
+        runs[on] = (run, sum(g.replays for g in parts), list(pads))
+    for on, (run, replays, padded) in runs.items():
+        assert run.tokens == eager.tokens
+        assert run.log_lines == eager.log_lines
+        assert [v.block() for v in run.violations] == [v.block() for v in eager.violations]
+        assert run.stats["entries_checked"] == eager.stats["entries_checked"]
+        assert run.stats["tokens_protected"] == eager.stats["tokens_protected"]  # (padding not counted)
+        assert (len(run.violations) > 0) == (bug is not None)
+        steps = padded  # (decode steps; the cap: the engine's 16 requests per batch)
+        assert steps and all(pad == (bucket(bs, 16) - bs if on else 0) for bs, pad in steps)
+        assert any(pad for _, pad in steps) == on  # (the batch did change: some steps were padded)
+    # the point: a batch that changes inside its bucket keeps its shape, so more of its steps replay a graph
+    # (and fewer run eagerly or are captured)
+    assert runs[True][1] > runs[False][1]
+
+
+def test_padding_follows_the_option_and_the_engine_s_batch_cap(llama, monkeypatch):
+    made = []
+    init = StepGraphs.__init__
+
+    def keep(self, session, graph_type=None):
+        init(self, session, graph_type)
+        made.append(session.builder.pad_cap)
+
+    monkeypatch.setattr(StepGraphs, "__init__", keep)
+    kw = dict(prompts=staggered_prompts(llama.config.vocab_size)[:2], max_new_tokens=3, num_return_sequences=1)
+    for on in (True, False):
+        made.clear()
+        graphed_run(llama, monkeypatch, bucket_batches=on, **kw)
+        assert made and made == [16 if on else 0] * len(made)
