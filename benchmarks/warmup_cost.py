@@ -106,11 +106,13 @@ def main(argv=None) -> int:
     ap.add_argument("--show", type=int, default=0, help="print each of the first N steps of the last round")
     ap.add_argument("--cprofile-mixed", type=int, default=0, metavar="N",
                     help="cProfile the hooks over the last round's first N steps that mix prefill and decode")
+    ap.add_argument("--attach-option", action="append", default=[], metavar="KEY=BOOL",
+                    help="an attach option of the transformers adapter (e.g. bucket_batches=false), repeatable")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    args.mode, args.canary_option, args.attach_option = "decode", [], []
+    args.mode, args.canary_option = "decode", []
     args.chunk, args.block_size = (4096, 256) if cuda else (256, 16)
     model = build_model(args.model_size, device, torch.bfloat16 if cuda else torch.float32,
                         args.context + args.steps + args.skip + 64 + args.stagger * args.batch,
@@ -165,7 +167,8 @@ def main(argv=None) -> int:
         st.sort_stats("cumulative").print_stats(40)
         print(text.getvalue(), file=sys.stderr)
     med = lambda k: statistics.median(x[k] for x in rounds)  # noqa: E731
-    out = {"workload": {k: getattr(args, k) for k in ("model_size", "batch", "context", "steps", "skip", "stagger")},
+    out = {"workload": {k: getattr(args, k) for k in ("model_size", "batch", "context", "steps", "skip", "stagger",
+                                                     "attach_option")},
            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "rounds": rounds,
            "median_extra_ms_unpaired_steps": med("extra_ms_unpaired_steps"),
            "median_capture_ms": med("capture_ms"), "median_captures": med("captures")}
