@@ -117,7 +117,7 @@ def canary_config(options: list[str] | None):
 
 def attach_options(options: list[str] | None) -> dict:
     """``KEY=VALUE`` adapter options of ``attach`` that switch a mechanism on or off (booleans)."""
-    allowed = ("step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "token_history")
+    allowed = ("step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "token_history", "bucket_batches")
     out = {}
     for opt in options or []:
         key, sep, value = opt.partition("=")
