@@ -154,8 +154,9 @@ def main(argv=None) -> int:
             host = [t["before_s"] + t["after_s"] + t["update_s"] for t in res["timings"]]
             for i, (sa, d) in enumerate(zip(a[:args.show], diff)):
                 h = f", canary host {host[i] * 1e3:6.3f} ms" if i < len(host) else ""
+                by_part = " ".join(f"{(y - x) * 1e3:+.3f}" for x, y in zip(sa[3][:3], b[i][3][:3]))
                 print(f"  step {i:3d}: batch {sa[0]:3d} tokens {sa[1]:5d} paired {sa[2]!s:5s} "
-                      f"without {sum(sa[3][:3]) * 1e3:8.3f} ms, extra {d:+8.3f} ms{h}", file=sys.stderr)
+                      f"without {sum(sa[3][:3]) * 1e3:8.3f} ms, extra {d:+8.3f} ms ({by_part}){h}", file=sys.stderr)
     if args.cprofile_mixed and profiling["n"]:
         import io
         import pstats
