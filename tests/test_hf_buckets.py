@@ -2,36 +2,26 @@
 shrinks or grows keeps replaying its bucket's step graphs, and everything the canary reports is what it
 reports without padding and without graphs (on the CPU the graph stand-in ``DispatchGraph`` replays)."""
 
-import logging
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 triton = pytest.importorskip("triton")
 
-from kvcanary.demo import build_tiny_model, run_workload  # noqa: E402
 from kvcanary.integrations.hf_batch import BatchBuilder, bucket  # noqa: E402
 from kvcanary.integrations.hf_graph import StepGraphs  # noqa: E402
+from kvcanary.demo import run_workload  # noqa: E402
 
-from conftest import DEVICE  # noqa: E402
-from test_hf_graphs import graphed_run  # noqa: E402
+import test_hf_graphs as graphs  # noqa: E402
 
-DEV = str(DEVICE)
-logging.getLogger("kvcanary").setLevel(logging.ERROR)
-pytestmark = pytest.mark.skipif(DEV == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-                                reason="Triton on the CPU needs TRITON_INTERPRET=1")
+# the tiny model fixture, the graphed run, and the skip without Triton's interpreter on the CPU
+llama, graphed_run, pytestmark = graphs.llama, graphs.graphed_run, graphs.pytestmark
 
 
 def test_bucket_is_the_next_power_of_two_within_the_cap():
     assert [bucket(n, 64) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64]
     assert [bucket(n, 12) for n in (5, 9, 12, 13)] == [8, 12, 12, 13]  # (never below the batch: no padding)
     assert bucket(0, 8) == 0
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return build_tiny_model(DEV)
 
 
 def staggered_prompts(vocab: int) -> list[list[int]]:
