@@ -143,8 +143,11 @@ def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypa
         replayed.append(was and h.T > h.bs)
 
     monkeypatch.setattr(StepGraphs, "_run", counting)
-    graphed, _ = graphed_run(llama, monkeypatch, **kw)
+    graphed, made = graphed_run(llama, monkeypatch, **kw)
     assert sum(replayed) >= 3  # multi-token steps replayed from their graph
+    # the monitor's batches of those steps are assembled only when a report reads them
+    reports = [r for g in made for r in g.reports.values()]
+    assert reports and any(r._batch is not None for r in reports) == (bug is not None)
     # the readable reports too: their readers come from the batch the monitor kept for the step
     assert [v.block() for v in graphed.violations] == [v.block() for v in eager.violations]
     assert graphed.tokens == eager.tokens

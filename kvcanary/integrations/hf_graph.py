@@ -60,6 +60,30 @@ class _Entry:
         self.batch, self.graph, self.replay, self.state, self.keep = batch, None, None, None, None
 
 
+class _Report:
+    """A step's batch as the monitor keeps it for reports (``StepGraphs._report``), with the read table the
+    step copies into every time; the rest (a score of tensor views into the turn's staged buffer and the
+    engine's inputs, about a millisecond of host time inside the engine's step) is assembled when a report
+    first reads it. Its views read the same memory then as they would have when the step ran: the key
+    holds the buffers' addresses, and a turn's buffer is not refilled while the monitor may still read
+    the batch (``hf_staging.STAGING_TURNS``)."""
+
+    def __init__(self, builder, h, width: int, rtt: torch.Tensor):
+        # (the step without its request objects: a kept report holds no finished request alive)
+        self._make = (builder, h._replace(reqs=None, prefix=None, extend=None, rids=None), width)
+        self._batch = None
+        self.req_to_token = rtt
+        self.num_tokens, self.batch_size = h.T, h.bs  # (as the assembled batch's: padding included)
+
+    def __getattr__(self, name: str):
+        batch = self.__dict__.get("_batch")
+        if batch is None:
+            builder, h, width = self._make
+            batch = self._batch = builder.assemble(h, width)
+            batch.req_to_token = self.req_to_token
+        return getattr(batch, name)
+
+
 class StepGraphs:
     """Whole before-hook device work per batch shape: eager, then captured, then replayed.
 
@@ -225,7 +249,7 @@ class StepGraphs:
             e = self._entry(key, work, width)
         else:
             self.entries.move_to_end(key)
-        report = e.batch if per_turn else self._report(h, width)
+        report = e.batch if per_turn else self._report(h, width, e.batch.req_to_token)
         c = s.canary
         c.host_before(e.batch)  # checks, drains, opens the forward; joins the side stream's earlier work
         launcher = c.launcher
@@ -255,14 +279,14 @@ class StepGraphs:
             self.entries.popitem(last=False)  # its graph goes; a remembered batch keeps its tensors
         return e
 
-    def _report(self, h, width: int):
+    def _report(self, h, width: int, table: torch.Tensor):
         """A multi-token step's batch for the monitor: views into this turn's staged buffer and its own
-        read table (a copy of the captured batch's)."""
+        read table (a copy of the captured batch's), assembled only when a report reads it (``_Report``)."""
         key = (h.packed.data_ptr(), h.bs, h.T, h.small, width, h.io.input_ids.data_ptr(),
                h.io.write_index_storage.data_ptr())
         batch = self.reports.get(key)
         if batch is None:
-            batch = self.reports[key] = self.s.builder.assemble(h, width)
+            batch = self.reports[key] = _Report(self.s.builder, h, width, torch.empty_like(table))
             while len(self.reports) > MAX_ENTRIES:
                 self.reports.popitem(last=False)
         else:
