@@ -452,7 +452,7 @@ def test_raise_mode_surfaces_the_violation_to_the_caller(llama):
 def test_hook_exception_surfaces_to_the_caller(llama, monkeypatch):
     from kvcanary.integrations import hf_batch
 
-    def broken(self, copy=True):
+    def broken(self, copy=True, padded=False):
         raise ZeroDivisionError("adapter bug")
 
     monkeypatch.setattr(hf_batch.BatchBuilder, "host_part", broken)  # both the eager and the graphed step call it
