@@ -21,6 +21,7 @@ import torch
 
 from kvcanary import ops
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
+from kvcanary.integrations.hf_layout import fill_swa_table
 from kvcanary.integrations.hf_staging import HostStep, Staging
 from kvcanary.integrations.hf_tokens import QUERY, STATE, STATE_ID, STATE_OFFSET, TokenRows
 
@@ -92,8 +93,8 @@ class BatchBuilder(TokenRows):
         if self.oracle:
             self._oracle(batch, h.reqs, h.prefix, h.extend, h.rids)
         if self.s.layout.swa_group is not None:
-            self._fill_swa_table(h.io, batch.prefix_lens, batch.extend_lens,
-                                 max(min(p, self.s.layout.window) for p in h.prefix), h.T, batch.out_cache_loc)
+            fill_swa_table(self.s.layout, self.s.swa_table, h.io, batch.prefix_lens, batch.extend_lens,
+                           max(min(p, self.s.layout.window) for p in h.prefix), h.T, batch.out_cache_loc, self._arange)
         return batch
 
     def _cpu_batch(self, h: HostStep) -> ForwardBatch:
@@ -371,38 +372,6 @@ class BatchBuilder(TokenRows):
         packed = torch.tensor(exp_ids + exp_pos, dtype=torch.int64).to(self.device)
         batch.expected_input_ids, batch.expected_positions = packed[:len(exp_ids)], packed[len(exp_ids):]
         self.next_tokens = torch.tensor(forced, dtype=torch.int64)
-
-    def _fill_swa_table(self, io, prefix_t, extend_t, width: int, T: int, out_cache_loc) -> None:
-        """Synthetic full->SWA table of this step, from the read and write indices of both groups.
-
-        The sliding group's read index lists, per request, the rolling-buffer slots of its last
-        ``c = min(prefix, W - 1)`` positions (then a sentinel per new token); the full group's read
-        index the full slots of the same positions. Each such full slot maps to the sliding slot the
-        forward reads, except positions this forward overwrites (``p < prefix + extend - W``), which
-        map to 0 = evicted (their HEAD verify ran before the write; TAIL would see the new token).
-        New tokens map their full write slot to their sliding write slot (0 for the write trash).
-        """
-        lay = self.s.layout
-        W, table = lay.window + 1, self.s.swa_table
-        table.zero_()
-        if width:
-            g, sg = lay.full_group, lay.swa_group
-            c = prefix_t.clamp(max=lay.window)
-            k = self._arange(width)  # [bs, width] grid of window cells; k >= c are not read
-            full_start = torch.cumsum(prefix_t + extend_t, 0) - extend_t - c  # first window position, full read
-            swa_start = torch.cumsum(c + extend_t, 0) - extend_t - c
-            fr, sr = io.read_index_storage[g], io.read_index_storage[sg]
-            full = fr.index_select(0, (full_start.unsqueeze(1) + k).view(-1).clamp_(max=fr.shape[0] - 1))
-            swa = sr.index_select(0, (swa_start.unsqueeze(1) + k).view(-1).clamp_(max=sr.shape[0] - 1))
-            p = (prefix_t - c).unsqueeze(1) + k
-            keep = (p >= (prefix_t + extend_t - W).unsqueeze(1)).view(-1)
-            inside = (k < c.unsqueeze(1)).view(-1)
-            # Cells outside the window go to slot 0 (padding, never a real slot), cleared again below.
-            table[torch.where(inside, full, 0)] = torch.where(keep, swa, 0)
-            table[0] = 0
-        if T:
-            swa_w = io.write_index_storage[lay.swa_group, :T]
-            table[out_cache_loc] = torch.where(swa_w == lay.write_trash, torch.zeros_like(swa_w), swa_w)
 
 
 def new_read_ops(e, rtt, rows, extend, token_req, positions, input_ids) -> None:
