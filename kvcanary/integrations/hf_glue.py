@@ -40,13 +40,15 @@ from kvcanary.runtime.streams import capturing
 
 log = logging.getLogger("kvcanary")
 
-READ_BLOCK = 256  # columns of the read table per loop iteration
+READ_BLOCK = 256  # columns of the read table per program
 ENTRY_BLOCK = 256  # new tokens per program
 
 
 @triton.jit(do_not_specialize=["bs", "clamp_max", "limit", "fill", "width"])
 def _read_table_kernel(p_rows, p_prefix, p_extend, bs, p_read, clamp_max, limit, fill, p_out, out_s0, width,
                        BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per (request, block of BLOCK columns): a long row is many programs side by side, not one
+    # program's loop (at batch 1 and 4K columns the loop ran 16 blocks in turn: 7.9 us on the H200)
     i = tl.program_id(0).to(tl.int64)
     o_b = tl.arange(0, BLOCK_B)
     m_b = o_b < bs
@@ -55,12 +57,11 @@ def _read_table_kernel(p_rows, p_prefix, p_extend, bs, p_read, clamp_max, limit,
     start = tl.sum(tl.where(o_b < i, seen, 0), axis=0)  # the requests before this one, back to back
     row = tl.load(p_rows + i).to(tl.int64)
     cols = tl.where(row == 0, 0, width)  # (row 0: the padding requests', never read: not filled)
-    for c0 in range(0, cols, BLOCK):
-        o_c = c0 + tl.arange(0, BLOCK).to(tl.int64)
-        m = o_c < cols
-        idx = start + o_c
-        got = tl.load(p_read + tl.minimum(idx, clamp_max), mask=m & (idx < limit), other=0)
-        tl.store(p_out + row * out_s0 + o_c, tl.where(idx < limit, got, fill), mask=m)
+    o_c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m = o_c < cols
+    idx = start + o_c
+    got = tl.load(p_read + tl.minimum(idx, clamp_max), mask=m & (idx < limit), other=0)
+    tl.store(p_out + row * out_s0 + o_c, tl.where(idx < limit, got, fill), mask=m)
 
 
 @triton.jit(do_not_specialize=["bs", "T", "capacity"])
@@ -96,8 +97,9 @@ def read_table(out: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, exte
     bs = rows.shape[0]
     if bs == 0 or out.shape[1] == 0:
         return
-    triton_ops._launch(_read_table_kernel, (bs,), p_rows=rows, p_prefix=prefix, p_extend=extend, bs=bs,
-                       p_read=read, clamp_max=clamp_max, limit=limit, fill=fill, p_out=out, out_s0=out.stride(0),
+    grid = (bs, triton.cdiv(out.shape[1], READ_BLOCK))
+    triton_ops._launch(_read_table_kernel, grid, p_rows=rows, p_prefix=prefix, p_extend=extend, bs=bs, p_read=read,
+                       clamp_max=clamp_max, limit=limit, fill=fill, p_out=out, out_s0=out.stride(0),
                        width=out.shape[1], BLOCK_B=max(16, triton.next_power_of_2(bs)), BLOCK=READ_BLOCK)
 
 
