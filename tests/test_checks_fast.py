@@ -52,6 +52,10 @@ CASES = {
     "tokens not adding up": dict(loc=(7, 8, 9)),
     "slot past the pool": dict(loc=(7, 8, NUM_SLOTS, -1)),
     "no write is fine": dict(loc=(-5, -1, -1, -1)),
+    # a padding request's token (row 0, last) is never written: its slot may be anything (a batch padded to
+    # its size bucket reads stale cells of the engine's write index there); a real token's may not
+    "padding slot past the pool": dict(loc=(7, 8, 9, NUM_SLOTS + 5)),
+    "slot past the pool before padding": dict(loc=(7, 8, NUM_SLOTS, 3)),
     "cell row past the rows": dict(cells=((3, NUM_ROWS, 5), (4, 0, 1))),
     "cell column past the context": dict(cells=((3, 5, 5), (4, MAX_CONTEXT, 1))),
     "negative cell column": dict(cells=((3, 5, 5), (4, -2, 1))),
@@ -67,7 +71,7 @@ def test_the_compiled_pass_says_yes_exactly_where_the_python_checks_pass(case):
     expected = python_checks_pass(b)
     assert checks_fast.batch_ok(b, **LIMITS) == expected
     assert expected == (case in ("valid", "as wide as the table", "no write is fine", "valid length at the context",
-                                 "no cells"))
+                                 "no cells", "padding slot past the pool"))
     if not expected:  # the checks still raise their own error with the pass in front of them
         with pytest.raises(ValueError, match="kv-canary"):
             checks.check_batch_values(b, **LIMITS)
