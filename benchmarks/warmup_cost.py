@@ -11,6 +11,9 @@ how long they took on the host.
     python benchmarks/warmup_cost.py --device cpu --model-size tiny --batch 2 --context 64 --rounds 1 --steps 8
     python benchmarks/warmup_cost.py --device cuda --model-size 1b --batch 16 --rounds 2 --stagger 2
         # and the paired cost of decode steps while the batch shrinks by one request every 2 steps
+    python benchmarks/warmup_cost.py --device cuda --model-size 1b --batch 16 --rounds 2 --stagger 2 \
+        --attach-option bucket_batches=false --show 92
+        # the same without batch buckets, each step of the last round shown (extra time by part, canary host)
     python benchmarks/warmup_cost.py --device cuda --model-size 1b --batch 64 --rounds 2 --cprofile-mixed 20
         # cProfile of the canary's hooks over the last round's first 20 steps that mix prefill and decode
 """
