@@ -63,7 +63,11 @@ class BatchBuilder(TokenRows):
         self.next_tokens: torch.Tensor | None = None  # token oracle: tokens _sample must emit this step
         self.want_history = session.handle.options.get("token_history", True) and session.config.token_check
         self.oracle = bool(session.handle.options.get("token_oracle"))
-        self.stage = Staging(self.device)
+        # one staging buffer on the CPU: there a step's observation is read when the step closes, so no report
+        # reads a batch after the next step refilled its buffer, and a reused batch (_cpu_batch) serves every
+        # step of its shape, not one step in each of the turns (hf_graph.py restores the turns: its CPU stand-in
+        # replays as CUDA does)
+        self.stage = Staging(self.device, 1) if self.device.type == "cpu" else Staging(self.device)
         self.in_block = torch.arange(session.layout.block_size, dtype=torch.int64, device=self.device)
         self.warned_read_size = False
         # decode steps padded to their size bucket (``bucket``; hf_graph.py sets it where step graphs run): at most

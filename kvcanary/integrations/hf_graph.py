@@ -39,6 +39,7 @@ import torch
 
 from kvcanary.integrations.hf_batch import table_width
 from kvcanary.integrations.hf_fused import FusedSteps, Run
+from kvcanary.integrations.hf_staging import Staging
 from kvcanary.runtime.graphs import capture, replay_of
 from kvcanary.runtime.streams import capturing, stream_cache
 
@@ -111,6 +112,7 @@ class StepGraphs:
         self.fused_now = False  # this step ran fused: its after hook has nothing left to do
         self.last_fused = False  # the last step ran fused (the next one likely will: Session._late_step)
         self._ptrs = None  # (the engine's four input storages, their data pointers): before's shape key
+        session.builder.stage = Staging(session.device)  # (every turn: a graph per turn reads its own buffer)
         # decode steps padded to their size bucket (hf_batch.bucket): a changing batch keeps its graphs
         if session.handle.options.get("bucket_batches", True):
             session.builder.pad_cap = min(session.canary.max_batch, session.canary.max_tokens)

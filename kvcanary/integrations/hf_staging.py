@@ -50,7 +50,8 @@ class Staging:
     CUDA-graph captures, ``hf_graph.py``). Each turn has its own
     pinned buffer too, so a step graph per turn can hold the copy itself (``copy`` inside a capture:
     it replays from the same host address), and the host never refills a pinned buffer whose copy
-    may still be in flight (the turn's event). On the CPU the values go straight into the turn's buffer.
+    may still be in flight (the turn's event). On the CPU the values go straight into the turn's buffer
+    (one turn, ``depth=1``, where the canary reads each step's observation when the step closes).
     """
 
     def __init__(self, device: torch.device, depth: int = STAGING_TURNS):
