@@ -12,6 +12,8 @@ from kvcanary.integrations.hf_batch import BatchBuilder, bucket  # noqa: E402
 from kvcanary.integrations.hf_graph import StepGraphs  # noqa: E402
 from kvcanary.demo import run_workload  # noqa: E402
 
+from conftest import DEVICE  # noqa: E402
+
 import test_hf_graphs as graphs  # noqa: E402
 
 # the tiny model fixture, the graphed run, and the skip without Triton's interpreter on the CPU
@@ -95,3 +97,24 @@ def test_padding_follows_the_option_and_the_engine_s_batch_cap(llama, monkeypatc
         made.clear()
         graphed_run(llama, monkeypatch, bucket_batches=on, **kw)
         assert made and made == [16 if on else 0] * len(made)
+
+
+def test_the_cpu_stages_in_one_buffer_unless_step_graphs_replay(llama, monkeypatch):
+    # the CPU reads each step's observation when the step closes: one staging buffer serves (a reused batch
+    # then serves every step of its shape); the graphs' CPU stand-in keeps every turn, as CUDA does
+    from kvcanary.integrations import hf_session
+    from kvcanary.integrations.hf_staging import STAGING_TURNS
+
+    depths = []
+    init = hf_session.Session.__init__
+
+    def keep(self, handle, bp):
+        init(self, handle, bp)
+        depths.append(self.builder.stage.depth)
+
+    monkeypatch.setattr(hf_session.Session, "__init__", keep)
+    kw = dict(prompts=staggered_prompts(llama.config.vocab_size)[:2], max_new_tokens=3, num_return_sequences=1)
+    run_workload(llama, backend="triton", **kw)
+    graphed_run(llama, monkeypatch, **kw)
+    expected = [STAGING_TURNS, STAGING_TURNS] if DEVICE.type == "cuda" else [1, STAGING_TURNS]
+    assert depths == expected

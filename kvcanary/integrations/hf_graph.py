@@ -39,7 +39,7 @@ import torch
 
 from kvcanary.integrations.hf_batch import table_width
 from kvcanary.integrations.hf_fused import FusedSteps, Run
-from kvcanary.integrations.hf_staging import Staging
+from kvcanary.integrations.hf_staging import STAGING_TURNS, Staging
 from kvcanary.runtime.graphs import capture, replay_of
 from kvcanary.runtime.streams import capturing, stream_cache
 
@@ -112,7 +112,8 @@ class StepGraphs:
         self.fused_now = False  # this step ran fused: its after hook has nothing left to do
         self.last_fused = False  # the last step ran fused (the next one likely will: Session._late_step)
         self._ptrs = None  # (the engine's four input storages, their data pointers): before's shape key
-        session.builder.stage = Staging(session.device)  # (every turn: a graph per turn reads its own buffer)
+        if session.builder.stage.depth != STAGING_TURNS:  # (the CPU's one turn: a graph per turn reads its own)
+            session.builder.stage = Staging(session.device)
         # decode steps padded to their size bucket (hf_batch.bucket): a changing batch keeps its graphs
         if session.handle.options.get("bucket_batches", True):
             session.builder.pad_cap = min(session.canary.max_batch, session.canary.max_tokens)
