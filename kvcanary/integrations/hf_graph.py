@@ -77,9 +77,11 @@ class _Report:
         self.num_tokens, self.batch_size = h.T, h.bs  # (as the assembled batch's: padding included)
 
     def __getattr__(self, name: str):
+        if name.startswith("__") or "_make" not in self.__dict__:  # (copy and pickle probes: no batch to make)
+            raise AttributeError(name)
         batch = self.__dict__.get("_batch")
         if batch is None:
-            builder, h, width = self._make
+            builder, h, width = self.__dict__["_make"]
             batch = self._batch = builder.assemble(h, width)
             batch.req_to_token = self.req_to_token
         return getattr(batch, name)
