@@ -50,7 +50,6 @@ class Session(KvMoves):
         self.saved: dict[str, list] = {}
         self.timings: list[dict] = []  # per step with timing=True: batch, tokens, host seconds of each part
         self.timing = bool(handle.options.get("timing"))
-        self._sizes = None  # (requests, tokens) of a step padded to its bucket, padding left out (timings)
         self.late_hooks = bool(handle.options.get("late_hooks", True))
         self._late = False  # this step's canary work waits for compute_batch (_late_step)
         self.ready = self._ready_event = None  # CUDA, late: the compute stream before the forward (_late_step)
@@ -259,11 +258,9 @@ class Session(KvMoves):
         io = self.bp.inputs_and_outputs
         if self.graphs is not None and self.canary.enabled and (self._late or self.graphs.usable(io)):
             h = self.builder.host_part(copy=False, padded=True)
-            self._sizes = (h.bs - h.pad, h.T - h.pad)
             self.canary.padding_tokens = h.pad
             self._batch = self.graphs.before(h, self._engine_stream)
         else:
-            self._sizes = None
             self.canary.padding_tokens = 0
             with self._engine_stream():
                 self._batch = self.builder.build()
@@ -281,9 +278,8 @@ class Session(KvMoves):
             self.handle.forwards += 1
         after_s = time.perf_counter() - t0
         if self.timing:
-            b = self._batch
-            bs, T = (b.batch_size, b.num_tokens) if self._sizes is None else self._sizes  # (padding left out)
-            self.timings.append({"batch": bs, "tokens": T, "before_s": self._before_s,
+            b, pad = self._batch, self.canary.padding_tokens  # (the real batch: padding left out)
+            self.timings.append({"batch": b.batch_size - pad, "tokens": b.num_tokens - pad, "before_s": self._before_s,
                                  "forward_s": self._fwd_s, "after_s": after_s, "update_s": 0.0})
 
     def _after_forward(self) -> None:

@@ -245,7 +245,7 @@ class _Steady:
         if rows.want_history:
             parts += [padded_ones, real_rows, padded_ones, padded_ones]
         parts.append(np.arange(bs + pad, dtype=np.int64))
-        self.values = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+        self.values = np.concatenate(parts)  # (int64 arrays, every one)
         self.words = memoryview(self.values).cast("B").cast("q")  # the same memory, written from ``array``s
         self.ones = [1] * bs
         # each request's tokens in its row: this step's offsets must be these plus one (a row without the

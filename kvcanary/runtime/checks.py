@@ -26,7 +26,7 @@ def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, ma
     rows, pre, ext = batch.req_pool_indices.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist()
     table_rows, cols = batch.req_to_token.shape
     row_limit = min(table_rows, num_rows)
-    padding = False
+    padding, written = False, 0  # (written: the real requests' tokens, ahead of any padding's)
     for i, (row, p, e) in enumerate(zip(rows, pre, ext)):
         if not 0 <= row < row_limit:
             what = f"req_to_token rows ({table_rows})" if table_rows <= num_rows else f"Canary num_rows ({num_rows})"
@@ -45,11 +45,11 @@ def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, ma
                                "free of row 0 for real requests (row 0 is the padding row: prefix_lens 0, after "
                                "every real request)", f"row {row} with prefix_lens {p} at batch index {i}")
         padding = padding or (row == 0 and e > 0)
+        written += e if row != 0 else 0
     n, total = batch.num_tokens, sum(ext)
     if total != n:
         raise v.fail_value(OP, "out_cache_loc", f"of length sum(extend_lens) = {total}", f"length {n}")
     # the padding requests' tokens come last and are never written: their slots are not checked
-    written = total - sum(e for row, e in zip(rows, ext) if row == 0)
     if written and int(_host(batch.out_cache_loc[:written]).max()) >= num_slots:
         loc = batch.out_cache_loc[:written]
         i = int((loc >= num_slots).nonzero()[0, 0])
