@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # (host_profile's hook
 import torch  # noqa: E402
 
 from kvcanary.bench import lockstep  # noqa: E402
+from kvcanary.bench.lockstep import step_s  # noqa: E402
 from kvcanary.bench.workload import Workload, build_model  # noqa: E402
 
 
@@ -86,11 +87,11 @@ def _shrinking(a: list, b: list, timings: list, wl) -> dict:
     idx = [i for i, s in enumerate(a) if wl.measured(s[0], s[1])]
     if not idx:
         return {"steps": 0}
-    ratios = [sum(b[i][3][:3]) / sum(a[i][3][:3]) for i in idx]
+    ratios = [step_s(b[i]) / step_s(a[i]) for i in idx]
     host = [timings[i]["before_s"] + timings[i]["after_s"] + timings[i]["update_s"] for i in idx if i < len(timings)]
     return {"steps": len(idx), "paired_pct": round(100 * (statistics.median(ratios) - 1), 3),
             "canary_host_ms": round(1e3 * statistics.median(host), 4) if host else None,
-            "median_step_ms_without": round(1e3 * statistics.median(sum(a[i][3][:3]) for i in idx), 3)}
+            "median_step_ms_without": round(1e3 * statistics.median(step_s(a[i]) for i in idx), 3)}
 
 
 def main(argv=None) -> int:
@@ -140,14 +141,14 @@ def main(argv=None) -> int:
             raise SystemExit("warmup_cost: the two engines scheduled different batches")
         if res["without"]["outputs"] != res["with"]["outputs"] or res["violations"]:
             raise SystemExit(f"warmup_cost: outputs differ or {res['violations']} violations")
-        diff = [(sum(sb[3][:3]) - sum(sa[3][:3])) * 1e3 for sa, sb in zip(a, b)]
+        diff = [(step_s(sb) - step_s(sa)) * 1e3 for sa, sb in zip(a, b)]
         taken = [d for d, s in zip(diff, a) if s[2]]
         row = {"round": r, "steps": len(a), "paired_steps": len(taken),
                "extra_ms_unpaired_steps": round(sum(d for d, s in zip(diff, a) if not s[2]), 2),
                "extra_ms_paired_steps": round(sum(taken), 2),
                "median_extra_ms_paired": round(statistics.median(taken), 4) if taken else None,
-               "whole_ms_without": round(sum(sum(s[3][:3]) for s in a) * 1e3, 1),
-               "whole_ms_with": round(sum(sum(s[3][:3]) for s in b) * 1e3, 1),
+               "whole_ms_without": round(sum(map(step_s, a)) * 1e3, 1),
+               "whole_ms_with": round(sum(map(step_s, b)) * 1e3, 1),
                "captures": stats["captures"], "capture_ms": round(stats["capture_s"] * 1e3, 2)}
         if args.stagger:
             row["shrinking"] = _shrinking(a, b, res["timings"], wl)
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
                 h = f", canary host {host[i] * 1e3:6.3f} ms" if i < len(host) else ""
                 by_part = " ".join(f"{(y - x) * 1e3:+.3f}" for x, y in zip(sa[3][:3], b[i][3][:3]))
                 print(f"  step {i:3d}: batch {sa[0]:3d} tokens {sa[1]:5d} paired {sa[2]!s:5s} "
-                      f"without {sum(sa[3][:3]) * 1e3:8.3f} ms, extra {d:+8.3f} ms ({by_part}){h}", file=sys.stderr)
+                      f"without {step_s(sa) * 1e3:8.3f} ms, extra {d:+8.3f} ms ({by_part}){h}", file=sys.stderr)
     if args.cprofile_mixed and profiling["n"]:
         import io
         import pstats

@@ -33,6 +33,11 @@ __all__ = ["run_lockstep", "summarize"]
 PARTS = ("prepare", "step", "update", "gc")
 
 
+def step_s(step: tuple) -> float:
+    """A timed step's seconds: its prepare, step and update parts (the collector's time is inside them)."""
+    return sum(step[3][:3])
+
+
 def _gc_clock():
     """A callback for ``gc.callbacks`` and the seconds it has seen collections take."""
     total, start = [0.0], [0.0]
@@ -161,9 +166,9 @@ def summarize(rounds: list[dict]) -> dict:
                 unpaired += 1
                 continue
             if not (sa[2] and sb[2]):
-                extra += sum(sb[3][:3]) - sum(sa[3][:3])
+                extra += step_s(sb) - step_s(sa)
                 continue
-            ta, tb = sum(sa[3][:3]), sum(sb[3][:3])
+            ta, tb = step_s(sa), step_s(sb)
             off.append(ta)
             on.append(tb)
             ratios.append(tb / ta)
@@ -173,7 +178,7 @@ def summarize(rounds: list[dict]) -> dict:
         for c, key in ((False, "without"), (True, "with")):
             steps = r[key]["steps"]
             tokens = sum(len(v) for v in r[key]["outputs"].values())
-            total = sum(sum(s[3][:3]) for s in steps)
+            total = sum(map(step_s, steps))
             if total:
                 gen_tps[c].append(tokens / total)
         once.append(extra)
