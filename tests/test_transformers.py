@@ -15,6 +15,7 @@ from kvcanary import KvCanaryViolationError  # noqa: E402
 from kvcanary.demo import build_tiny_model, demo_prompts, run_workload  # noqa: E402
 from kvcanary.format import FailReason, oracle_token  # noqa: E402
 from kvcanary.integrations import hf_bugs  # noqa: E402
+from kvcanary.integrations.hf_layout import EngineLayout  # noqa: E402
 from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, check_version  # noqa: E402
 from kvcanary.runtime.report import MISSING_TOKEN  # noqa: E402
 
@@ -231,6 +232,22 @@ def test_version_gate_names_the_range():
     with pytest.raises(RuntimeError, match=SUPPORTED_RANGE.replace(".", r"\.")):
         check_version("5.25.1")
     assert check_version("4.57.0", allow_unsupported=True) == "4.57.0"
+
+
+def test_a_paged_cache_without_the_fields_read_is_named_not_an_attribute_error():
+    """allow_unsupported_version on a transformers whose paged cache was rebuilt (no key_cache, ...): the
+    session's layout says which fields are missing and the supported range."""
+
+    class RebuiltCache:  # (what 5.18 and later hold instead: one byte tensor in sectors)
+        config, block_size, num_blocks, cache_tensor = None, 16, 8, torch.zeros(8)
+
+    with pytest.raises(RuntimeError) as err:
+        EngineLayout.from_cache(RebuiltCache())
+    msg = str(err.value)
+    for name in ("layer_index_to_group_indices", "key_cache", "value_cache", "write_trash_index"):
+        assert name in msg
+    assert "'config'" not in msg and "'block_size'" not in msg
+    assert transformers.__version__ in msg and SUPPORTED_RANGE in msg and "RebuiltCache" in msg
 
 
 @pytest.mark.parametrize("case", ["async", "cuda-graph", "sliding-sharing", "sliding-only"])

@@ -8,6 +8,7 @@ the canary's padding slot, so block 0 is kept out of the engine's free list whil
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,9 @@ log = logging.getLogger("kvcanary")
 
 SUPPORTED_RANGE = ">=5.17,<5.18"
 _MIN, _MAX_EXCLUSIVE = (5, 17), (5, 18)
+# what EngineLayout.from_cache reads of a PagedAttentionCache
+CACHE_FIELDS = ("config", "layer_index_to_group_indices", "key_cache", "value_cache", "block_size", "num_blocks",
+                "write_trash_index")
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -127,6 +131,13 @@ class EngineLayout:
 
     @classmethod
     def from_cache(cls, cache) -> EngineLayout:
+        # (with allow_unsupported_version a later transformers may have rebuilt its paged cache: say what is
+        # missing here, once, instead of an AttributeError from the engine's loop)
+        missing = [name for name in CACHE_FIELDS if not hasattr(cache, name)]
+        if missing:
+            version = getattr(sys.modules.get("transformers"), "__version__", "unknown")
+            raise RuntimeError(f"kv-canary: transformers {version}'s {type(cache).__name__} lacks {missing}, which "
+                               f"the integration reads (supported: transformers {SUPPORTED_RANGE})")
         types = layer_types(cache.config)
         full_layer = types.index("full_attention")
         full_group, j_full = cache.layer_index_to_group_indices[full_layer]
