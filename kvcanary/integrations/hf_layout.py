@@ -20,7 +20,7 @@ log = logging.getLogger("kvcanary")
 SUPPORTED_RANGE = ">=5.17,<5.18"
 _MIN, _MAX_EXCLUSIVE = (5, 17), (5, 18)
 # what EngineLayout.from_cache reads of a PagedAttentionCache
-CACHE_FIELDS = ("config", "layer_index_to_group_indices", "key_cache", "value_cache", "block_size", "num_blocks",
+_CACHE_FIELDS = ("config", "layer_index_to_group_indices", "key_cache", "value_cache", "block_size", "num_blocks",
                 "write_trash_index")
 
 
@@ -133,7 +133,7 @@ class EngineLayout:
     def from_cache(cls, cache) -> EngineLayout:
         # (with allow_unsupported_version a later transformers may have rebuilt its paged cache: say what is
         # missing here, once, instead of an AttributeError from the engine's loop)
-        missing = [name for name in CACHE_FIELDS if not hasattr(cache, name)]
+        missing = [name for name in _CACHE_FIELDS if not hasattr(cache, name)]
         if missing:
             version = getattr(sys.modules.get("transformers"), "__version__", "unknown")
             raise RuntimeError(f"kv-canary: transformers {version}'s {type(cache).__name__} lacks {missing}, which "
