@@ -1,0 +1,182 @@
+"""What a user pays for the canary: whole generations through transformers' public API, against the
+engine's fastest configuration.
+
+Three arms run the same workload through ``model.generate_batch`` in one process, alternating in rounds
+(the arm order rotates each round so drift in the host or the GPU falls on every arm alike):
+
+- ``fast``: the engine's fastest configuration (CUDA graphs and async batching on), no canary;
+- ``sync``: CUDA graphs and async batching off, no canary;
+- ``canary``: the configuration the canary accepts today (graphs and async off) with ``attach(model)``.
+
+Each call of ``generate_batch`` is timed whole (the engine's set-up and graph captures included: that is
+what a user's call costs). Reported per workload: tokens/s per arm (median over rounds), the ratios
+canary/fast and canary/sync with their spread over rounds, whether greedy tokens are identical (canary
+against sync: the same batches; fast against sync: graphs pad batches, so rounding may differ), and the
+canary's violations.
+
+    PYTHONPATH=$PWD python3 benchmarks/user_cost.py --model-size 1b --rounds 3 --json out.json
+
+Workloads: ``serving`` (32 requests, prompts of 144-512 tokens beginning with one of 8 shared system
+prefixes, 8..128 new tokens each, so they finish at different times), ``batch1`` (one 512-token prompt,
+128 new tokens), ``prefill`` (8 prompts of 4,096 tokens, 1 new token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvcanary.bench.workload import VOCAB, build_model  # noqa: E402
+
+ARMS = ("fast", "sync", "canary")
+BLOCK = 32
+
+
+def workload(name: str, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """(prompts, new tokens per request) of a named workload, seeded."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(5, VOCAB, (n,), generator=g).tolist()
+
+    if name == "serving":
+        systems = [rand(128) for _ in range(8)]
+        prompts, new = [], []
+        for i in range(32):
+            length = 144 + int(torch.randint(0, 512 - 144 + 1, (1,), generator=g))
+            prompts.append(systems[i % 8] + rand(length - 128))
+            new.append(8 + (i * 120) // 31)
+        return prompts, new
+    if name == "batch1":
+        return [rand(512)], [128]
+    if name == "prefill":
+        return [rand(4096) for _ in range(8)], [1] * 8
+    raise ValueError(f"kv-canary: workload must be serving, batch1 or prefill, got {name!r}")
+
+
+def run_arm(model, arm: str, prompts, new_tokens) -> dict:
+    """One whole generation; returns seconds, generated tokens per request, violations."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    fast = arm == "fast"
+    longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
+    blocks = len(prompts) * (longest // BLOCK + 2) + 16
+    cbc = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=blocks, max_batch_tokens=1024,
+                                   use_cuda_graph=fast, use_async_batching=fast, scheduler_type="fifo")
+    gen = GenerationConfig(max_new_tokens=max(new_tokens), eos_token_id=-1, do_sample=False)
+    handle = None
+    if arm == "canary":
+        from kvcanary.integrations.transformers import attach
+
+        handle = attach(model, mode="log")
+    _sync()
+    t0 = time.perf_counter()
+    try:
+        # the serving API: each request its own budget, so they finish at different times; warm-up (graph
+        # captures at the largest sizes) is part of the call, as in generate_batch
+        results = {}
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cbc,
+                                                       block=True, timeout=60) as manager:
+            for i, (prompt, n) in enumerate(zip(prompts, new_tokens)):
+                manager.add_request(prompt, request_id=f"r{i:03d}", max_new_tokens=n)
+            while len(results) < len(prompts):
+                r = manager.get_result(timeout=5)
+                if r is not None and r.error is not None:
+                    raise RuntimeError(f"kv-canary: request {r.request_id} failed in arm {arm}: {r.error}")
+                if r is not None and r.is_finished():
+                    results[r.request_id] = r
+                elif r is None and not manager.is_running():
+                    raise RuntimeError(f"kv-canary: the engine stopped with {len(results)} of {len(prompts)} done")
+        _sync()
+        seconds = time.perf_counter() - t0
+    finally:
+        violations = len(handle.violations) if handle is not None else 0
+        if handle is not None:
+            handle.detach()
+    out = results
+    tokens = [list(o.generated_tokens) for _, o in sorted(out.items())]
+    del out
+    gc.collect()
+    return {"seconds": seconds, "tokens": tokens, "violations": violations}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-size", default="1b", choices=("tiny", "1b", "8b"))
+    p.add_argument("--workloads", default="serving,batch1,prefill")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=400.0, help="stop starting rounds after this many seconds")
+    p.add_argument("--json", default=None)
+    p.add_argument("--arms", default=",".join(ARMS), help="a subset for a CPU smoke run: sync,canary")
+    p.add_argument("--device", default="cuda")
+    a = p.parse_args(argv)
+    arms = tuple(a.arms.split(","))
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("kv-canary: user_cost.py needs a CUDA GPU for --device cuda (the fast path is CUDA graphs)")
+    import transformers
+
+    start = time.perf_counter()
+    model = build_model(a.model_size, torch.device(a.device), torch.bfloat16 if a.device == "cuda" else torch.float32, 4096 + 256)
+    result = {"model_size": a.model_size, "transformers": transformers.__version__, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "commit": os.environ.get("KVCANARY_COMMIT"), "workloads": {}}
+    for name in a.workloads.split(","):
+        prompts, new = workload(name)
+        for arm in arms:  # warm-up: kernels, allocator, autotuning
+            run_arm(model, arm, prompts, new)
+        runs = {arm: [] for arm in arms}
+        for r in range(a.rounds):
+            if r and time.perf_counter() - start > a.budget_s:
+                break
+            order = arms[r % len(arms):] + arms[:r % len(arms)]
+            for arm in order:
+                runs[arm].append(run_arm(model, arm, prompts, new))
+            print(f"[{name}] round {r + 1}: " + ", ".join(
+                f"{arm} {runs[arm][-1]['seconds']:.2f} s" for arm in arms), file=sys.stderr, flush=True)
+        ntok = sum(len(t) for t in runs["sync"][0]["tokens"])
+        tps = {arm: [ntok / x["seconds"] for x in runs[arm]] for arm in arms}
+        tps.update({arm: [float("nan")] for arm in ARMS if arm not in arms})
+        runs.update({arm: [] for arm in ARMS if arm not in arms})
+        result["workloads"][name] = {
+            "requests": len(prompts), "generated_tokens": ntok,
+            "tokens_per_s": {arm: spread(v) for arm, v in tps.items()},
+            "canary_over_fast": spread([c / f for c, f in zip(tps["canary"], tps["fast"])]),
+            "canary_over_sync": spread([c / s for c, s in zip(tps["canary"], tps["sync"])]),
+            "fast_over_sync": spread([f / s for f, s in zip(tps["fast"], tps["sync"])]),
+            "tokens_identical_canary_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["canary"]),
+            "tokens_identical_fast_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["fast"]),
+            "violations": sum(x["violations"] for x in runs["canary"]),
+        }
+        w = result["workloads"][name]
+        print(f"[{name}] tok/s fast {w['tokens_per_s']['fast']['median']:.0f}, sync "
+              f"{w['tokens_per_s']['sync']['median']:.0f}, canary {w['tokens_per_s']['canary']['median']:.0f}; "
+              f"canary/fast {w['canary_over_fast']['median']:.3f}x; identical {w['tokens_identical_canary_vs_sync']}; "
+              f"violations {w['violations']}", file=sys.stderr, flush=True)
+    text = json.dumps(result, indent=1)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
