@@ -162,6 +162,8 @@ def main(argv=None) -> int:
             "canary_over_sync": spread([c / s for c, s in zip(tps["canary"], tps["sync"])]),
             "fast_over_sync": spread([f / s for f, s in zip(tps["fast"], tps["sync"])]),
             "tokens_identical_canary_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["canary"]),
+            # the engine's own run-to-run determinism, the yardstick for the two comparisons above
+            "tokens_identical_sync_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["sync"]),
             "tokens_identical_fast_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["fast"]),
             "violations": sum(x["violations"] for x in runs["canary"]),
         }
