@@ -9,8 +9,13 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU torch build (a CUDA build would be several GB); the newest tested triton for its CPU
-	# interpreter (the GPU image runs the oldest tested one, 3.6, natively).
+	# torch==2.13.0: where pip's find-links hold a local CPU wheel of torch 2.13.0 (the dev machine's
+	# /opt/wheels), that wheel is found first and the venv gets the CPU build (2.13.0+cpu, a few hundred MB).
+	# Elsewhere the same pin resolves on PyPI to the CUDA build with its CUDA libraries (several GB);
+	# for a CPU-only venv there, install torch from PyTorch's CPU index into .venv first (README, "Install"):
+	# .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+	# triton==3.9.0: the newest tested triton, for its CPU interpreter (the GPU image runs the oldest
+	# tested one, 3.6, natively).
 	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0
 	# [cpu]: numba, the compiled CPU backend the canary picks on the CPU (~6x less host time than torch).
 	$(BIN)/pip install -q -e '.[cpu,triton,transformers,test]'

@@ -165,5 +165,23 @@ def format_table(report: ZooReport) -> str:
     return "\n".join(out)
 
 
+def format_markdown(report: ZooReport) -> str:
+    """The zoo table as Markdown, one row per bug with its mistake in words, for the README and docs.
+
+    It leaves out the violation count: a whole run's count follows every later consequence of the
+    one mistake and moves with any change to the workload, while the columns kept say what was caught.
+    """
+    head = ("bug", "class", "applies", "the mistake", "result", "planted", "detected", "max lag", "reasons")
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in report.rows():
+        info = BUGS.get(row["bug"])
+        reasons = ", ".join(SHORT_REASONS.get(x, x) for x in row["reasons"]) or "-"
+        cells = (f"`{row['bug']}`" if info else row["bug"], row["class"], row["applies"],
+                 info.summary if info else "no bug planted: nothing may be reported", row["result"],
+                 _step(row["planted_step"]), _step(row["detected_step"]), _step(row["max_lag"]), reasons)
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(out)
+
+
 def _step(x: int | None) -> str:
     return "-" if x is None else str(x)
