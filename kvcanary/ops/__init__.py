@@ -1,7 +1,8 @@
-"""The canary ops of SPEC section 4, each with reference, torch and Triton implementations."""
+"""The canary ops of SPEC section 4, each with reference, torch, numba and Triton implementations."""
 
 from kvcanary.ops.api import (
     BACKENDS,
+    accept_rewrites,
     fill_entries,
     fingerprint,
     launch_scatter_req_token_ids_kernel,
@@ -26,6 +27,7 @@ __all__ = [
     "Plan",
     "RealKvSource",
     "ViolationRing",
+    "accept_rewrites",
     "allocate_canary_buffer",
     "allocate_counters",
     "fill_entries",

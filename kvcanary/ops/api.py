@@ -162,7 +162,8 @@ def plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_le
     v.check_vector(op, "extend_lens", extend_lens, v.INDEX_DTYPES, length=bs)
     v.check_ndim(op, "req_to_token", req_to_token, 2)
     v.check_dtype(op, "req_to_token", req_to_token, v.INDEX_DTYPES)
-    v.check_plan(op, out, req_to_token.device, "out")  # (the compiled kernels trust its shapes)
+    if not isinstance(out, Plan):
+        raise v.fail_type(op, "out", "a Plan", type(out).__name__)
     if bs > out.max_batch:
         raise v.fail_value(op, "req_pool_indices", f"at most the plan's max_batch ({out.max_batch}) long", bs)
     if not v.is_int(window) or window < 0:
@@ -180,7 +181,8 @@ def plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_le
         raise v.fail_value(op, "token_offset", "0 or 1", repr(token_offset))
     device = req_to_token.device
     v.check_device(op, device, req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                   full_to_swa=full_to_swa, token_table=token_table, token_valid_lens=token_valid_lens)
+                   full_to_swa=full_to_swa, token_table=token_table, token_valid_lens=token_valid_lens,
+                   **{"out.entries.slot": out.entries.slot})
     _impl(backend, device).plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                 req_to_token=req_to_token, out=out, window=window, full_to_swa=full_to_swa,
                                 token_table=token_table, token_valid_lens=token_valid_lens,
@@ -225,9 +227,12 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
     """
     op = "write"
     v.check_canary_buffer(op, buf)
-    v.check_plan(op, plan, buf.device)
+    if not isinstance(plan, Plan):
+        raise v.fail_type(op, "plan", "a Plan", type(plan).__name__)
     if not v.is_int(num_requests) or not 0 <= num_requests <= plan.max_batch:
         raise v.fail_value(op, "num_requests", f"an int in [0, {plan.max_batch}]", repr(num_requests))
+    v.check_vector(op, "plan.write_offsets", plan.write_offsets, (torch.int64,), min_length=num_requests + 1)
+    v.check_vector(op, "plan.seed_slot", plan.seed_slot, (torch.int64,), min_length=num_requests)
     v.check_vector(op, "out_cache_loc", out_cache_loc, v.INDEX_DTYPES)
     n = out_cache_loc.shape[0]
     v.check_vector(op, "input_ids", input_ids, v.INDEX_DTYPES, length=n)
@@ -252,7 +257,8 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
     sources = v.check_sources(op, sources, real_kv_mode, buf.device)
     v.check_device(op, buf.device, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
                    expected_input_ids=expected_input_ids, expected_positions=expected_positions,
-                   chain_check=chain_check, writer_ids=writer_ids, step=step, chain_hint=chain_hint)
+                   chain_check=chain_check, writer_ids=writer_ids, step=step, chain_hint=chain_hint,
+                   **{"plan.write_offsets": plan.write_offsets, "plan.seed_slot": plan.seed_slot})
     v.check_write_offsets(op, plan.write_offsets, num_requests)
     _impl(backend, buf.device).write(
         buf=buf, write_offsets=plan.write_offsets, seed_slot=plan.seed_slot, num_requests=num_requests,
@@ -280,15 +286,62 @@ def verify(*, buf: torch.Tensor, entries: Entries, ring: ViolationRing, counters
     """
     op = "verify"
     v.check_canary_buffer(op, buf)
-    v.check_entries(op, entries, buf.device)
+    if not isinstance(entries, Entries):
+        raise v.fail_type(op, "entries", "an Entries", type(entries).__name__)
     v.check_ring(op, ring, counters, buf.device)
     v.check_launch_tag(op, launch_tag, counters)
     sources = v.check_sources(op, sources, real_kv_mode, buf.device)
     if not isinstance(check_token, bool):
         raise v.fail_type(op, "check_token", "a bool", type(check_token).__name__)
+    v.check_device(op, buf.device, **{"entries.slot": entries.slot})
     _impl(backend, buf.device).verify(buf=buf, entries=entries, ring=ring, counters=counters,
                                       launch_tag=int(launch_tag), sources=sources, real_kv_mode=int(real_kv_mode),
                                       check_token=check_token)
+
+
+def accept_rewrites(*, head_buf: torch.Tensor, tail_buf: torch.Tensor, plan: Plan, num_requests: int,
+                    out_cache_loc: torch.Tensor, sources=(), real_kv_mode: int = RealKvMode.NONE,
+                    rewrites: torch.Tensor | None = None, backend: str = "auto") -> None:
+    """Take the real-KV hash of slots this forward rewrote with the record they hold from their new bytes.
+
+    An engine may write a slot's KV again with the same token, position and chain (transformers
+    recomputes the last token of an exact cached prefix into the shared block), while another request
+    reads the slot in the same forward: the new bytes differ from the stored hash only by rounding.
+    For each write entry ``i`` in ``[write_offsets[0], write_offsets[num_requests])`` whose slot
+    ``s = out_cache_loc[i]`` is in ``[1, num_slots)``: when ``head_buf[s]`` (this forward's HEAD write)
+    equals ``tail_buf[s]`` in TOKEN, POSITION and PREV_HASH, ``tail_buf[s]``'s REAL_KV_HASH becomes the
+    fingerprint of the slot's current bytes and ``rewrites`` grows by one. Nothing else changes: the
+    TAIL verify that follows keeps its token, position and chain checks, and a rewrite with another
+    record keeps the stored hash, so its byte change is still reported.
+
+    Args:
+        head_buf, tail_buf: uint8 [num_slots, stride] HEAD and TAIL canary buffers of one group and K/V.
+        plan, num_requests: the forward's plan (write_offsets) and bs, as for ``write``.
+        out_cache_loc: int32/int64 [num_tokens] slots written (SWA groups: translated).
+        sources, real_kv_mode: the real-KV fingerprint, as the TAIL write takes it.
+        rewrites: optional int64 [1] counter of accepted entries (a slot twice in the list counts twice).
+    """
+    op = "accept_rewrites"
+    v.check_canary_buffer(op, head_buf, "head_buf")
+    v.check_canary_buffer(op, tail_buf, "tail_buf")
+    if head_buf.shape != tail_buf.shape:
+        raise v.fail_value(op, "head_buf", f"of tail_buf's shape {tuple(tail_buf.shape)}",
+                           f"shape {tuple(head_buf.shape)}")
+    if not isinstance(plan, Plan):
+        raise v.fail_type(op, "plan", "a Plan", type(plan).__name__)
+    if not v.is_int(num_requests) or not 0 <= num_requests <= plan.max_batch:
+        raise v.fail_value(op, "num_requests", f"an int in [0, {plan.max_batch}]", repr(num_requests))
+    v.check_vector(op, "plan.write_offsets", plan.write_offsets, (torch.int64,), min_length=num_requests + 1)
+    v.check_vector(op, "out_cache_loc", out_cache_loc, v.INDEX_DTYPES)
+    if rewrites is not None:
+        v.check_vector(op, "rewrites", rewrites, (torch.int64,), length=1)
+    sources = v.check_sources(op, sources, real_kv_mode, tail_buf.device)
+    v.check_device(op, tail_buf.device, head_buf=head_buf, out_cache_loc=out_cache_loc, rewrites=rewrites,
+                   **{"plan.write_offsets": plan.write_offsets})
+    v.check_write_offsets(op, plan.write_offsets, num_requests)
+    _impl(backend, tail_buf.device).accept_rewrites(
+        head_buf=head_buf, tail_buf=tail_buf, write_offsets=plan.write_offsets, num_requests=num_requests,
+        out_cache_loc=out_cache_loc, sources=sources, real_kv_mode=int(real_kv_mode), rewrites=rewrites)
 
 
 def fill_entries(entries: Entries, slots: torch.Tensor, positions: torch.Tensor, prevs: torch.Tensor,
@@ -300,8 +353,6 @@ def fill_entries(entries: Entries, slots: torch.Tensor, positions: torch.Tensor,
     overflowing plan (the first ``capacity`` triples are still loaded).
     """
     op = "fill_entries"
-    # (the triples may live elsewhere: they are copied in; the entries' own parts share one device)
-    v.check_entries(op, entries, getattr(getattr(entries, "slot", None), "device", torch.device("cpu")))
     v.check_vector(op, "slots", slots, v.INDEX_DTYPES)
     n = slots.shape[0]
     v.check_vector(op, "positions", positions, v.INDEX_DTYPES, length=n)

@@ -275,6 +275,22 @@ def write(words, offs, seeds, nr, locs, ids, poss, exp_ids, has_exp_ids, exp_pos
 
 
 @jit
+def accept(head, words, offs, nr, locs, fp, rewrites, has_rewrites):
+    """accept_rewrites: a slot rewritten with the record it holds takes its real-KV hash from fp."""
+    if nr <= 0:
+        return
+    num_slots, accepted = words.shape[0], 0
+    for i in range(max(offs[0], 0), min(offs[nr], locs.shape[0])):
+        s = locs[i]
+        if 1 <= s < num_slots and head[s, TOKEN] == words[s, TOKEN] and head[s, POSITION] == words[s, POSITION] \
+                and head[s, PREV_HASH] == words[s, PREV_HASH]:
+            words[s, REAL_KV_HASH] = fp[i]
+            accepted += 1
+    if has_rewrites:
+        rewrites[0] += accepted
+
+
+@jit
 def head(rows_, prefix, extend, rtt, table, has_table, tokens, valid, has_tokens, token_offset, window,
          slot, position, prev, expected, count, enable, requested, offs, seeds, words, check_token, rows, widx,
          counters, verify_tag, nr, locs, ids, poss, exp_ids, has_exp_ids, exp_pos, has_exp_pos, check_chain,
@@ -294,9 +310,12 @@ def head(rows_, prefix, extend, rtt, table, has_table, tokens, valid, has_tokens
 @jit
 def tail(words, slot, position, prev, expected, enable, count, check_token, verify_fp, rows, widx, counters,
          verify_tag, offs, seeds, nr, locs, ids, poss, attribution, writer_ids, has_writer, step_value, write_fp,
-         write_tag, step):
-    """TAIL verify, TAIL write, then the device step + 1: the kernels above in one call (the real-KV
-    fingerprints come computed, as the separate calls take them)."""
+         write_tag, step, head_words, has_accept, rewrites, has_rewrites):
+    """accept_rewrites (``has_accept``; the write's fingerprints serve it), TAIL verify, TAIL write, then
+    the device step + 1: the kernels above in one call (the real-KV fingerprints come computed, as the
+    separate calls take them)."""
+    if has_accept:
+        accept(head_words, words, offs, nr, locs, write_fp, rewrites, has_rewrites)
     verify(words, slot, position, prev, expected, enable, count, check_token, verify_fp, rows, widx, counters,
            verify_tag)
     write(words, offs, seeds, nr, locs, ids, poss, _NO_INPUTS, False, _NO_INPUTS, False, False, attribution,

@@ -23,7 +23,7 @@ from kvcanary.ops import numba_kernels as k
 from kvcanary.ops import torch_ops
 from kvcanary.ops.numba_views import _EMPTY64, _EMPTY_TABLE, _Args, _i64, _np, _np64, _raw, _storage_bytes, _words
 
-__all__ = ["fingerprint", "head", "plan", "scatter_req_token_ids", "tail", "verify", "write"]
+__all__ = ["accept_rewrites", "fingerprint", "head", "plan", "scatter_req_token_ids", "tail", "verify", "write"]
 
 def _fingerprints(slots: np.ndarray, sources, real_kv_mode: int) -> np.ndarray:
     """int64 real-KV hash of each slot (SPEC 3.4), source by source like the reference."""
@@ -134,6 +134,15 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
             int(launch_tag))
 
 
+def accept_rewrites(*, head_buf, tail_buf, write_offsets, num_requests, out_cache_loc, sources=(), real_kv_mode=0,
+                    rewrites=None) -> None:
+    locs = _i64(out_cache_loc)
+    # fingerprints of every entry's slot up front (one compiled pass per source), as the write takes them
+    fp = _fingerprints(locs, sources, int(real_kv_mode))
+    k.accept(_words(head_buf), _words(tail_buf), _np64(write_offsets), int(num_requests), locs, fp,
+             _EMPTY64 if rewrites is None else _np(rewrites), rewrites is not None)
+
+
 # The fused calls' numpy arguments, kept while the tensors behind them stay put. Building them (three
 # dozen views, checks and conversions) cost the host 110-130 us per HEAD or TAIL call inside a tiny-model
 # step against 25-50 us of compiled work (dev CPU, host timers, d027186), and an engine's steps pass the same
@@ -237,20 +246,38 @@ def head(plan_kw: dict, verify_kw: dict, write_kw: dict) -> bool:
     return True
 
 
-def tail(verify_kw: dict, write_kw: dict) -> bool:
-    """``verify(**verify_kw)``, ``write(**write_kw)``, then the write's ``step`` + 1 as one compiled call,
-    with the same bits; False (nothing done) where the separate calls would take another path or the
-    write carries the HEAD-only asserts (expected inputs, chain positions)."""
+def _accepts_with(accept_kw: dict | None, w: dict) -> bool:
+    """``accept_rewrites(**accept_kw)`` can run inside the fused TAIL call: it reads the write's entries
+    and fingerprints (same buffer, slots, offsets, request count, sources and mode); None: nothing to run."""
+    if accept_kw is None:
+        return True
+    a = accept_kw
+    mine, theirs = tuple(a.get("sources", ())), tuple(w.get("sources", ()))
+    return (a["tail_buf"] is w["buf"] and a["out_cache_loc"] is w["out_cache_loc"]
+            and a["write_offsets"] is w["write_offsets"] and int(a["num_requests"]) == int(w["num_requests"])
+            and len(mine) == len(theirs) and all(x is y for x, y in zip(mine, theirs))
+            and int(a.get("real_kv_mode", 0)) == int(w.get("real_kv_mode", 0))
+            and a["head_buf"].shape == w["buf"].shape)
+
+
+def tail(verify_kw: dict, write_kw: dict, accept_kw: dict | None = None) -> bool:
+    """``accept_rewrites(**accept_kw)`` (when given), ``verify(**verify_kw)``, ``write(**write_kw)``, then
+    the write's ``step`` + 1 as one compiled call, with the same bits; False (nothing done) where the
+    separate calls would take another path or the write carries the HEAD-only asserts (expected inputs,
+    chain positions)."""
     e, w = verify_kw["entries"], write_kw
     cap = e.slot.shape[0]
     if (any(t.shape[0] != cap for t in (e.position, e.prev, e.expected_token)) or w.get("expected_input_ids") is not None
             or w.get("expected_positions") is not None or w.get("chain_check") is not None
-            or verify_kw["buf"] is not w["buf"] or w.get("step") is None):
+            or verify_kw["buf"] is not w["buf"] or w.get("step") is None
+            or not _accepts_with(accept_kw, w)):
         return False
     ring, counters, buf = verify_kw["ring"], verify_kw["counters"], verify_kw["buf"]
+    head_buf = buf if accept_kw is None else accept_kw["head_buf"]
+    rewrites = None if accept_kw is None else accept_kw.get("rewrites")
     tensors = (w["out_cache_loc"], w["input_ids"], w["positions"], w.get("writer_ids"), e.slot, e.position, e.prev,
                e.expected_token, e.enable, e.count, ring.rows, ring.write_index, counters, w["write_offsets"],
-               w["seed_slot"], buf, w["step"])
+               w["seed_slot"], buf, w["step"], head_buf, rewrites)
 
     def make():
         steps = _np(w["step"])
@@ -277,9 +304,14 @@ def tail(verify_kw: dict, write_kw: dict) -> bool:
         a.step, a.write_fp, a.write_tag = a.slot(), a.slot(), a.slot()
         a.add(steps)
         a.steps = steps
+        counter = None if rewrites is None else _np(rewrites)
+        if rewrites is not None and (counter is None or counter.dtype != np.int64):
+            return None
+        # (no accept: the TAIL buffer stands in for the HEAD one, an empty counter for the count)
+        a.add(_words(head_buf), accept_kw is not None, _EMPTY64 if counter is None else counter, counter is not None)
         return a
 
-    a = _packed("tail", tensors, make)
+    a = _packed("tail" if accept_kw is None else "tail accept", tensors, make)
     if a is None:
         return False
     args = a.call()

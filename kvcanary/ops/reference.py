@@ -219,3 +219,21 @@ def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode
             reason |= FailReason.VERIFY_REAL_KV_HASH
         if reason:
             _push_violation(ring, [launch_tag, slot, pos, tok, exp_tok, prev_hash, aux, int(reason)])
+
+
+def accept_rewrites(*, head_buf, tail_buf, write_offsets, num_requests, out_cache_loc, sources=(), real_kv_mode=0,
+                    rewrites=None) -> None:
+    offs, locs = write_offsets.tolist(), out_cache_loc.tolist()
+    if num_requests == 0:
+        return
+    accepted = 0
+    # The requests' write ranges back to back (offsets are non-decreasing): every entry the write walks.
+    for i in range(max(offs[0], 0), min(offs[num_requests], len(locs))):
+        slot = locs[i]
+        if not 1 <= slot < tail_buf.shape[0]:
+            continue  # skipped, padding or outside the buffer: the write stores no record there either
+        if _record(head_buf, slot)[:3] == _record(tail_buf, slot)[:3]:
+            _store(tail_buf, slot, RecordField.REAL_KV_HASH, slot_fingerprint(slot, sources, real_kv_mode))
+            accepted += 1
+    if rewrites is not None:
+        rewrites[0] += accepted

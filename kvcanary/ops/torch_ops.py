@@ -14,7 +14,7 @@ from kvcanary.format import ATTRIBUTION_STRIDE, MASK64, VIOLATION_COUNT_LIMIT, C
 from kvcanary.format import mix3 as mix3_int
 from kvcanary.ops.torch_hash import HEAD, INT64_MAX, count_le, fingerprint, gather_rows, mix3
 
-__all__ = ["fingerprint", "plan", "scatter_req_token_ids", "verify", "write"]
+__all__ = ["accept_rewrites", "fingerprint", "plan", "scatter_req_token_ids", "verify", "write"]
 
 
 def _host_reads(device: torch.device) -> bool:
@@ -314,3 +314,23 @@ def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode
     reason = torch.where(live, reason, 0)
     tag = torch.full_like(slot, launch_tag)
     _push(ring, torch.stack([tag, slot, pos, tok, expected_tok, prev_hash, aux, reason], 1), reason != 0)
+
+
+def accept_rewrites(*, head_buf, tail_buf, write_offsets, num_requests, out_cache_loc, sources=(), real_kv_mode=0,
+                    rewrites=None) -> None:
+    n_tok, num_slots = out_cache_loc.shape[0], tail_buf.shape[0]
+    if num_requests == 0 or n_tok == 0 or num_slots == 0:
+        return
+    o_i = torch.arange(n_tok, device=tail_buf.device)
+    offs = write_offsets[:num_requests + 1]
+    slot = out_cache_loc.long()
+    live = (o_i >= offs[0]) & (o_i < offs[num_requests]) & (slot >= 1) & (slot < num_slots)
+    # entries that are not live all address slot 0 and store back what it holds
+    slot_c = torch.where(live, slot, 0)
+    head, tail = head_buf.view(torch.int64), tail_buf.view(torch.int64)
+    same = live & (head[slot_c, :3] == tail[slot_c, :3]).all(1)
+    fp = fingerprint(slots=slot_c, sources=sources, real_kv_mode=real_kv_mode)
+    # duplicates of a slot agree on ``same`` and on the fingerprint: write order cannot matter
+    tail[slot_c, 3] = torch.where(same, fp, tail[slot_c, 3])
+    if rewrites is not None:
+        rewrites += same.sum()

@@ -323,3 +323,28 @@ def _verify_kernel(p_buf, stride, num_slots, p_slot, p_position, p_prev, p_expec
         b_row = violation_rows(i_tag, b_slot, as_i64(b_pos), as_i64(b_tok), b_exp, as_i64(b_hash), as_i64(b_aux),
                                b_reason, o_f)
         push_violations(m_fail, b_row, p_ring, p_write_index, ring_capacity)
+
+
+@_jit("num_requests", "num_tokens")
+def _accept_kernel(p_head, p_tail, stride, num_slots, p_write_offsets, num_requests, p_loc, num_tokens, p_rewrites,
+                   src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes, src_rows,
+                   NUM_SOURCES: tl.constexpr, ALIGNED: tl.constexpr, HAS_REWRITES: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    i_b = tl.program_id(0).to(tl.int64)
+    # the requests' write ranges back to back: [offsets[0], offsets[num_requests]) (no request: empty)
+    i_start = tl.maximum(tl.load(p_write_offsets), 0)
+    i_end = tl.minimum(tl.load(p_write_offsets + num_requests), num_tokens)
+    o = i_b * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m = (o >= i_start) & (o < i_end)
+    b_slot = tl.load(p_loc + o, mask=m, other=0).to(tl.int64)
+    m = m & (b_slot >= 1) & (b_slot < num_slots)
+    h_tok, h_pos, h_prev = load_record3(p_head, b_slot, m, stride)
+    t_tok, t_pos, t_prev = load_record3(p_tail, b_slot, m, stride)
+    m_same = m & (h_tok == t_tok) & (h_pos == t_pos) & (h_prev == t_prev)
+    # duplicates of a slot store the same hash: their order cannot matter
+    b_fp = slot_fingerprint(b_slot, m_same, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,
+                            src_rows, NUM_SOURCES=NUM_SOURCES, ALIGNED=ALIGNED)
+    tl.store(record_ptr(p_tail, b_slot, stride) + 3, as_i64(b_fp), mask=m_same)
+    if HAS_REWRITES:
+        n_same = tl.sum(m_same.to(tl.int64), axis=0)
+        tl.atomic_add(p_rewrites, n_same, mask=n_same > 0)

@@ -16,7 +16,6 @@ import torch
 
 from kvcanary.format import ATTRIBUTION_STRIDE, PARTIAL_READ_BYTES, RealKvMode
 from kvcanary.ops import triton_kernels as k
-from kvcanary.ops import validate as v
 
 SCATTER_BLOCK = 256
 FINGERPRINT_BLOCK = 128
@@ -26,6 +25,7 @@ PLAN_BLOCK = 1024
 PLAN_PROGRAMS = 512
 WRITE_BLOCK = 128
 VERIFY_BLOCK = 128
+ACCEPT_BLOCK = 128
 PLAN_WARPS = 8
 WRITE_WARPS = 4
 VERIFY_WARPS = 2
@@ -103,7 +103,7 @@ class _Launcher:
     interpreter, with a launch hook set (profilers), or with KV_CANARY_TRITON_FAST_LAUNCH=0.
     """
 
-    enabled = v.env_flag("KV_CANARY_TRITON_FAST_LAUNCH", True)  # (1/0/true/false/yes/no/on/off)
+    enabled = os.environ.get("KV_CANARY_TRITON_FAST_LAUNCH", "1") != "0"
 
     def __init__(self, fn):
         self.fn = fn
@@ -282,4 +282,18 @@ def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode
         capacity=entries.capacity, p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,
         p_counters=counters, launch_tag=launch_tag, **_source_args(sources, real_kv_mode, buf),
         CHECK_TOKEN=bool(check_token), BLOCK=VERIFY_BLOCK, num_warps=VERIFY_WARPS,
+    )
+
+
+def accept_rewrites(*, head_buf, tail_buf, write_offsets, num_requests, out_cache_loc, sources=(), real_kv_mode=0,
+                    rewrites=None) -> None:
+    loc = _flat(out_cache_loc)
+    n = loc.shape[0]
+    if n == 0:
+        return
+    _launch(k._accept_kernel, (_cdiv(n, ACCEPT_BLOCK),),
+        p_head=head_buf, p_tail=tail_buf, stride=tail_buf.shape[1], num_slots=tail_buf.shape[0],
+        p_write_offsets=write_offsets, num_requests=num_requests, p_loc=loc, num_tokens=n,
+        p_rewrites=write_offsets if rewrites is None else rewrites,
+        **_source_args(sources, real_kv_mode, tail_buf), HAS_REWRITES=rewrites is not None, BLOCK=ACCEPT_BLOCK,
     )

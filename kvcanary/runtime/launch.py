@@ -241,8 +241,8 @@ class ForwardLauncher:
         return c.groups[0], c.groups[0].kvs[0]
 
     def _fused(self, phase: str, *lead) -> bool:
-        """The compiled CPU backend's whole phase in one call: plan + HEAD verify + HEAD write
-        (``numba_ops.head``), or TAIL verify + write + step (``numba_ops.tail``); False: one by one."""
+        """The compiled CPU backend's whole phase in one call: plan + HEAD verify + HEAD write (``numba_ops.head``),
+        or accept_rewrites + TAIL verify + write + step (``numba_ops.tail``); False: one by one."""
         fused = getattr(self.impl, phase, None)
         at = None if fused is None else self._fusable()  # (Triton and torch have no fused calls)
         if at is None:
@@ -251,7 +251,9 @@ class ForwardLauncher:
         verify = dict(buf=g.bufs[phase, kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
                       launch_tag=g.tag(phase, kv), sources=g.sources[kv] if tail else (),
                       real_kv_mode=c._mode(g, kv) if tail else 0)
-        return fused(*lead, verify, self._write_kw(phase, g, self.inputs.loc[0], kv))
+        loc = self.inputs.loc[0]
+        accept = (self._accept_kw(g, loc, kv),) if tail else ()
+        return fused(*lead, verify, self._write_kw(phase, g, loc, kv), *accept)
 
     def after(self, batch) -> None:
         """TAIL verify with real-KV hash, TAIL write, device step + 1 (on the side stream, after the forward)."""
@@ -288,21 +290,23 @@ class ForwardLauncher:
             self.graphs.run(*deferred)
 
     def _head(self, call) -> None:
-        c, impl = self.c, self.impl
-        for g in c.groups:
-            for kv in g.kvs:
-                call(impl.verify, buf=g.bufs["head", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
-                     launch_tag=g.tag("head", kv), sources=(), real_kv_mode=0)
+        self._verify_all("head", call)
         self._write_all("head", call)
 
     def _tail(self, call) -> None:
-        c, impl = self.c, self.impl
-        for g in c.groups:
-            for kv in g.kvs:
-                call(impl.verify, buf=g.bufs["tail", kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
-                     launch_tag=g.tag("tail", kv), sources=g.sources[kv], real_kv_mode=c._mode(g, kv))
+        self._verify_all("tail", call)
         self._write_all("tail", call)
-        call(c.step_tensor.add_, 1)
+        call(self.c.step_tensor.add_, 1)
+
+    def _verify_all(self, phase: str, call) -> None:
+        c, impl, tail = self.c, self.impl, phase == "tail"
+        for g, loc in zip(c.groups, self.inputs.loc):
+            for kv in g.kvs:
+                if tail:  # first: a slot this forward rewrote with the record it holds reads as its new bytes
+                    call(impl.accept_rewrites, **self._accept_kw(g, loc, kv))
+                call(impl.verify, buf=g.bufs[phase, kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
+                     launch_tag=g.tag(phase, kv), sources=g.sources[kv] if tail else (),
+                     real_kv_mode=c._mode(g, kv) if tail else 0)
 
     def _direct(self, batch) -> _Inputs:
         x = _Inputs()
@@ -388,6 +392,12 @@ class ForwardLauncher:
                     chain_check=c.chain_check if first else None,
                     writer_ids=x.writer_ids if self.attribution else None, step=c.step_tensor,
                     chain_hint=g.bufs["head", kv] if tail else None)  # (HEAD wrote the same entries' chain)
+
+    def _accept_kw(self, g, loc, kv: str) -> dict:
+        c = self.c  # (rewrites counted once per forward: on the first group's first buffer)
+        return dict(head_buf=g.bufs["head", kv], tail_buf=g.bufs["tail", kv], write_offsets=g.plan.write_offsets,
+                    num_requests=self.key[0], out_cache_loc=loc, sources=g.sources[kv], real_kv_mode=c._mode(g, kv),
+                    rewrites=c.rewrites if g is c.groups[0] and kv == g.kvs[0] else None)
 
     def _translate(self, loc: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Full-pool slots -> SWA slots through the live table (out of range passes through), in a static buffer."""

@@ -30,7 +30,7 @@ class Monitor:
     def __init__(self, canary, on_violation=None):
         self.canary = canary
         self.on_violation = on_violation
-        watched = {"counters": canary.counters}
+        watched = {"counters": canary.counters, "rewrites": canary.rewrites}
         for g in canary.groups:
             watched[f"plan_count_{g.name}"] = g.plan.entries.requested
         self.observer = HostObserver(canary.ring, watched)
@@ -277,6 +277,7 @@ class Monitor:
 
     def stats(self) -> dict:
         counters = self.counters or [[0, 0]] * len(LaunchTag)
+        obs = self.last_observation
         return {
             "step": self.canary.step,
             "forwards": self.forwards,
@@ -285,6 +286,8 @@ class Monitor:
             "launches": {LaunchTag(i).name: c[0] for i, c in enumerate(counters) if c[0]},
             "sweeps": sum(self.sweeps.values()),
             "violations": self.total_violations,
+            # write entries whose slot already held the same record (ops.accept_rewrites), one step late
+            "idempotent_rewrites": 0 if obs is None else obs.values["rewrites"][0],
         }
 
     def stats_line(self) -> str:
