@@ -284,6 +284,54 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _soak_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="transformers", choices=("transformers", "sim"),
+                   help="transformers continuous batching (tiny models, each workload without and with the "
+                        "canary) or the simulated engine's clean configurations (default transformers)")
+    p.add_argument("--workloads", type=int, default=20, help="how many seeded workloads (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first workload; workload i has seed + i "
+                                                        "(default 0)")
+    p.add_argument("--replay", type=int, default=None, metavar="SEED",
+                   help="run the one workload of this seed and print what it is and what it found")
+    p.add_argument("--bug", default=None, metavar="NAME",
+                   help="plant this engine bug into every canary run (hf_bugs or sim bug names): a campaign "
+                        "that must fail")
+    p.add_argument("--device", default="cpu", help="transformers: cpu or cuda (default cpu)")
+    # (replaces the generic --json flag: a path takes the summary, a bare --json prints it)
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the JSON summary to PATH (bare --json: print it instead of the text)")
+
+
+@command("soak", "seeded clean workloads that must report nothing: violations, greedy tokens against a run "
+                 "without the canary", _soak_args)
+def _soak(args: argparse.Namespace) -> int:
+    if args.engine == "transformers":
+        need_extra("soak --engine transformers", "transformers", "transformers")
+    check_device("--device", args.device)
+    if args.json not in (None, "-"):
+        check_output("--json", args.json)
+    if args.workloads < 1:
+        raise ValueError(f"kv-canary: --workloads must be >= 1, got {args.workloads}")
+    for option, value in (("--seed", args.seed), ("--replay", args.replay)):
+        if value is not None and value < 0:
+            raise ValueError(f"kv-canary: {option} must be >= 0, got {value}")
+    from kvcanary.soak import campaign
+
+    campaign.check_bug(args.engine, args.bug)
+    first, count = (args.replay, 1) if args.replay is not None else (args.seed, args.workloads)
+    summary = campaign.run_campaign(args.engine, count, first, device=args.device, bug=args.bug,
+                                    progress=sys.stderr)
+    text = campaign.format_summary(summary)
+    if args.replay is not None:
+        summary["workload"] = campaign.describe(args.engine, args.replay)
+        text = json.dumps(summary["workload"], default=str) + "\n" + text
+    if args.json not in (None, "-"):
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    print(json.dumps(summary, indent=2, default=str) if args.json == "-" else text)
+    return 0 if summary["ok"] else 1
+
+
 @command("config", "the effective canary configuration (KV_CANARY_* variables) and where each value came from")
 def _config(args: argparse.Namespace) -> int:
     import dataclasses
@@ -320,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcanary {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in sorted(COMMANDS.items()):
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, conflict_handler="resolve")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         add_arguments(p)
     return parser

@@ -1,0 +1,103 @@
+"""What the soak's transformers driver knows about one engine version (transformers 5.17's paged cache).
+
+Kept apart so that a port of the adapter to a newer transformers changes this file alone: the names of
+the batching knobs (block size, pool size, token budget, CPU offload), the CPU swap pool for a machine
+without pinned memory, and how a run without the canary gives up the block the canary reserves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvcanary.soak.hf_workload import HfWorkload
+
+
+def engine_config(w: HfWorkload, device: str) -> dict:
+    """``ContinuousBatchingConfig`` keywords of workload ``w``: synchronous, no CUDA graphs (what the
+    adapter supports), block sharing off for the sliding-window model (the adapter requires it)."""
+    cb = {"block_size": w.block_size, "num_blocks": w.num_blocks, "max_batch_tokens": w.max_batch_tokens,
+          "max_requests_per_batch": w.max_requests_per_batch, "use_async_batching": False,
+          "use_cuda_graph": False, "scheduler_type": "fifo", "allow_block_sharing": w.model != "hybrid"}
+    if w.offload_blocks and device != "cpu":
+        cb["cpu_offload_space"] = w.offload_blocks * _block_bytes(w) / 2 ** 30
+    if w.sampling == "sampled":
+        cb["seed"] = w.seed
+    return cb
+
+
+def _block_bytes(w: HfWorkload) -> int:
+    from kvcanary.demo import TINY_CONFIG
+
+    c = TINY_CONFIG
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    # K and V of every layer, fp32, plus a little so the engine's rounding down keeps every block
+    return 2 * c["num_hidden_layers"] * w.block_size * c["num_key_value_heads"] * head_dim * 4 + 1
+
+
+def processor_shims(w: HfWorkload, device: str, reserve_padding: bool) -> list[Callable]:
+    """Functions to run on each batch processor as the engine creates it (before the canary sees it).
+
+    ``reserve_padding``: the run without the canary takes block 0 out of the free list as the canary does,
+    so both runs have the same capacity and make the same scheduling decisions (same tokens)."""
+    shims: list[Callable] = []
+    if w.offload_blocks and device == "cpu":
+        shims.append(lambda bp: _cpu_swap_pool(bp, w.offload_blocks))
+    if reserve_padding:
+        shims.append(_reserve_block0)
+    return shims
+
+
+def _cpu_swap_pool(bp, blocks: int) -> None:
+    """transformers' swap pool is pinned memory, which a CPU-only torch cannot allocate: plain tensors."""
+    import torch
+
+    om, c = bp.offloading_manager, bp.cache
+    if om._num_cpu_blocks:
+        return
+    shape = (blocks, c.block_size, c.num_key_value_heads, c.head_dim)
+    om._num_cpu_blocks = blocks
+    om._cpu_key_cache = [torch.zeros(shape, dtype=c.dtype) for _ in c.key_cache]
+    om._cpu_value_cache = [torch.zeros(shape, dtype=c.dtype) for _ in c.key_cache]
+    om._gpu_key_views = [k.view(-1, *shape[1:]) for k in c.key_cache]
+    om._gpu_value_views = [v.view(-1, *shape[1:]) for v in c.value_cache]
+    om._free_cpu_blocks = list(range(blocks))
+
+
+def _reserve_block0(bp) -> None:
+    free = bp.cache._block_manager._uninit_block_ids
+    if 0 in free:
+        free.remove(0)
+
+
+def wrap_processors(model, shims: list[Callable]) -> Callable[[], None]:
+    """Run ``shims`` on every batch processor ``model`` creates; returns the undo (per instance, as
+    ``hf_bugs.plant`` does: wrap before ``attach`` so the canary sees the processor shimmed)."""
+    if not shims:
+        return lambda: None
+    had = "init_continuous_batching" in vars(model)
+    prev = model.init_continuous_batching
+
+    def init_continuous_batching(*args, **kwargs):
+        manager = prev(*args, **kwargs)
+        orig_create = manager._create_batch_processor
+
+        def create():
+            bp = orig_create()
+            if not getattr(bp, "_kvcanary_soak", False):
+                bp._kvcanary_soak = True
+                for shim in shims:
+                    shim(bp)
+            return bp
+
+        manager._create_batch_processor = create
+        return manager
+
+    model.init_continuous_batching = init_continuous_batching
+
+    def undo() -> None:
+        if had:
+            model.init_continuous_batching = prev
+        else:
+            vars(model).pop("init_continuous_batching", None)
+
+    return undo
