@@ -6,6 +6,7 @@ TypeError for dtypes, ValueError for shapes, lengths and values.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,25 @@ def fail_type(op: str, name: str, expected: str, got: object) -> TypeError:
 
 def fail_value(op: str, name: str, expected: str, got: object) -> ValueError:
     return ValueError(f"kv-canary: {op} {name} must be {expected}, got {got}")
+
+
+BOOLEAN_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                 "off": False}
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """A boolean environment variable: 1/0/true/false/yes/no/on/off in any case, else ValueError naming it
+    (``false`` must never read as enabled because it is not ``0``)."""
+    value = BOOLEAN_WORDS.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(f"kv-canary: {name} must be a boolean (1/0/true/false/yes/no/on/off), got {raw!r}")
+    return value
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The boolean environment variable ``name`` (``parse_bool``), ``default`` when it is unset."""
+    raw = os.environ.get(name)
+    return default if raw is None else parse_bool(name, raw)
 
 
 def is_int(x: object) -> bool:
@@ -81,11 +101,14 @@ def check_canary_buffer(op: str, buf: torch.Tensor, name: str = "buf") -> None:
 
 
 def check_ring(op: str, ring, counters: torch.Tensor, device: torch.device) -> None:
+    if type(ring).__name__ != "ViolationRing":
+        raise fail_type(op, "ring", "a ViolationRing", type(ring).__name__)
     check_ndim(op, "ring.rows", ring.rows, 2)
     check_dtype(op, "ring.rows", ring.rows, (torch.int64,))
     if ring.rows.shape[1] != VIOLATION_WIDTH or not ring.rows.is_contiguous():
         raise fail_value(op, "ring.rows", f"contiguous [capacity, {VIOLATION_WIDTH}]", f"shape {tuple(ring.rows.shape)}")
-    check_vector(op, "ring.write_index", ring.write_index, (torch.int32,), length=1)
+    check_vector(op, "ring.write_index", check_tensor(op, "ring.write_index", ring.write_index), (torch.int32,),
+                 length=1)
     if ring.rows.shape[0] > VIOLATION_COUNT_LIMIT:
         raise fail_value(op, "ring.rows", f"at most {VIOLATION_COUNT_LIMIT} rows", f"{ring.rows.shape[0]}")
     check_ndim(op, "counters", counters, 2)
@@ -93,6 +116,38 @@ def check_ring(op: str, ring, counters: torch.Tensor, device: torch.device) -> N
     if counters.shape[1] != 2 or not counters.is_contiguous():
         raise fail_value(op, "counters", "contiguous [num_tags, 2]", f"shape {tuple(counters.shape)}")
     check_device(op, device, **{"ring.rows": ring.rows, "ring.write_index": ring.write_index, "counters": counters})
+
+
+def _check_part(op: str, name: str, t: object, dtype: torch.dtype, length: int | None = None,
+                min_length: int | None = None) -> None:
+    # (any strides: hand-built non-contiguous outputs are accepted, tests/test_numba_ops.py)
+    check_vector(op, name, check_tensor(op, name, t), (dtype,), length=length, min_length=min_length)
+
+
+def check_entries(op: str, entries, device: torch.device, name: str = "entries") -> None:
+    """An ``Entries`` the kernels may index: four int64 columns of one capacity, int64 [1] count and
+    requested, int32 [1] enable, all on ``device``. The compiled kernels trust these shapes
+    (a short column is written past its end), so they are checked from metadata before every launch."""
+    if type(entries).__name__ != "Entries":
+        raise fail_type(op, name, "an Entries", type(entries).__name__)
+    _check_part(op, f"{name}.slot", entries.slot, torch.int64)
+    capacity = entries.slot.shape[0]
+    for part in ("position", "prev", "expected_token"):
+        _check_part(op, f"{name}.{part}", getattr(entries, part), torch.int64, length=capacity)
+    for part, dtype in (("count", torch.int64), ("enable", torch.int32), ("requested", torch.int64)):
+        _check_part(op, f"{name}.{part}", getattr(entries, part), dtype, length=1)
+    check_device(op, device, **{f"{name}.{part}": getattr(entries, part) for part in
+                                ("slot", "position", "prev", "expected_token", "count", "enable", "requested")})
+
+
+def check_plan(op: str, plan, device: torch.device, name: str = "plan") -> None:
+    """A ``Plan``: valid ``entries``, int64 seed_slot [max_batch] and write_offsets [max_batch + 1]."""
+    if type(plan).__name__ != "Plan":
+        raise fail_type(op, name, "a Plan", type(plan).__name__)
+    check_entries(op, plan.entries, device, f"{name}.entries")
+    _check_part(op, f"{name}.seed_slot", plan.seed_slot, torch.int64)
+    _check_part(op, f"{name}.write_offsets", plan.write_offsets, torch.int64, length=plan.seed_slot.shape[0] + 1)
+    check_device(op, device, **{f"{name}.seed_slot": plan.seed_slot, f"{name}.write_offsets": plan.write_offsets})
 
 
 def check_launch_tag(op: str, tag: int, counters: torch.Tensor) -> None:
