@@ -152,18 +152,18 @@ def _demo(args: argparse.Namespace) -> int:
 def _zoo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bug", action="append", metavar="NAME",
                    help="run only this planted bug (repeatable; default: every bug, see docs/zoo.md)")
-    p.add_argument("--seeds", type=int, default=1, help="workload seeds per configuration (default 1)")
+    p.add_argument("--seeds", type=int, default=None, help="workload seeds per configuration (default 1)")
     p.add_argument("--config", action="append", metavar="NAME",
                    help="run only this matrix configuration (repeatable; default: the whole matrix)")
     p.add_argument("--distributed", action="store_true",
                    help="the distributed zoo instead: tensor-parallel and prefill/decode runs in N processes "
                         "(docs/distributed.md); --bug then names distributed bugs (--seeds, --config unused)")
-    p.add_argument("--world-size", type=int, default=2, help="with --distributed: processes (default 2)")
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+    p.add_argument("--world-size", type=int, default=None, help="with --distributed: processes, >= 2 (default 2)")
+    p.add_argument("--backend", default=None, choices=("gloo", "nccl"),
                    help="with --distributed: gloo on CPU (default) or nccl, one GPU per rank")
     p.add_argument("--interval", type=int, default=None,
-                   help="with --distributed: forwards between consistency exchanges (default 16)")
-    p.add_argument("--bench-slots", type=int, default=0, metavar="N",
+                   help="with --distributed: forwards between consistency exchanges, >= 1 (default 16)")
+    p.add_argument("--bench-slots", type=int, default=None, metavar="N",
                    help="with --distributed: also time the consistency exchange over an N-slot canary and the "
                         "arrival check of a 4096-token request on each rank's device (default 0: off)")
 
@@ -171,12 +171,13 @@ def _zoo_args(p: argparse.ArgumentParser) -> None:
 @command("zoo", "planted-bug zoo on the simulated engine: every bug where it applies, plus clean baselines",
          _zoo_args)
 def _zoo(args: argparse.Namespace) -> int:
+    _zoo_options(args)
     if args.distributed:
         from kvcanary.distributed import DEFAULT_INTERVAL
         from kvcanary.sim.distributed import format_report, run_distributed
 
-        report = run_distributed(args.world_size, args.backend, args.bug, args.interval or DEFAULT_INTERVAL,
-                                 args.bench_slots)
+        interval = DEFAULT_INTERVAL if args.interval is None else args.interval
+        report = run_distributed(args.world_size, args.backend, args.bug, interval, args.bench_slots)
         emit(args, report.to_dict(), format_report(report))
         return 0 if report.ok else 1
     from kvcanary.sim.zoo import format_table, plan_runs, run_verdict, run_zoo
@@ -195,6 +196,34 @@ def _zoo(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def warn_unused(command: str, option: str, why: str) -> None:
+    """One line on stderr for an option that has no effect in the chosen mode (never silently ignored)."""
+    print(f"kvcanary {command}: warning: {option} has no effect {why}", file=sys.stderr)
+
+
+def _zoo_options(args: argparse.Namespace) -> None:
+    """Warn of the options the chosen zoo ignores, check the distributed ones, then fill in the defaults."""
+    mode_options = (("--seeds", args.seeds), ("--config", args.config))
+    dist_options = (("--world-size", args.world_size), ("--backend", args.backend), ("--interval", args.interval),
+                    ("--bench-slots", args.bench_slots))
+    if args.distributed:
+        for option, value in mode_options:
+            if value is not None:
+                warn_unused("zoo", option, "with --distributed (its scenarios have configurations of their own)")
+        for option, value, low in (("--world-size", args.world_size, 2), ("--interval", args.interval, 1),
+                                   ("--bench-slots", args.bench_slots, 0)):
+            if value is not None and value < low:
+                raise ValueError(f"kv-canary: {option} must be >= {low}, got {value}")
+    else:
+        for option, value in dist_options:
+            if value is not None:
+                warn_unused("zoo", option, "without --distributed")
+    args.seeds = 1 if args.seeds is None else args.seeds
+    args.world_size = 2 if args.world_size is None else args.world_size
+    args.backend = args.backend or "gloo"
+    args.bench_slots = args.bench_slots or 0
+
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--providers", nargs="+", default=None, help="default: triton torch on cuda, numba (when it imports) torch on cpu")
@@ -206,7 +235,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", nargs="*", default=None, metavar="WORKLOAD",
                    help="canary cost inside transformers continuous batching instead of op throughput: the "
                         "named workloads (default: every one for the device; kvcanary.bench.suite)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per engine workload (default 900)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="with --engine: seconds per engine workload (default 900)")
     p.add_argument("--canary-option", action="append", default=[], metavar="KEY=VALUE",
                    help="with --engine: canary configuration of the runs, a CanaryConfig field each "
                         "(e.g. real_kv=all, check_v=true); repeatable")
@@ -230,6 +260,8 @@ def _bench(args: argparse.Namespace) -> int:
                          "without --engine")
     if args.lockstep:
         raise ValueError("kv-canary: --lockstep applies to --engine runs only, got it without --engine")
+    if args.timeout is not None:
+        warn_unused("bench", "--timeout", "without --engine (op runs have no per-workload deadline)")
     import torch
 
     from kvcanary.bench.ops import bench_main
@@ -255,6 +287,10 @@ def _bench_engine(args: argparse.Namespace) -> int:
     from kvcanary.bench import suite as bench_suite
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for option, given in (("--small", args.small), ("--workloads", args.workloads)):
+        if given:
+            warn_unused("bench", option, "with --engine (name engine workloads after --engine)")
+    args.timeout = 900.0 if args.timeout is None else args.timeout
     if args.timeout <= 0:
         raise ValueError(f"kv-canary: --timeout must be > 0 seconds, got {args.timeout}")
     if args.providers:

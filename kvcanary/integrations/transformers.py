@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 
 from kvcanary.integrations.hf_layout import SUPPORTED_RANGE, Patcher, check_engine, check_version
 from kvcanary.integrations.hf_session import Session
@@ -66,9 +67,26 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
     if unknown:
         raise TypeError(f"kv-canary: attach got unknown options {sorted(unknown)}; expected CanaryConfig fields "
                         f"or {list(INTEGRATION_OPTIONS)}")
+    if config is not None and not isinstance(config, CanaryConfig):
+        raise TypeError(f"kv-canary: attach config must be a CanaryConfig or None, got {type(config).__name__} "
+                        f"{config!r} (options such as mode='raise' are keyword arguments of attach)")
+    _check_options(options)
+    try:
+        import transformers  # noqa: F401  (the extra; hf_layout imports it lazily)
+    except ImportError as e:
+        raise ImportError(f"kv-canary: attach needs the transformers package, got an ImportError ({e}); install "
+                          "it with pip install 'kv-canary[transformers]'") from e
     check_version(allow_unsupported=bool(options.get("allow_unsupported_version")))
+    live = live_handle(model_or_manager)
+    if live is not None:
+        # Two handles on one engine would stack their hooks; detaching them out of order reinstalls the
+        # other's hooks, so a second canary is refused instead of composed.
+        raise RuntimeError(f"kv-canary: attach model_or_manager must not be guarded already, got a "
+                           f"{type(model_or_manager).__name__} with a live handle {live!r}; call its detach() "
+                           "first")
     overrides = {k: v for k, v in options.items() if k in _CONFIG_FIELDS}
     config = CanaryConfig.from_env(**overrides) if config is None else config.replace(**overrides)
+    _warn_unused(options, config)
     handle = TransformersHandle(config, {k: v for k, v in options.items() if k in INTEGRATION_OPTIONS})
     try:
         if hasattr(model_or_manager, "_create_batch_processor"):
@@ -84,6 +102,60 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
     return handle
 
 
+_FLAG_OPTIONS = tuple(o for o in INTEGRATION_OPTIONS if o != "max_context")
+# The instance attributes a live handle installs: attach reads them to find an engine already guarded.
+_HOOKED = {"model": ("init_continuous_batching", "generate_batch"), "manager": ("_create_batch_processor", "stop")}
+
+
+def _check_options(options: dict) -> None:
+    """TypeError/ValueError for an integration option of the wrong type or range (before anything is hooked)."""
+    for name in _FLAG_OPTIONS:
+        if name in options and not isinstance(options[name], bool):
+            raise TypeError(f"kv-canary: attach {name} must be a bool (True/False), got {options[name]!r}")
+    ctx = options.get("max_context")
+    if ctx is not None:
+        if not isinstance(ctx, int) or isinstance(ctx, bool):
+            raise TypeError(f"kv-canary: attach max_context must be an int >= 1 or None, got {ctx!r}")
+        if ctx < 1:
+            raise ValueError(f"kv-canary: attach max_context must be an int >= 1 or None (None: the cache's "
+                             f"pages), got {ctx!r}")
+
+
+def _warn_unused(options: dict, config: CanaryConfig) -> None:
+    """One warning per option set explicitly where the rest of the set-up gives it no effect."""
+    why = {}
+    if options.get("late_hooks") is True:
+        blocker = ("token_oracle=True" if options.get("token_oracle") else
+                   "check_before_forward=True" if config.check_before_forward else
+                   "fault injection" if config.injecting else None)
+        if blocker:
+            why["late_hooks"] = f"with {blocker} (the hooks run before the forward)"
+    needs = {"fused_steps": ("step_graphs", "late_hooks"), "in_graph_waits": ("step_graphs", "fused_steps"),
+             "bucket_batches": ("step_graphs",)}
+    for name, required in needs.items():
+        off = [r for r in required if options.get(r) is False]
+        if options.get(name) is True and off:
+            why[name] = f"with {off[0]}=False"
+    for name, text in why.items():
+        warnings.warn(f"kv-canary: attach option {name}=True has no effect {text}", UserWarning, stacklevel=3)
+
+
+def live_handle(model_or_manager) -> TransformersHandle | None:
+    """The attached handle whose hooks are on this model or manager (or on the model's cached manager)."""
+    objs = [model_or_manager]
+    cached = vars(model_or_manager).get("_cached_continuous_batching_manager") if hasattr(
+        model_or_manager, "__dict__") else None
+    if cached is not None:
+        objs.append(cached)
+    for obj in objs:
+        for names in _HOOKED.values():
+            for name in names:
+                handle = getattr(vars(obj).get(name), "kvcanary_handle", None) if hasattr(obj, "__dict__") else None
+                if handle is not None and handle._attached:
+                    return handle
+    return None
+
+
 class TransformersHandle:
     """What ``attach`` returns: the canaries of each batching session, their reports, and ``detach``.
 
@@ -92,6 +164,11 @@ class TransformersHandle:
         sessions: one per batch processor (per paged cache) created while attached.
         errors: exceptions raised inside hooks (the engine runs them on its background thread).
     """
+
+    def __repr__(self) -> str:
+        state = "attached" if self._attached else "detached"
+        return (f"<TransformersHandle at {id(self):#x}: {state}, {len(self.sessions)} session(s), "
+                f"{self.forwards} forwards>")
 
     def __init__(self, config: CanaryConfig, options: dict):
         self.config, self.options = config, options
@@ -128,6 +205,8 @@ class TransformersHandle:
             self.check()
             return out
 
+        for fn in (init_continuous_batching, generate_batch):
+            fn.kvcanary_handle = self  # (live_handle finds it)
         self._patcher.set(model, "init_continuous_batching", init_continuous_batching)
         self._patcher.set(model, "generate_batch", generate_batch)
 
@@ -158,6 +237,8 @@ class TransformersHandle:
                         s.close()
             return out
 
+        for fn in (create_batch_processor, stop):
+            fn.kvcanary_handle = self  # (live_handle finds it)
         self._patcher.set(manager, "_create_batch_processor", create_batch_processor)
         self._patcher.set(manager, "stop", stop)
         if manager.batch_processor is not None and self._session_of(manager.batch_processor) is None:
@@ -244,7 +325,8 @@ class TransformersHandle:
 
     def detach(self) -> None:
         """Close every session (final drain), restore every rebound method and the reserved block,
-        then raise any hook exception not raised yet."""
+        then raise any hook exception not raised yet. A second call does nothing; only this handle's
+        hooks are removed (``attach`` refuses a second handle on a guarded engine)."""
         if not self._attached:
             return
         running = [s for s in self.sessions if not s.closed and s.manager is not None and s.manager.is_running()]

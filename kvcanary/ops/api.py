@@ -162,8 +162,7 @@ def plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_le
     v.check_vector(op, "extend_lens", extend_lens, v.INDEX_DTYPES, length=bs)
     v.check_ndim(op, "req_to_token", req_to_token, 2)
     v.check_dtype(op, "req_to_token", req_to_token, v.INDEX_DTYPES)
-    if not isinstance(out, Plan):
-        raise v.fail_type(op, "out", "a Plan", type(out).__name__)
+    v.check_plan(op, out, req_to_token.device, "out")  # (the compiled kernels trust its shapes)
     if bs > out.max_batch:
         raise v.fail_value(op, "req_pool_indices", f"at most the plan's max_batch ({out.max_batch}) long", bs)
     if not v.is_int(window) or window < 0:
@@ -181,8 +180,7 @@ def plan(*, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_le
         raise v.fail_value(op, "token_offset", "0 or 1", repr(token_offset))
     device = req_to_token.device
     v.check_device(op, device, req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                   full_to_swa=full_to_swa, token_table=token_table, token_valid_lens=token_valid_lens,
-                   **{"out.entries.slot": out.entries.slot})
+                   full_to_swa=full_to_swa, token_table=token_table, token_valid_lens=token_valid_lens)
     _impl(backend, device).plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                 req_to_token=req_to_token, out=out, window=window, full_to_swa=full_to_swa,
                                 token_table=token_table, token_valid_lens=token_valid_lens,
@@ -227,12 +225,9 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
     """
     op = "write"
     v.check_canary_buffer(op, buf)
-    if not isinstance(plan, Plan):
-        raise v.fail_type(op, "plan", "a Plan", type(plan).__name__)
+    v.check_plan(op, plan, buf.device)
     if not v.is_int(num_requests) or not 0 <= num_requests <= plan.max_batch:
         raise v.fail_value(op, "num_requests", f"an int in [0, {plan.max_batch}]", repr(num_requests))
-    v.check_vector(op, "plan.write_offsets", plan.write_offsets, (torch.int64,), min_length=num_requests + 1)
-    v.check_vector(op, "plan.seed_slot", plan.seed_slot, (torch.int64,), min_length=num_requests)
     v.check_vector(op, "out_cache_loc", out_cache_loc, v.INDEX_DTYPES)
     n = out_cache_loc.shape[0]
     v.check_vector(op, "input_ids", input_ids, v.INDEX_DTYPES, length=n)
@@ -257,8 +252,7 @@ def write(*, buf: torch.Tensor, plan: Plan, num_requests: int, out_cache_loc: to
     sources = v.check_sources(op, sources, real_kv_mode, buf.device)
     v.check_device(op, buf.device, out_cache_loc=out_cache_loc, input_ids=input_ids, positions=positions,
                    expected_input_ids=expected_input_ids, expected_positions=expected_positions,
-                   chain_check=chain_check, writer_ids=writer_ids, step=step, chain_hint=chain_hint,
-                   **{"plan.write_offsets": plan.write_offsets, "plan.seed_slot": plan.seed_slot})
+                   chain_check=chain_check, writer_ids=writer_ids, step=step, chain_hint=chain_hint)
     v.check_write_offsets(op, plan.write_offsets, num_requests)
     _impl(backend, buf.device).write(
         buf=buf, write_offsets=plan.write_offsets, seed_slot=plan.seed_slot, num_requests=num_requests,
@@ -286,14 +280,12 @@ def verify(*, buf: torch.Tensor, entries: Entries, ring: ViolationRing, counters
     """
     op = "verify"
     v.check_canary_buffer(op, buf)
-    if not isinstance(entries, Entries):
-        raise v.fail_type(op, "entries", "an Entries", type(entries).__name__)
+    v.check_entries(op, entries, buf.device)
     v.check_ring(op, ring, counters, buf.device)
     v.check_launch_tag(op, launch_tag, counters)
     sources = v.check_sources(op, sources, real_kv_mode, buf.device)
     if not isinstance(check_token, bool):
         raise v.fail_type(op, "check_token", "a bool", type(check_token).__name__)
-    v.check_device(op, buf.device, **{"entries.slot": entries.slot})
     _impl(backend, buf.device).verify(buf=buf, entries=entries, ring=ring, counters=counters,
                                       launch_tag=int(launch_tag), sources=sources, real_kv_mode=int(real_kv_mode),
                                       check_token=check_token)
@@ -327,17 +319,14 @@ def accept_rewrites(*, head_buf: torch.Tensor, tail_buf: torch.Tensor, plan: Pla
     if head_buf.shape != tail_buf.shape:
         raise v.fail_value(op, "head_buf", f"of tail_buf's shape {tuple(tail_buf.shape)}",
                            f"shape {tuple(head_buf.shape)}")
-    if not isinstance(plan, Plan):
-        raise v.fail_type(op, "plan", "a Plan", type(plan).__name__)
+    v.check_plan(op, plan, tail_buf.device)
     if not v.is_int(num_requests) or not 0 <= num_requests <= plan.max_batch:
         raise v.fail_value(op, "num_requests", f"an int in [0, {plan.max_batch}]", repr(num_requests))
-    v.check_vector(op, "plan.write_offsets", plan.write_offsets, (torch.int64,), min_length=num_requests + 1)
     v.check_vector(op, "out_cache_loc", out_cache_loc, v.INDEX_DTYPES)
     if rewrites is not None:
         v.check_vector(op, "rewrites", rewrites, (torch.int64,), length=1)
     sources = v.check_sources(op, sources, real_kv_mode, tail_buf.device)
-    v.check_device(op, tail_buf.device, head_buf=head_buf, out_cache_loc=out_cache_loc, rewrites=rewrites,
-                   **{"plan.write_offsets": plan.write_offsets})
+    v.check_device(op, tail_buf.device, head_buf=head_buf, out_cache_loc=out_cache_loc, rewrites=rewrites)
     v.check_write_offsets(op, plan.write_offsets, num_requests)
     _impl(backend, tail_buf.device).accept_rewrites(
         head_buf=head_buf, tail_buf=tail_buf, write_offsets=plan.write_offsets, num_requests=num_requests,
@@ -353,6 +342,8 @@ def fill_entries(entries: Entries, slots: torch.Tensor, positions: torch.Tensor,
     overflowing plan (the first ``capacity`` triples are still loaded).
     """
     op = "fill_entries"
+    # (the triples may live elsewhere: they are copied in; the entries' own parts share one device)
+    v.check_entries(op, entries, getattr(getattr(entries, "slot", None), "device", torch.device("cpu")))
     v.check_vector(op, "slots", slots, v.INDEX_DTYPES)
     n = slots.shape[0]
     v.check_vector(op, "positions", positions, v.INDEX_DTYPES, length=n)

@@ -16,6 +16,7 @@ import torch
 
 from kvcanary.format import ATTRIBUTION_STRIDE, PARTIAL_READ_BYTES, RealKvMode
 from kvcanary.ops import triton_kernels as k
+from kvcanary.ops import validate as v
 
 SCATTER_BLOCK = 256
 FINGERPRINT_BLOCK = 128
@@ -103,7 +104,7 @@ class _Launcher:
     interpreter, with a launch hook set (profilers), or with KV_CANARY_TRITON_FAST_LAUNCH=0.
     """
 
-    enabled = os.environ.get("KV_CANARY_TRITON_FAST_LAUNCH", "1") != "0"
+    enabled = v.env_flag("KV_CANARY_TRITON_FAST_LAUNCH", True)  # (1/0/true/false/yes/no/on/off)
 
     def __init__(self, fn):
         self.fn = fn

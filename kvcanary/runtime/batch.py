@@ -157,6 +157,26 @@ class ForwardBatch:
         return int(self.out_cache_loc.shape[0])
 
 
+def check_distinct_rows(batch: ForwardBatch) -> None:
+    """ValueError when two real requests of one forward share a request row (row 0, the padding row,
+    may repeat). Both would plan their reads and writes from the same table row: the first one's new
+    tokens are never written where the second reads them, and the canary would report false
+    violations instead of the engine's bug. Reads the rows' values: a sync on CUDA, so it runs with
+    the value checks (``CanaryConfig.value_check``)."""
+    t = batch.req_pool_indices
+    rows = (t if t.is_cpu else t.cpu()).tolist()  # (batches are short: a list and a set beat tensor ops)
+    real = len(rows) - rows.count(0)
+    if real < 2 or len(set(rows)) - (0 in rows) == real:
+        return
+    seen: dict[int, int] = {}
+    for i, row in enumerate(rows):
+        if row != 0 and row in seen:
+            raise ValueError(f"kv-canary: forward batch req_pool_indices must be distinct rows for real requests "
+                             f"(only the padding row 0 may repeat), got row {row} at batch indices {seen[row]} "
+                             f"and {i}")
+        seen[row] = i
+
+
 def translate_slot(x: int, table: list[int] | None) -> int:
     """A full-pool slot through a full->SWA table as a list (out of range passes through, as in the ops)."""
     return table[x] if table is not None and 0 <= x < len(table) else x

@@ -19,7 +19,7 @@ import torch
 from kvcanary import ops
 from kvcanary.ops import validate as v
 from kvcanary.format import RealKvMode, launch_tag
-from kvcanary.runtime.batch import ForwardBatch, PoolSpec
+from kvcanary.runtime.batch import ForwardBatch, PoolSpec, check_distinct_rows
 from kvcanary.runtime.checks import canary_device, check_batch_sizes, check_batch_values
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.inject import Injector
@@ -165,7 +165,14 @@ class Canary(RecordMoves):
             # and after every stream's: an adapter may replay its before work on a stream of its own, and
             # the snapshot resets the ring, which must not overtake a verify still appending to it
             torch.cuda.synchronize(self.device)
-        self.monitor.drain_open(self._open, self.step + 1)
+        try:
+            self.monitor.drain_open(self._open, self.step + 1)
+        except BaseException:
+            # The caller will not run this forward (mode "raise" raised on what it would read): the forward
+            # is abandoned, not left open, so the next before_forward starts a new one (docs/runtime.md).
+            # The step does not advance; HEAD's records of the new tokens stay, and a retry rewrites them.
+            self._open = None
+            raise
 
     def after_forward(self, batch: ForwardBatch) -> None:
         """Device part, then host part, after the engine's forward wrote KV."""
@@ -285,6 +292,7 @@ class Canary(RecordMoves):
         if self._check_values:
             check_batch_values(batch, num_rows=self.num_rows, num_slots=self.pool.num_slots,
                                max_context=self.max_context)
+            check_distinct_rows(batch)
 
     def replayed_step(self, batch: ForwardBatch, slot=None, done=(), launch_s: float = 0.0) -> None:
         """The host side of a whole step an adapter captured as one sequence and replayed after the forward

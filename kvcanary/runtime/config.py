@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 
 from kvcanary.format import DEFAULT_RECORD_STRIDE
+from kvcanary.ops.validate import parse_bool
 
 MODES = ("none", "log", "raise")
 REAL_KV_MODES = ("none", "partial", "all")
@@ -20,6 +21,17 @@ ENV_PREFIX = "KV_CANARY_"
 INJECT_PROBS = ("inject_table_prob", "inject_kv_prob", "inject_cached_prob", "inject_after_prob", "inject_swap_prob")
 # Variables with the prefix that are read elsewhere (not CanaryConfig fields): no "unknown variable" warning.
 OTHER_VARIABLES = ("KV_CANARY_TRITON_FAST_LAUNCH",)
+# Upper bounds of the size and count knobs (docs/configuration.md). Past them an allocation (a ring of
+# 2**30 rows is 64 GiB, three more copies on CUDA) or a counter would fail at the first Canary or step,
+# far from the setting and without naming it; each bound sits well above any engine's real need.
+MAX_RECORD_STRIDE = 1024  # bytes per record: 128 int64 fields, 6 used
+MAX_RING_CAPACITY = 1 << 20  # rows: 64 MiB per ring
+MAX_ENTRIES = 1 << 27  # plan_capacity, sweep_capacity: 4 GiB of entries per group
+MAX_COUNT = (1 << 31) - 1  # step intervals, warm-ups, report blocks
+UPPER_BOUNDS = {"record_stride": MAX_RECORD_STRIDE, "ring_capacity": MAX_RING_CAPACITY,
+                "plan_capacity": MAX_ENTRIES, "sweep_capacity": MAX_ENTRIES, "sweep_interval": MAX_COUNT,
+                "warmup_steps": MAX_COUNT, "health_interval": MAX_COUNT, "stats_interval": MAX_COUNT,
+                "report_blocks": MAX_COUNT, "inject_warmup": MAX_COUNT}
 
 
 class ConfigError(ValueError):
@@ -117,6 +129,9 @@ class CanaryConfig:
                      "stats_interval", "report_blocks", "inject_warmup"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, ">= 0", getattr(self, name))
+        for name, bound in UPPER_BOUNDS.items():
+            if getattr(self, name) > bound:
+                raise ConfigError(name, f"<= {bound} (docs/configuration.md, 'Bounds')", getattr(self, name))
         for name in INJECT_PROBS:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(name, "in [0, 1]", getattr(self, name))
@@ -194,12 +209,7 @@ def _parse(field: dataclasses.Field, raw: str):
     name = ENV_PREFIX + field.name.upper()
     kind = _kind(field)
     if kind == "bool":
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"kv-canary: {name} must be a boolean (1/0/true/false/yes/no/on/off), got {raw!r}")
+        return parse_bool(name, raw)
     if kind == "int":
         try:
             return int(raw)
