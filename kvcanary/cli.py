@@ -93,6 +93,8 @@ def _recall_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="", help="comma-separated sim configurations (default: the whole matrix)")
     p.add_argument("--seed", type=int, default=0, help="injection seed of the first configuration (default 0)")
     p.add_argument("--sim-seed", type=int, default=0, help="workload seed of every configuration (default 0)")
+    p.add_argument("--markdown", action="store_true",
+                   help="the table as Markdown (as docs/fault_injection.md shows it)")
 
 
 @command("recall", "fault injection on the simulated engine: recall of every perturbation kind", _recall_args)
@@ -120,7 +122,7 @@ def _recall(args: argparse.Namespace) -> int:
         print(f"[{i + 1}/{len(names)}] {name}: {len(kinds) + (len(kinds) > 1)} runs, "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     reports = {run: RecallReport.merge(r[run] for r in per_config) for run in per_config[0]}
-    emit(args, {name: rep.to_dict() for name, rep in reports.items()}, recall_table(reports, markdown=False))
+    emit(args, {name: rep.to_dict() for name, rep in reports.items()}, recall_table(reports, markdown=args.markdown))
     return 0 if all(not r.false_positives and r.recall in (None, 1.0) for r in reports.values()) else 1
 
 
@@ -155,6 +157,8 @@ def _zoo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=None, help="workload seeds per configuration (default 1)")
     p.add_argument("--config", action="append", metavar="NAME",
                    help="run only this matrix configuration (repeatable; default: the whole matrix)")
+    p.add_argument("--markdown", action="store_true",
+                   help="the table as Markdown with each bug's mistake in words (as the README shows it)")
     p.add_argument("--distributed", action="store_true",
                    help="the distributed zoo instead: tensor-parallel and prefill/decode runs in N processes "
                         "(docs/distributed.md); --bug then names distributed bugs (--seeds, --config unused)")
@@ -172,6 +176,8 @@ def _zoo_args(p: argparse.ArgumentParser) -> None:
          _zoo_args)
 def _zoo(args: argparse.Namespace) -> int:
     _zoo_options(args)
+    if args.distributed and args.markdown:
+        raise ValueError("kv-canary: --markdown applies to the simulated engine's zoo, got it with --distributed")
     if args.distributed:
         from kvcanary.distributed import DEFAULT_INTERVAL
         from kvcanary.sim.distributed import format_report, run_distributed
@@ -180,7 +186,7 @@ def _zoo(args: argparse.Namespace) -> int:
         report = run_distributed(args.world_size, args.backend, args.bug, interval, args.bench_slots)
         emit(args, report.to_dict(), format_report(report))
         return 0 if report.ok else 1
-    from kvcanary.sim.zoo import format_table, plan_runs, run_verdict, run_zoo
+    from kvcanary.sim.zoo import format_markdown, format_table, plan_runs, run_verdict, run_zoo
 
     if args.seeds < 1:
         raise ValueError(f"kv-canary: --seeds must be >= 1, got {args.seeds}")
@@ -192,7 +198,7 @@ def _zoo(args: argparse.Namespace) -> int:
               f"{r.first_detected_step}, {r.violations} violations, {r.wall_s:.1f} s)", file=sys.stderr, flush=True)
 
     report = run_zoo(args.bug, args.seeds, args.config, progress=progress)
-    emit(args, report.to_dict(), format_table(report))
+    emit(args, report.to_dict(), (format_markdown if args.markdown else format_table)(report))
     return 0 if report.ok else 1
 
 
