@@ -86,7 +86,8 @@ def test_sim_slice_is_clean():
 def test_exact_cached_prefix_prompt_is_not_a_false_alarm():
     """A prompt that is exactly an earlier request's whole-block system prompt: the engine matches all of it
     and computes its last token again into the shared block while the other request reads that slot (the
-    same token, position and chain; KV bytes equal up to rounding). Clean: no violation."""
+    same token, position and chain; KV bytes equal up to rounding). Clean: no violation. (The known false
+    alarm: one verify_real_kv_hash per run before ops.accept_rewrites, ce1d61c.)"""
     from kvcanary.soak.hf_run import run_hf_workload
 
     system = tuple((37 * i + 11) % 512 for i in range(8))
