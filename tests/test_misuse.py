@@ -379,3 +379,10 @@ def test_bench_timeout_without_engine_warns(monkeypatch, capsys):
     monkeypatch.setattr(cli, "emit", lambda *a: None)
     assert cli.main(["bench", "--timeout", "5", "--providers", "torch"]) == 0
     assert "kvcanary bench: warning: --timeout has no effect without --engine" in capsys.readouterr().err
+
+
+def test_kvcanary_config_names_a_variable_past_its_bound(monkeypatch, capsys):
+    monkeypatch.setenv("KV_CANARY_RING_CAPACITY", str(config_mod.MAX_RING_CAPACITY + 1))
+    assert cli.main(["config"]) == 2
+    err = capsys.readouterr().err
+    assert f"kvcanary config: error: kv-canary: KV_CANARY_RING_CAPACITY must be <= {config_mod.MAX_RING_CAPACITY}" in err
