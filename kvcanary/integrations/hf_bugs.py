@@ -2,6 +2,8 @@
 
 Each bug is a realistic bookkeeping mistake from shared/BUGS.md, planted per instance on the batch
 processor transformers creates (below kv-canary's hooks: plant first, then attach). It fires once.
+The engine internals each one reaches come from the cache's layout (``hf_layout.EngineLayout``), so
+the same bugs are planted in every paged-cache generation the adapter supports.
 
 Example:
     >>> undo = plant(model, "double-free"); handle = attach(model); ...; handle.detach(); undo()
@@ -55,7 +57,7 @@ def plant(model, name: str) -> Callable[[], None]:
             if not getattr(bp, "_kvcanary_bug", None):
                 bp._kvcanary_bug = name
                 _zero_pool(bp)
-                _PLANTERS[name.replace("-", "_")](bp, state)
+                _PLANTERS[name.replace("-", "_")](bp, _layout(bp), state)
             return bp
 
         manager._create_batch_processor = create
@@ -78,8 +80,13 @@ def _zero_pool(bp) -> None:
     inf, which the sampler rejects (a device-side assert on CUDA, an error ending the generation loop on
     the CPU) before the canary's work of that step has run. Zeros keep the forward finite, so each run
     shows the canary's report, whatever the allocator left in that memory."""
-    for t in (*bp.cache.key_cache, *bp.cache.value_cache):
-        t.zero_()
+    _layout(bp).zero_pool()
+
+
+def _layout(bp):
+    from kvcanary.integrations.hf_layout import EngineLayout  # (not at import time: the CLI reads BUGS without torch)
+
+    return EngineLayout.from_cache(bp.cache)
 
 
 def _once(state) -> bool:
@@ -89,111 +96,92 @@ def _once(state) -> bool:
     return True
 
 
-def double_free(bp, state) -> None:
+def double_free(bp, lay, state) -> None:
     cache = bp.cache
-    free, orig = cache._block_manager._uninit_block_ids, cache.free_blocks
+    orig = cache.free_blocks
 
-    def free_blocks(request_id):
-        table = list(cache.group_cache_managers[0].block_table.get(request_id, []))
-        orig(request_id)
-        if table and table[-1] in free and _once(state):
-            free.remove(table[-1])
-            free.appendleft(table[-1])
-            free.appendleft(table[-1])
+    def free_blocks(request_id, *args, **kwargs):
+        table = list(lay.block_table(lay.full_group).get(request_id, []))
+        orig(request_id, *args, **kwargs)
+        if table and lay.is_free(table[-1]) and _once(state):
+            lay.take_free(table[-1])
+            lay.hand_out_next(table[-1], times=2)
 
     cache.free_blocks = free_blocks
 
 
-def early_free(bp, state) -> None:
-    orig, cache = bp.update_batch, bp.cache
+def early_free(bp, lay, state) -> None:
+    orig = bp.update_batch
 
     def update_batch():
         orig()
-        for rid, table in cache.group_cache_managers[0].block_table.items():
+        for rid, table in lay.block_table(lay.full_group).items():
             if len(table) >= 2 and _once(state):
-                cache._block_manager._uninit_block_ids.appendleft(table[0])
+                lay.hand_out_next(table[0])
                 return
 
     bp.update_batch = update_batch
 
 
-def wrong_block(bp, state) -> None:
-    orig, cache = bp.update_batch, bp.cache
+def wrong_block(bp, lay, state) -> None:
+    orig = bp.update_batch
 
     def update_batch():
         orig()
-        tables = [t for t in cache.group_cache_managers[0].block_table.values() if len(t) >= 2]
+        tables = [t for t in lay.block_table(lay.full_group).values() if len(t) >= 2]
         if len(tables) >= 2 and tables[0][1] != tables[1][1] and _once(state):
             tables[1][1] = tables[0][1]
 
     bp.update_batch = update_batch
 
 
-def skip_fork_copy(bp, state) -> None:
-    orig, cache = bp.cache.copy_cache, bp.cache
+def skip_fork_copy(bp, lay, state) -> None:
     # A zero-filled pool (as engines that profile memory leave it): the skipped copy leaves finite, wrong KV
     # and generation goes on silently instead of sampling from NaN garbage.
-    for t in (*cache.key_cache, *cache.value_cache):
-        t.zero_()
-
-    def copy_cache(src, dst):
-        if not _once(state):
-            orig(src, dst)
-
-    cache.copy_cache = copy_cache
+    lay.zero_pool()
+    lay.wrap_fork_copy(lambda src, dst: _once(state))
 
 
-def _flip(cache, slot: int) -> None:
+def _flip(lay, slot: int) -> None:
     import torch  # not at import time: the CLI reads BUGS for its --help without torch
 
-    _, j = cache.layer_index_to_group_indices[0]
-    cache.key_cache[j][slot].view(torch.uint8).view(-1)[1] ^= 0x10
+    lay.k_row(0, slot).view(torch.uint8).view(-1)[1] ^= 0x10
 
 
-def flip_kv(bp, state) -> None:
-    orig, cache = bp._generation_step, bp.cache
+def flip_kv(bp, lay, state) -> None:
+    orig = bp._generation_step
 
     def step(model):
         orig(model)
         for fs in bp.inputs_and_outputs.requests_in_batch:
             st = fs.state
-            table = cache.group_cache_managers[0].block_table.get(st.request_id, [])
+            table = lay.block_table(lay.full_group).get(st.request_id, [])
             # A token this forward read (in the prefix), not one it wrote.
             if st.position_offset - fs.query_length > 1 and table and _once(state):
-                _flip(cache, table[0] * cache.block_size + 1)
+                _flip(lay, lay.slot(table[0], 1))
                 return
 
     bp._generation_step = step
 
 
-def flip_idle_cache(bp, state) -> None:
-    orig, cache = bp.update_batch, bp.cache
+def flip_idle_cache(bp, lay, state) -> None:
+    orig = bp.update_batch
 
     def update_batch():
         orig()
-        idle = list(cache._block_manager._init_block_ids)
+        idle = lay.idle_blocks()
         if idle and _once(state):
-            _flip(cache, idle[0] * cache.block_size + 2)
+            _flip(lay, lay.slot(idle[0], 2))
 
     bp.update_batch = update_batch
 
 
-def prefix_key_collision(bp, state) -> None:
-    bm = bp.cache._block_manager
-    orig = bm.compute_hash
-
-    def compute_hash(parent_hash, tokens, group_id):
-        return orig(None, tokens, group_id)
-
-    bm.compute_hash = compute_hash
+def prefix_key_collision(bp, lay, state) -> None:
+    lay.parentless_prefix_hash()
 
 
-def _full_manager(cache):
-    return cache.group_cache_managers[0]
-
-
-def wrong_read_index(bp, state) -> None:
-    cm, B = _full_manager(bp.cache), bp.cache.block_size
+def wrong_read_index(bp, lay, state) -> None:
+    cm = lay.full_allocator()
     orig = cm.get_read_indices
 
     def get_read_indices(request_id, past_length, query_length):
@@ -202,61 +190,54 @@ def wrong_read_index(bp, state) -> None:
             own = set(cm.block_table[request_id])
             other = next((t for t in cm.block_table.values() if t and not own & set(t)), None)
             if other is not None and _once(state):
-                out[1] = other[0] * B + 2  # another request's position 2, read as our position 1
+                out[1] = lay.slot(other[0], 2)  # another request's position 2, read as our position 1
         return out
 
     cm.get_read_indices = get_read_indices
 
 
-def contiguous_read_index(bp, state) -> None:
-    cm, B = _full_manager(bp.cache), bp.cache.block_size
+def contiguous_read_index(bp, lay, state) -> None:
+    cm, B = lay.full_allocator(), lay.block_size
     orig = cm.get_read_indices
 
     def get_read_indices(request_id, past_length, query_length):
         out = orig(request_id, past_length, query_length)
         table = cm.block_table[request_id]
         n = (past_length - 1) // B + 1 if past_length else 0
-        # (a fork's guess may land on its parent's identical block: harmless, so wait for one that is not)
+        # Planted once the guess lands on another request's block inside the pool (a fork's guess may land on
+        # its parent's identical block: harmless; a guess past the pool's end fails the engine's own gather
+        # first). That block may hold other positions, or none yet (allocated for this step's chunk).
         root = request_id.split("__child")[0]
-        kin = {b for rid, t in cm.block_table.items() if rid.split("__child")[0] == root for b in t}
-        if n >= 2 and any(table[0] + i not in kin for i in range(n)) and _once(state):
-            out[:past_length] = range(table[0] * B, table[0] * B + past_length)
+        others = {b for rid, t in cm.block_table.items() if rid.split("__child")[0] != root for b in t}
+        inside = lay.slot(table[0] + n - 1, B - 1) < lay.values[-1].shape[0]
+        if n >= 2 and inside and any(table[0] + i in others for i in range(n)) and _once(state):
+            out[:past_length] = [lay.slot(table[0] + p // B, p % B) for p in range(past_length)]
         return out
 
     cm.get_read_indices = get_read_indices
 
 
-def _partial_fork_copy(bp, state, copy_k: bool, copy_v: bool, layers: int | None) -> None:
-    import torch
+def _partial_fork_copy(bp, lay, state, copy_k: bool, copy_v: bool, layers: int | None) -> None:
+    lay.zero_pool()  # finite wrong KV, as in skip_fork_copy
 
-    orig, cache = bp.cache.copy_cache, bp.cache
-    for t in (*cache.key_cache, *cache.value_cache):  # finite wrong KV, as in skip_fork_copy
-        t.zero_()
-
-    def copy_cache(src, dst):
+    def copy(src, dst):
         if not _once(state):
-            return orig(src, dst)
-        s_, d_ = torch.tensor(src), torch.tensor(dst)
-        for j, (k, v) in enumerate(zip(cache.key_cache, cache.value_cache)):
-            if layers is not None and j >= layers:
-                continue
-            for t, on in ((k, copy_k), (v, copy_v)):
-                if on:
-                    view = t.view(-1, cache.block_size, *t.shape[1:])
-                    view[d_] = view[s_]
+            return False
+        lay.copy_blocks_partly(src, dst, copy_k, copy_v, layers)
+        return True
 
-    cache.copy_cache = copy_cache
+    lay.wrap_fork_copy(copy)
 
 
-def k_only_fork_copy(bp, state) -> None:
-    _partial_fork_copy(bp, state, copy_k=True, copy_v=False, layers=None)
+def k_only_fork_copy(bp, lay, state) -> None:
+    _partial_fork_copy(bp, lay, state, copy_k=True, copy_v=False, layers=None)
 
 
-def first_layer_fork_copy(bp, state) -> None:
-    _partial_fork_copy(bp, state, copy_k=True, copy_v=True, layers=1)
+def first_layer_fork_copy(bp, lay, state) -> None:
+    _partial_fork_copy(bp, lay, state, copy_k=True, copy_v=True, layers=1)
 
 
-def history_short(bp, state) -> None:
+def history_short(bp, lay, state) -> None:
     orig = bp.update_batch
     io = bp.inputs_and_outputs
 
@@ -271,9 +252,8 @@ def history_short(bp, state) -> None:
     bp.update_batch = update_batch
 
 
-def never_written(bp, state) -> None:
-    cache = bp.cache
-    cm, B = _full_manager(cache), cache.block_size
+def never_written(bp, lay, state) -> None:
+    cm, B = lay.full_allocator(), lay.block_size
     orig = cm.get_write_indices
     seen: set[int] = set()
 
@@ -283,15 +263,15 @@ def never_written(bp, state) -> None:
         if query_length == 1 and past_length % B == 0 and table[past_length // B] not in seen:
             st = bp.scheduler.active_requests.get(request_id)
             if st is not None and st.generated_len() + 2 <= st.max_new_tokens and _once(state):
-                out[0] = cache.write_trash_index
+                out[0] = lay.write_trash
         seen.update(table[:(past_length + query_length - 1) // B + 1])
         return out
 
     cm.get_write_indices = get_write_indices
 
 
-def write_into_predecessor(bp, state) -> None:
-    cm, B = _full_manager(bp.cache), bp.cache.block_size
+def write_into_predecessor(bp, lay, state) -> None:
+    cm, B = lay.full_allocator(), lay.block_size
     orig = cm.get_write_indices
 
     def get_write_indices(request_id, past_length, query_length):
@@ -303,8 +283,8 @@ def write_into_predecessor(bp, state) -> None:
     cm.get_write_indices = get_write_indices
 
 
-def new_token_read_index(bp, state) -> None:
-    cm = _full_manager(bp.cache)
+def new_token_read_index(bp, lay, state) -> None:
+    cm = lay.full_allocator()
     orig = cm.get_read_indices
 
     def get_read_indices(request_id, past_length, query_length):

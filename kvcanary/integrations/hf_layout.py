@@ -1,8 +1,14 @@
-"""How transformers' paged continuous-batching cache maps onto the canary, and what it cannot map.
+"""How transformers' paged continuous-batching cache maps onto the canary: the interface the adapter uses.
 
-A canary slot is a physical row of the engine's KV tensors: ``block_id * block_size + offset``
-(``cache.key_cache[j]`` is ``[(num_blocks + 2) * block_size, kv_heads, head_dim]``). Slot 0 is
-the canary's padding slot, so block 0 is kept out of the engine's free list while attached.
+A canary slot is one physical row of the engine's KV storage, the index its read and write indices
+hold. ``EngineLayout`` is the interface; one subclass per generation of transformers' paged cache
+implements it, and ``EngineLayout.from_cache`` picks the one whose fields the cache has:
+
+- ``hf_cache_blocks.BlockLayout`` (transformers 5.17): per-layer K and V tensors and one block
+  manager; slot = ``block_id * block_size + offset``.
+- ``hf_cache_sectors.SectorLayout`` (transformers 5.18 and later, verified on 5.24): one byte tensor
+  in sectors, one allocator per attention type; slot = ``block_id * block_stride + offset``, where a
+  block's stride spans the K and V pages of every layer of its attention type.
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ from kvcanary.ops.types import RealKvSource
 
 log = logging.getLogger("kvcanary")
 
-SUPPORTED_RANGE = ">=5.17,<5.18"
-_MIN, _MAX_EXCLUSIVE = (5, 17), (5, 18)
-# what EngineLayout.from_cache reads of a PagedAttentionCache
-_CACHE_FIELDS = ("config", "layer_index_to_group_indices", "key_cache", "value_cache", "block_size", "num_blocks",
-                "write_trash_index")
+# One (first, first unsupported) minor-version range per cache generation the hooks were verified on:
+# 5.17 (the GPU image's) and 5.24 (the newest that installs; 5.25 needs a ``kernels`` release the package
+# index lacks). 5.18-5.23 have the sector cache too, with offloading and fork internals that moved between
+# releases: not verified, so refused unless allow_unsupported_version.
+_RANGES = (((5, 17), (5, 18)), ((5, 24), (5, 25)))
+SUPPORTED_RANGE = " or ".join(f">={a[0]}.{a[1]},<{b[0]}.{b[1]}" for a, b in _RANGES)
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -38,7 +45,7 @@ def check_version(version: str | None = None, allow_unsupported: bool = False) -
         import transformers
 
         version = transformers.__version__
-    if not _MIN <= parse_version(version) < _MAX_EXCLUSIVE and not allow_unsupported:
+    if not any(lo <= parse_version(version) < hi for lo, hi in _RANGES) and not allow_unsupported:
         raise RuntimeError(f"kv-canary: transformers must be {SUPPORTED_RANGE} (the continuous-batching internals "
                            f"the integration hooks were verified there), got {version}; pass "
                            "allow_unsupported_version=True to try anyway")
@@ -113,68 +120,151 @@ def check_engine(config, cb_config, *, token_oracle: bool) -> None:
 
 @dataclass
 class EngineLayout:
-    """Where the canary looks in one ``PagedAttentionCache``."""
+    """Where the canary looks in one paged cache, and the engine calls that move KV between steps.
 
-    block_size: int
-    num_blocks: int
+    The fields describe the slot space; the methods below them are what each cache generation
+    implements (``hf_cache_blocks``, ``hf_cache_sectors``). Engine groups are the indices of the
+    engine's read and write index rows (``io.read_index_storage[g]``).
+    """
+
+    cache: object
+    block_size: int  # tokens of one block (of one layer)
+    num_blocks: int  # the token capacity in blocks (the canary's table width)
     num_slots: int
     full_group: int
     swa_group: int | None
     window: int  # canary SWA window: the engine's sliding_window - 1 past tokens are read
     write_trash: int
+    strides: tuple[int, ...]  # per engine group: the slot distance from one block id to the next
     k_full: torch.Tensor
     v_full: torch.Tensor
     k_swa: torch.Tensor | None
     v_swa: torch.Tensor | None
-    keys: tuple[torch.Tensor, ...] = ()  # cache.key_cache: entry j serves layer j of every group
+    keys: tuple[torch.Tensor, ...] = ()  # per layer of the full group: its K rows, one per slot
     values: tuple[torch.Tensor, ...] = ()
+    swa_keys: tuple[torch.Tensor, ...] = ()  # per sliding layer: its K rows, one per slot
+    swa_values: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def from_cache(cls, cache) -> EngineLayout:
-        # (with allow_unsupported_version a later transformers may have rebuilt its paged cache: say what is
-        # missing here, once, instead of an AttributeError from the engine's loop)
-        missing = [name for name in _CACHE_FIELDS if not hasattr(cache, name)]
+        """The layout of ``cache``, by which generation's fields it has (a RuntimeError names what is missing)."""
+        if hasattr(cache, "cache_tensor") or hasattr(cache, "cache_allocators"):
+            from kvcanary.integrations.hf_cache_sectors import SectorLayout as gen
+        else:
+            from kvcanary.integrations.hf_cache_blocks import BlockLayout as gen
+        # (with allow_unsupported_version another transformers may have moved a field: say what is missing
+        # here, once, instead of an AttributeError from the engine's loop)
+        missing = [name for name in gen.FIELDS if not hasattr(cache, name)]
         if missing:
             version = getattr(sys.modules.get("transformers"), "__version__", "unknown")
             raise RuntimeError(f"kv-canary: transformers {version}'s {type(cache).__name__} lacks {missing}, which "
                                f"the integration reads (supported: transformers {SUPPORTED_RANGE})")
-        types = layer_types(cache.config)
-        full_layer = types.index("full_attention")
-        full_group, j_full = cache.layer_index_to_group_indices[full_layer]
-        swa_group = k_swa = v_swa = None
-        window = 0
-        if "sliding_attention" in types:
-            swa_layer = types.index("sliding_attention")
-            swa_group, j_swa = cache.layer_index_to_group_indices[swa_layer]
-            k_swa, v_swa = cache.key_cache[j_swa], cache.value_cache[j_swa]
-            window = int(cache.config.sliding_window) - 1
-        return cls(block_size=cache.block_size, num_blocks=cache.num_blocks,
-                   num_slots=cache.key_cache[j_full].shape[0], full_group=full_group, swa_group=swa_group,
-                   window=window, write_trash=cache.write_trash_index, k_full=cache.key_cache[j_full],
-                   v_full=cache.value_cache[j_full], k_swa=k_swa, v_swa=v_swa, keys=tuple(cache.key_cache),
-                   values=tuple(cache.value_cache))
+        return gen.build(cache)
 
-    def real_kv_sources(self, check_v: bool) -> tuple[tuple[RealKvSource, ...], tuple[RealKvSource, ...]]:
-        """(K buffer sources, V buffer sources) of the real-KV hash: more than one layer, K and V.
+    def real_kv_sources(self, check_v: bool,
+                        swa: bool = False) -> tuple[tuple[RealKvSource, ...], tuple[RealKvSource, ...]]:
+        """(K buffer sources, V buffer sources) of the real-KV hash of one group: more than one layer, K and V.
 
-        A slot's bytes live in ``keys[j]`` / ``values[j]`` for every layer j of its group (the same
-        tensors serve every group). Without V buffers the K record hashes the first layer's K and
-        the last layer's V (2 sources: each source is a few more tensor ops per launch on the CPU),
-        so a copy that skips V, skips K, or moves only the first or only the last layer changes the
-        hash. With V buffers, K records hash the K of up to 4 layers (first, last and evenly spaced
-        between) and V records the V of the same layers.
+        Without V buffers the K record hashes the first layer's K and the last layer's V (2 sources:
+        each source is a few more tensor ops per launch on the CPU), so a copy that skips V, skips K,
+        or moves only the first or only the last layer changes the hash. With V buffers, K records
+        hash the K of up to 4 layers (first, last and evenly spaced between) and V records the V of
+        the same layers.
         """
-        n = len(self.keys)
+        keys, values = (self.swa_keys, self.swa_values) if swa else (self.keys, self.values)
+        n = len(keys)
         if check_v:
             layers = sorted({round(i * (n - 1) / 3) for i in range(4)}) if n > 1 else [0]
-            return (tuple(s for j in layers for s in kv_sources(self.keys[j])),
-                    tuple(s for j in layers for s in kv_sources(self.values[j])))
-        return kv_sources(self.keys[0]) + kv_sources(self.values[n - 1]), ()
+            return (tuple(s for j in layers for s in kv_sources(keys[j])),
+                    tuple(s for j in layers for s in kv_sources(values[j])))
+        return kv_sources(keys[0]) + kv_sources(values[n - 1]), ()
 
-    def blocks_to_slots(self, blocks: list[int], device) -> torch.Tensor:
-        """int64 slots of whole blocks, block-major."""
+    def slot(self, block: int, offset: int, group: int | None = None) -> int:
+        """The slot of token ``offset`` of block ``block`` (of the full group unless ``group``)."""
+        return block * self.strides[self.full_group if group is None else group] + offset
+
+    def blocks_to_slots(self, blocks: list[int], device, group: int | None = None) -> torch.Tensor:
+        """int64 slots of whole blocks of one group (the full group unless ``group``), block-major."""
+        stride = self.strides[self.full_group if group is None else group]
         b = torch.as_tensor(blocks, dtype=torch.int64).view(-1, 1)
-        return (b * self.block_size + torch.arange(self.block_size)).view(-1).to(device)
+        return (b * stride + torch.arange(self.block_size)).view(-1).to(device)
+
+    def group_slots(self, group_blocks, device) -> torch.Tensor:
+        """Slots of ``[(group, blocks), ...]`` in that order (one request's blocks of every group)."""
+        parts = [self.blocks_to_slots(bl, device, g) for g, bl in group_blocks if len(bl)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+    # -- what each cache generation implements ------------------------------------------------------------
+    def check_fresh(self) -> None:
+        """RuntimeError unless the cache holds no KV yet (its slots would have no canary records)."""
+        raise NotImplementedError
+
+    def reserve_padding(self) -> bool:
+        """Keep slot 0 (the canary's padding slot) from ever holding a real token; True if this took a block."""
+        raise NotImplementedError
+
+    def release_padding(self, reserved: bool) -> None:
+        """Undo ``reserve_padding`` (detach)."""
+        raise NotImplementedError
+
+    def block_table(self, group: int) -> dict[str, list[int]]:
+        """The engine's live block tables of one group (request id -> block ids), updated in place."""
+        raise NotImplementedError
+
+    def request_blocks(self, request_id: str) -> list[tuple[int, list[int]]]:
+        """``[(group, blocks), ...]`` of one request, every group."""
+        raise NotImplementedError
+
+    def idle_blocks(self) -> list[int]:
+        """Full-group blocks no request holds, kept for prefix reuse (a sweep verifies them)."""
+        raise NotImplementedError
+
+    def shares_blocks(self) -> bool:
+        """Whether full-group blocks may be shared (dedup remaps, idle cached blocks)."""
+        raise NotImplementedError
+
+    def install_hooks(self, patcher: Patcher, session) -> None:
+        """Hook the engine calls that move KV between steps: fork copies (``session._on_copy(src_slots,
+        dst_slots, blocks)``), offloads to CPU memory (``session._on_offload(victims, done, slots)``) and
+        restores (``session._on_restore(slots)``), each after the engine's own work."""
+        raise NotImplementedError
+
+    # -- engine internals the planted bugs of hf_bugs reach ------------------------------------------------
+    def full_allocator(self):
+        """The object holding the full group's ``block_table``, ``get_read_indices``, ``get_write_indices``."""
+        raise NotImplementedError
+
+    def zero_pool(self) -> None:
+        raise NotImplementedError
+
+    def k_row(self, layer: int, slot: int) -> torch.Tensor:
+        """Layer ``layer``'s K of ``slot`` (a view into the cache)."""
+        raise NotImplementedError
+
+    def is_free(self, block: int) -> bool:
+        raise NotImplementedError
+
+    def hand_out_next(self, block: int, times: int = 1) -> None:
+        """Put a full-group block on the free list ``times`` times, where the next allocations take it."""
+        raise NotImplementedError
+
+    def take_free(self, block: int) -> None:
+        """Remove a full-group block from the free list."""
+        raise NotImplementedError
+
+    def wrap_fork_copy(self, replace) -> None:
+        """Per instance: ``replace(src_blocks, dst_blocks)`` sees each full-group fork copy first and does it
+        (or not) itself when it returns True; otherwise the engine copies."""
+        raise NotImplementedError
+
+    def copy_blocks_partly(self, src: list[int], dst: list[int], copy_k: bool, copy_v: bool,
+                           layers: int | None) -> None:
+        """Copy full-group blocks' K and/or V, of the first ``layers`` layers (all: None)."""
+        raise NotImplementedError
+
+    def parentless_prefix_hash(self) -> None:
+        """Per instance: the prefix-cache key of a block leaves out its parent block."""
+        raise NotImplementedError
 
 
 def kv_sources(tensor: torch.Tensor | None) -> tuple[RealKvSource, ...]:
@@ -186,39 +276,6 @@ def kv_sources(tensor: torch.Tensor | None) -> tuple[RealKvSource, ...]:
     if nbpt % 16:
         return ()
     return (RealKvSource(rows, page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt),)
-
-
-def check_fresh(cache) -> None:
-    """RuntimeError unless the cache holds no KV yet (its slots would have no canary records)."""
-    held = sum(len(cm.block_table) for cm in cache.group_cache_managers)
-    cached = len(cache._block_manager._hash_to_id)
-    if held or cached:
-        raise RuntimeError("kv-canary: attach before the paged cache holds KV (its slots have no canary records), "
-                           f"got a cache with {held} request tables and {cached} cached blocks; call "
-                           "model.destroy_cached_continuous_batching_manager() or attach before the first run")
-
-
-def reserve_block0(cache) -> bool:
-    """Keep block 0 out of the free list: its first slot is the canary's padding slot 0."""
-    free = cache._block_manager._uninit_block_ids
-    if free and free[0] == 0:
-        free.popleft()
-        return True
-    if 0 in free:
-        free.remove(0)
-        return True
-    log.warning("kv-canary: block 0 is in use; slot 0 (its first token) is not verified")
-    return False
-
-
-def release_block0(cache, reserved: bool) -> None:
-    """Block 0 back on the free list (detach), unless it was never reserved or a table holds it."""
-    if not reserved:
-        return
-    free = cache._block_manager._uninit_block_ids
-    in_use = any(0 in t for cm in cache.group_cache_managers for t in cm.block_table.values())
-    if 0 not in free and not in_use:
-        free.appendleft(0)
 
 
 def fill_swa_table(lay, table, io, prefix_t, extend_t, width: int, T: int, out_cache_loc, arange) -> None:

@@ -17,33 +17,33 @@ class KvMoves:
     """Needs the session's ``bp``, ``layout``, ``canary``, ``lock``, ``events``, ``saved``, ``block_pos``,
     ``device`` and ``_engine_stream``."""
 
-    def _copy_records(self, src, dst) -> None:
-        s, d = self.layout.blocks_to_slots(src, self.device), self.layout.blocks_to_slots(dst, self.device)
+    def _on_copy(self, src, dst, blocks: int) -> None:
+        """A fork copied the KV of slots ``src`` to ``dst`` (``blocks`` blocks): the records follow."""
         with self.lock, self._engine_stream():
             for g in self.canary.groups:
-                self.canary.copy_records(s, d, group=g.name)
-        self.events["fork_block_copies"] += len(src)
+                self.canary.copy_records(src, dst, group=g.name)
+        self.events["fork_block_copies"] += blocks
 
-    def _all_blocks(self, rid: str) -> list[int]:
-        return [b for cm in self.bp.cache.group_cache_managers for b in cm.block_table.get(rid, [])]
-
-    def _save(self, blocks: dict[str, list[int]]) -> None:
+    def _on_offload(self, victims, done, slots: dict) -> None:
+        """The engine moved requests ``done`` (of ``victims``) to CPU memory; ``slots``: each one's slots then."""
+        for st in victims:  # offloaded or soft reset: either way its blocks come back elsewhere
+            self.recorded.pop(st.request_id, None)
+        # Victims that did not fit the CPU pool are soft reset: re-prefilled later from position 0.
+        self.events["soft_resets"] += len(victims) - len(done)
+        if not slots:
+            return
         with self.lock, self._engine_stream():
-            for rid, bl in blocks.items():
-                slots = self.layout.blocks_to_slots(bl, self.device)
-                self.saved[rid] = [(g.name, self.canary.save_records(slots, group=g.name))
-                                   for g in self.canary.groups]
-        self.events["offloaded_requests"] += len(blocks)
+            for rid, sl in slots.items():
+                self.saved[rid] = [(g.name, self.canary.save_records(sl, group=g.name)) for g in self.canary.groups]
+        self.events["offloaded_requests"] += len(slots)
 
-    def _restore(self, counts: dict[str, list[int]]) -> None:
-        cms = self.bp.cache.group_cache_managers
+    def _on_restore(self, slots: dict) -> None:
+        """The engine copied offloaded requests back into the slots ``slots`` (per request, in the saved order)."""
         with self.lock, self._engine_stream():
-            for rid, per_group in counts.items():
-                blocks = [b for g, n in enumerate(per_group) for b in cms[g].block_table.get(rid, [])[:n]]
-                slots = self.layout.blocks_to_slots(blocks, self.device)
+            for rid, sl in slots.items():
                 for name, saved in self.saved.pop(rid):
-                    self.canary.restore_records(saved, slots, group=name)
-        self.events["restored_requests"] += len(counts)
+                    self.canary.restore_records(saved, sl, group=name)
+        self.events["restored_requests"] += len(slots)
 
     def _sweep_triples(self):
         """Idle cached blocks (freed, complete, kept for prefix reuse): their slots, positions, predecessors.
@@ -51,8 +51,8 @@ class KvMoves:
         Chains are checked inside a block only (prev 0 = unreachable at a block's first slot): a cached
         block's parent may have been evicted since.
         """
-        bm, B = self.bp.cache._block_manager, self.layout.block_size
-        blocks = [b for b in bm._init_block_ids if b in self.block_pos]
+        B = self.layout.block_size
+        blocks = [b for b in self.layout.idle_blocks() if b in self.block_pos]
         if not blocks:
             return None
         slots = self.layout.blocks_to_slots(blocks, self.device)
@@ -68,13 +68,12 @@ class KvMoves:
         completed and shared). Per-request work runs in C loops (``map``): a decode step adds no
         block to most tables, so the Python loop below visits only the tables that grew."""
         io, lay = self.bp.inputs_and_outputs, self.layout
-        cm = self.bp.cache.group_cache_managers[lay.full_group]
-        if not getattr(cm, "uses_block_sharing", True):
+        if not lay.shares_blocks():
             # Without block sharing a freed block is never kept for reuse (no sweep reads its positions)
             # and no table entry is remapped: nothing to record, at no per-request cost.
             return None
         names = list(map(NAME, io.requests_in_batch))
-        tables = list(map(cm.block_table.get, names, repeat((), len(names))))
+        tables = list(map(lay.block_table(lay.full_group).get, names, repeat((), len(names))))
         lens = list(map(len, tables))
         recorded = self.recorded
         if list(map(recorded.get, names, repeat(0, len(names)))) != lens:
@@ -93,7 +92,7 @@ class KvMoves:
     def _after_update(self, snap) -> None:
         if snap is not None:
             names, old = snap
-            new = list(map(self.bp.cache.group_cache_managers[self.layout.full_group].block_table.get, names))
+            new = list(map(self.layout.block_table(self.layout.full_group).get, names))
             if new != old:  # (one comparison in C; a finished request's table is gone: None)
                 self._remapped(new, old)
         for name in self.builder.forget_finished():

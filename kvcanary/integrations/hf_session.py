@@ -4,9 +4,9 @@ Hooks, all instance attributes of the processor's objects (restored by ``close``
   bp._generation_step(model)        before: build the ForwardBatch, Canary.before_forward; after: after_forward
   model_runner.compute_batch(...)   late hooks (default): both of the above once the forward is enqueued
   bp.update_batch()                 block positions for sweeps, dedup-remap count, history clean-up
-  cache.copy_cache(src, dst)        fork copies: Canary.copy_records
   cache.search_prefix_match(...)    prefix hits (counted; the HEAD verify checks what they map)
-  offloading_manager._offload_to_cpu / restore_scheduled_requests   save_records / restore_records
+  fork copies, offloads and restores   copy_records / save_records / restore_records (the layout's hooks:
+                                    EngineLayout.install_hooks, one set per paged-cache generation)
   model_runner._sample              token oracle (optional)
 """
 
@@ -23,7 +23,7 @@ from kvcanary.format import oracle_token
 from kvcanary.integrations.hf_batch import BatchBuilder
 from kvcanary.integrations.hf_graph import StepGraphs
 from kvcanary.integrations.hf_moves import KvMoves
-from kvcanary.integrations.hf_layout import EngineLayout, Patcher, check_fresh, release_block0, reserve_block0
+from kvcanary.integrations.hf_layout import EngineLayout, Patcher
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 from kvcanary.runtime.graphs import CudaGraphs
 from kvcanary.runtime.streams import event_wait, record_event, stream_cache
@@ -40,9 +40,9 @@ class Session(KvMoves):
         self.lock = handle.lock
         cache = bp.cache
         self.layout = lay = EngineLayout.from_cache(cache)
-        check_fresh(cache)
+        lay.check_fresh()
         self.device = lay.k_full.device
-        self.reserved_block0 = reserve_block0(cache)
+        self.reserved_block0 = lay.reserve_padding()
         self.ids: dict[str, int] = {}
         self.events: collections.Counter = collections.Counter()
         self.block_pos: dict[int, int] = {}
@@ -83,12 +83,12 @@ class Session(KvMoves):
         if not config.plan_capacity:
             config = config.replace(plan_capacity=min(max_batch * max_context, 2 * num_pages + max_tokens))
         self.config = config
-        # One set of layers serves both groups (the cache tensors are shared; the groups use disjoint blocks).
+        # One slot space serves both groups (their blocks are disjoint); each hashes its own layers' KV.
         k_sources, v_sources = lay.real_kv_sources(config.check_v)
         swa = None
         if lay.swa_group is not None:
             self.swa_table = torch.zeros(lay.num_slots, dtype=torch.int64, device=self.device)
-            swa = SwaSpec(lay.num_slots, lay.window, self.swa_table, k_sources, v_sources)
+            swa = SwaSpec(lay.num_slots, lay.window, self.swa_table, *lay.real_kv_sources(config.check_v, swa=True))
         pool = PoolSpec(lay.num_slots, k_sources, v_sources, swa=swa)
         canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
                         num_rows=2 * max_batch + 1, device=self.device)
@@ -120,10 +120,9 @@ class Session(KvMoves):
 
     def _install(self) -> None:
         bp, p = self.bp, self.patcher
-        cache, om, runner = bp.cache, bp.offloading_manager, bp.model_runner
+        cache, runner = bp.cache, bp.model_runner
         orig_step, orig_update, orig_compute = bp._generation_step, bp.update_batch, runner.compute_batch
-        orig_copy, orig_search = cache.copy_cache, cache.search_prefix_match
-        orig_offload, orig_restore = om._offload_to_cpu, om.restore_scheduled_requests
+        orig_search = cache.search_prefix_match
 
         def step(model):
             self._join()
@@ -169,47 +168,17 @@ class Session(KvMoves):
             if self.timings:
                 self.timings[-1]["update_s"] = t1 - t0 + time.perf_counter() - t2
 
-        def copy_cache(src, dst):
-            self._join()
-            orig_copy(src, dst)
-            self._guarded(self._copy_records, src, dst)
-
         def search_prefix_match(request_id, prompt_ids):
             n = orig_search(request_id, prompt_ids)
             if n:
                 self.events["prefix_hits"] += 1
             return n
 
-        def offload_to_cpu(victims):
-            self._join()
-            blocks = {st.request_id: self._all_blocks(st.request_id) for st in victims}
-            done = orig_offload(victims)
-            for st in victims:  # offloaded or soft reset: either way its blocks come back elsewhere
-                self.recorded.pop(st.request_id, None)
-            # Victims that did not fit the CPU pool are soft reset: re-prefilled later from position 0.
-            self.events["soft_resets"] += len(victims) - len(done)
-            if done:
-                self._guarded(self._save, {rid: blocks[rid] for rid in done})
-            return done
-
-        def restore_scheduled_requests(requests_in_batch):
-            counts = {}
-            for fs in requests_in_batch:
-                rid = fs.state.request_id
-                if fs.state.is_cpu_offloaded and rid in self.saved:
-                    counts[rid] = list(om._request_id_to_group_block_counts.get(rid, []))
-            self._join()
-            orig_restore(requests_in_batch)
-            if counts:
-                self._guarded(self._restore, counts)
-
         p.set(bp, "_generation_step", step)
         p.set(runner, "compute_batch", compute_batch)
         p.set(bp, "update_batch", update_batch)
-        p.set(cache, "copy_cache", copy_cache)
         p.set(cache, "search_prefix_match", search_prefix_match)
-        p.set(om, "_offload_to_cpu", offload_to_cpu)
-        p.set(om, "restore_scheduled_requests", restore_scheduled_requests)
+        self.layout.install_hooks(p, self)
         if self.handle.options.get("token_oracle"):
             orig_sample = runner._sample
 
@@ -360,7 +329,7 @@ class Session(KvMoves):
         self.final_violations = list(self.canary.violations)
         self.final_stats = self.canary.stats()
         self.patcher.restore()
-        release_block0(self.bp.cache, self.reserved_block0)
+        self.layout.release_padding(self.reserved_block0)
         self.bp = self.canary = self.builder = self.layout = None
         self.saved.clear()
 

@@ -3,20 +3,28 @@
 transformers' ``paged|sdpa`` attends densely over every request's KV in the batch with an additive
 mask of (batch tokens x all cached tokens): a batch of 64 requests at 8K context makes each prefill
 chunk attend over half a million keys, hours of work for one run. Real engines use varlen kernels;
-without flash-attn installed, this registers ``paged|kvc_varlen``: the engine's own cache update
+without flash-attn installed, this registers a varlen attention: the engine's own cache update
 (``cache.update`` with its read/write indices, so kv-canary sees exactly the engine's KV writes),
 then PyTorch's built-in flash kernel over packed sequences on CUDA, and a per-request SDPA loop on
 the CPU (the reference the CUDA path is checked against).
 
-    from kvcanary.integrations.varlen_attention import NAME, register
-    register(); model.set_attn_implementation(NAME)
+Its name depends on the transformers version (``register`` returns it). 5.17 takes any ``paged|``
+name and passes the cache to the attention, which updates it. From 5.18 the layer updates the cache
+itself before the attention and continuous batching accepts only ``sdpa``, ``paged|eager`` or a name
+containing "flash": the function is registered as ``kvc_flash_varlen`` (no version digit, so
+transformers builds no dense mask and keeps its flash-only decode fast path, which would hand the
+KV write to the attention, off).
+
+    from kvcanary.integrations.varlen_attention import register
+    model.set_attn_implementation(register())
 """
 
 from __future__ import annotations
 
 import torch
 
-NAME = "paged|kvc_varlen"
+NAME = "paged|kvc_varlen"  # transformers 5.17
+NAME_SECTORS = "kvc_flash_varlen"  # transformers 5.18 and later
 
 
 def _per_request(q, k, v, cu_q, cu_k, scale):
@@ -46,10 +54,19 @@ def varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.T
 
 def paged_varlen_forward(module, query, key, value, attention_mask, cache=None, cu_seq_lens_q=None,
                          cu_seq_lens_k=None, max_seqlen_q=None, max_seqlen_k=None, **kwargs):
-    if cache is None:
+    if "max_length_q" in kwargs:
+        # transformers 5.18+: the layer already wrote and read back its KV (cache.update(kwargs=)), which also
+        # picked this layer type's key lengths
+        max_seqlen_q, max_seqlen_k = kwargs["max_length_q"], kwargs["max_length_k"]
+        if kwargs.get("block_table") is not None:
+            raise ValueError(f"{NAME_SECTORS} reads the KV the cache update returns, got a decode fast-path batch "
+                             "(block_table); pass ContinuousBatchingConfig(max_blocks_per_request=0)")
+        key, value = (x.squeeze(0).transpose(0, 1) for x in (key, value))  # (the layer's [1, heads, tokens, dim])
+    elif cache is None:
         raise ValueError(f"{NAME} needs the paged cache that continuous batching passes")
-    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
-                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    else:
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                  read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     if isinstance(cu_seq_lens_k, dict):
         layer_type = "sliding_attention" if getattr(module, "sliding_window", None) else "full_attention"
         cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
@@ -60,10 +77,13 @@ def paged_varlen_forward(module, query, key, value, attention_mask, cache=None, 
 
 
 def register() -> str:
+    """Register the attention for the installed transformers; returns its name."""
     from transformers import AttentionInterface
+    from transformers.generation.continuous_batching import cache as cb_cache
 
-    AttentionInterface.register(NAME, paged_varlen_forward)
-    return NAME
+    name = NAME_SECTORS if hasattr(cb_cache.PagedAttentionCache, "perform_cache_copy") else NAME
+    AttentionInterface.register(name, paged_varlen_forward)
+    return name
 
 
 def self_check(device: torch.device) -> float:
