@@ -101,6 +101,32 @@ def test_exact_cached_prefix_prompt_is_not_a_false_alarm():
     assert out.findings == [] and out.violations == 0 and out.tokens_match, out.first_violations
 
 
+class _Handle:  # what run_hf_workload reads of a TransformersHandle
+    violations: list = []
+
+    def stats(self):
+        return {"violations": 0, "prefix_hits": 1}
+
+
+@pytest.mark.parametrize("with_canary, finding", [(["req_1: boom"], False), (["req_1: other"], True), ([], True)],
+                         ids=["alike", "another-error", "only-without"])
+def test_failed_requests_alike_in_both_runs_are_engine_failures(monkeypatch, with_canary, finding):
+    """A request the engine fails on its own, alike with and without the canary, is listed apart; a failure
+    that differs between the runs is the canary's business: a finding."""
+    from kvcanary.soak import hf_run
+
+    def generate(model, w, device, canary, bug):
+        return {"req_0": [1, 2]}, (with_canary if canary else ["req_1: boom"]), _Handle()
+
+    monkeypatch.setattr(hf_run, "_generate", generate)
+    monkeypatch.setattr(hf_run, "tiny_model", lambda kind, device: None)
+    out = hf_run.run_hf_workload(make_hf_workload(3))
+    assert bool(out.findings) == finding and bool(out.engine_failures) == (not finding)
+    s = campaign.summarize("transformers", 3, [out], 1.0)
+    assert s["ok"] == (not finding) and len(s["engine_failures"]) == (not finding)
+    assert "engine failures alike without the canary" in campaign.format_summary(s)
+
+
 # -- a campaign can fail ----------------------------------------------------------------------------------
 @transformers_installed
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine's own KeyError

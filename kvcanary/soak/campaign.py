@@ -2,8 +2,10 @@
 
 Workload i of a campaign with seed S is the workload of seed S + i, so a finding replays on its own
 (``kvcanary soak --engine E --replay SEED``) and two campaigns with overlapping seeds share workloads.
-Any violation, any greedy token that differs from the run without the canary, any failed request, error
-or health problem is a finding; a clean campaign has none.
+Any violation, any greedy token that differs from the run without the canary, a failed request that
+the run without the canary does not fail alike, an error or a health problem is a finding; a clean campaign
+has none. Requests the engine fails alike in both runs are listed apart (``engine_failures``): the engine's
+own limits or bugs, which the canary neither caused nor changed.
 """
 
 from __future__ import annotations
@@ -164,6 +166,9 @@ def summarize(engine: str, seed: int, outcomes: list[Outcome], wall_s: float, bu
                  "first_violations": o.first_violations,
                  "replay": f"kvcanary soak --engine {engine} --replay {o.seed}" + (f" --bug {bug}" if bug else "")}
                 for o in outcomes if o.findings]
+    engine_failures = [{"seed": o.seed, "features": o.features, "failed": o.engine_failures,
+                        "replay": f"kvcanary soak --engine {engine} --replay {o.seed}"}
+                       for o in outcomes if o.engine_failures and not o.findings]
     seconds = [o.seconds for o in outcomes]
     return {
         "engine": engine, "device": device, "seed": seed, "workloads": len(outcomes), "planted_bug": bug,
@@ -176,6 +181,7 @@ def summarize(engine: str, seed: int, outcomes: list[Outcome], wall_s: float, bu
         "features": dict(sorted(features.items())),
         "events": {k: {"total": events[k], "workloads": with_event[k]} for k in sorted(events)},
         "findings": findings,
+        "engine_failures": engine_failures,
         "wall_s": round(wall_s, 1),
         "seconds_per_workload": {"mean": round(sum(seconds) / max(1, len(seconds)), 3),
                                  "max": max(seconds, default=0.0)},
@@ -187,12 +193,16 @@ def format_summary(s: dict) -> str:
     lines = [f"kvcanary soak --engine {s['engine']}: {s['workloads']} workloads from seed {s['seed']}"
              + (f", bug {s['planted_bug']} planted" if s["planted_bug"] else "") + f", {s['wall_s']} s",
              f"  violations {s['violations']} (in {s['workloads_with_violations']} workloads), token mismatches "
-             f"{s['token_mismatches']} of {s['greedy_workloads_compared']} greedy workloads, errors {s['errors']}",
+             f"{s['token_mismatches']} of {s['greedy_workloads_compared']} greedy workloads, errors {s['errors']}, "
+             f"engine failures alike without the canary {len(s['engine_failures'])}",
              "  features: " + ", ".join(f"{k} {v}" for k, v in s["features"].items()),
              "  events: " + ", ".join(f"{k} {v['total']} (in {v['workloads']})" for k, v in s["events"].items())]
     for f in s["findings"][:20]:
         lines.append(f"  FINDING seed {f['seed']} [{' '.join(f['features'])}]: {'; '.join(f['findings'])}"
                      f"  (replay: {f['replay']})")
+    for f in s["engine_failures"][:10]:
+        lines.append(f"  engine failure (alike without the canary) seed {f['seed']}: {len(f['failed'])} failed "
+                     f"requests ({f['failed'][0]})")
     if len(s["findings"]) > 20:
         lines.append(f"  ... {len(s['findings']) - 20} more findings (see the JSON)")
     lines.append("OK: no finding" if s["ok"] else f"FAILED: {len(s['findings'])} workloads with findings")

@@ -41,6 +41,7 @@ class Outcome:
     tokens_match: bool | None = None
     events: dict[str, int] = field(default_factory=dict)
     findings: list[str] = field(default_factory=list)
+    engine_failures: list[str] = field(default_factory=list)  # the same failed requests without the canary
     first_violations: list[str] = field(default_factory=list)
     seconds: float = 0.0
     note: str = ""
@@ -97,7 +98,11 @@ def run_hf_workload(w: HfWorkload, device: str = "cpu", bug: str | None = None) 
     result.first_violations = [v.log_line() for v in vs[:3]]
     if result.violations:
         result.findings.append(f"violations: {result.violations}")
-    if base_errors or errors:
+    if base_errors and errors == base_errors:
+        # the engine fails these requests on its own, alike with and without the canary: not the canary's
+        # doing, but listed, since it is what the workload ran into
+        result.engine_failures = errors
+    elif base_errors or errors:
         result.findings.append(f"failed requests: {len(base_errors)} without the canary, {len(errors)} with "
                                f"({(errors or base_errors)[0]})")
     if w.greedy:

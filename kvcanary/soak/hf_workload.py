@@ -112,6 +112,10 @@ def make_hf_workload(seed: int) -> HfWorkload:
         features.append("chunked-prefill")
     # Blocks: every request and its forks at once (plenty), or little more than the largest one needs.
     per_request = [_blocks(len(p) + max_new, bs) + (n - 1) * (1 + _blocks(max_new, bs)) for p in prompts]
+    if hybrid:
+        # the sliding layer's group takes its blocks from the same pool: up to the window's, per sequence
+        per_request = [b + n * min(_blocks(len(p) + max_new, bs), _blocks(SLIDING_WINDOW, bs) + 1)
+                       for b, p in zip(per_request, prompts)]
     offload = 0
     if tight:
         features.append("tight-pool")
