@@ -1,8 +1,9 @@
-"""What the soak's transformers driver knows about one engine version (transformers 5.17's paged cache).
+"""What the soak's transformers driver knows about the engine's version: the batching knobs, and the cache shims.
 
-Kept apart so that a port of the adapter to a newer transformers changes this file alone: the names of
-the batching knobs (block size, pool size, token budget, CPU offload), the CPU swap pool for a machine
-without pinned memory, and how a run without the canary gives up the block the canary reserves.
+Kept apart so that a port to a newer transformers changes this file alone: the names of the batching knobs
+(block size, pool size, token budget, CPU offload, seed). The CPU swap pool for a machine without pinned
+memory, and the block the canary reserves (which the run without it gives up too), go through the adapter's
+``EngineLayout`` of the cache generation at hand (5.17's blocks, 5.18+'s sectors).
 """
 
 from __future__ import annotations
@@ -48,25 +49,18 @@ def processor_shims(w: HfWorkload, device: str, reserve_padding: bool) -> list[C
 
 
 def _cpu_swap_pool(bp, blocks: int) -> None:
-    """transformers' swap pool is pinned memory, which a CPU-only torch cannot allocate: plain tensors."""
-    import torch
+    """transformers' swap pool is pinned memory, which a CPU-only torch cannot allocate: plain memory, laid out
+    by the adapter's view of this cache generation."""
+    from kvcanary.integrations.hf_layout import EngineLayout
 
-    om, c = bp.offloading_manager, bp.cache
-    if om._num_cpu_blocks:
-        return
-    shape = (blocks, c.block_size, c.num_key_value_heads, c.head_dim)
-    om._num_cpu_blocks = blocks
-    om._cpu_key_cache = [torch.zeros(shape, dtype=c.dtype) for _ in c.key_cache]
-    om._cpu_value_cache = [torch.zeros(shape, dtype=c.dtype) for _ in c.key_cache]
-    om._gpu_key_views = [k.view(-1, *shape[1:]) for k in c.key_cache]
-    om._gpu_value_views = [v.view(-1, *shape[1:]) for v in c.value_cache]
-    om._free_cpu_blocks = list(range(blocks))
+    EngineLayout.from_cache(bp.cache).plain_cpu_swap_pool(bp.offloading_manager, blocks)
 
 
 def _reserve_block0(bp) -> None:
-    free = bp.cache._block_manager._uninit_block_ids
-    if 0 in free:
-        free.remove(0)
+    """What the canary's session does to the pool (keep slot 0 free of real tokens, where that takes a block)."""
+    from kvcanary.integrations.hf_layout import EngineLayout
+
+    EngineLayout.from_cache(bp.cache).reserve_padding()
 
 
 def wrap_processors(model, shims: list[Callable]) -> Callable[[], None]:

@@ -4,8 +4,9 @@ A soak configuration draws every knob the zoo's matrix varies, in combinations t
 page size 1..16, a sliding-window pool, speculative decoding with any acceptance rate, chunked prefill,
 host offload, memory pressure (eviction, retraction), the sweep interval, the number of real-KV layers,
 and the canary's CPU backend. Runs are shorter than the zoo's (fewer requests) so that each takes well
-under a second once the backend is warm (numba; the torch path takes a few times longer). The sim has no reference run: its token oracle makes every input
-known, so a clean run must report nothing and leave no health problem.
+under a second once the backend is warm (numba; the torch path takes a few times longer). The sim has no
+reference run: its token oracle makes every input known, so a clean run must report nothing and leave no
+health problem.
 """
 
 from __future__ import annotations
