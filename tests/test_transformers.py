@@ -178,25 +178,7 @@ def enable_cpu_pool(model, blocks=64):
 
         def create():
             bp = orig_create()
-            om, c = bp.offloading_manager, bp.cache
-            if hasattr(c, "cache_allocators"):  # (5.18+: one byte tensor in sectors, a CachePool of them)
-                if om._cpu_pool is None:
-                    from transformers.generation.continuous_batching.cache_allocators import CachePool
-
-                    om._num_cpu_sectors = blocks
-                    om._cpu_tensor = torch.empty(blocks * c.bytes_per_sector, dtype=torch.uint8)
-                    om._cpu_pool = CachePool(blocks, len(c.cache_allocators), num_reserved_sectors=0)
-                    for name, a in c.cache_allocators.items():
-                        om._cpu_pool.set_blocks_per_sector(a.index, a.blocks_per_sector)
-                        om._cpu_views[name] = om._cpu_tensor.view(-1, a.bytes_per_block)
-            elif om._num_cpu_blocks == 0:
-                shape = (blocks, c.block_size, c.num_key_value_heads, c.head_dim)
-                om._num_cpu_blocks = blocks
-                om._cpu_key_cache = [torch.empty(shape, dtype=c.dtype) for _ in c.key_cache]
-                om._cpu_value_cache = [torch.empty(shape, dtype=c.dtype) for _ in c.key_cache]
-                om._gpu_key_views = [k.view(-1, *shape[1:]) for k in c.key_cache]
-                om._gpu_value_views = [v.view(-1, *shape[1:]) for v in c.value_cache]
-                om._free_cpu_blocks = list(range(blocks))
+            EngineLayout.from_cache(bp.cache).plain_cpu_swap_pool(bp.offloading_manager, blocks)
             return bp
 
         manager._create_batch_processor = create
@@ -238,8 +220,9 @@ def test_clean_sliding_window_hybrid(hybrid):
 
 # -- gates -------------------------------------------------------------------------------------------
 def test_version_gate_names_the_range():
-    assert check_version("5.17.0") == "5.17.0" and check_version("5.24.0") == "5.24.0"
-    for unverified in ("5.25.1", "5.20.0", "5.16.2"):
+    for verified in ("5.17.0", "5.18.0", "5.21.0", "5.24.0"):
+        assert check_version(verified) == verified
+    for unverified in ("5.25.1", "5.16.2", "6.0.0"):
         with pytest.raises(RuntimeError, match=SUPPORTED_RANGE.replace(".", r"\.")):
             check_version(unverified)
     assert check_version("4.57.0", allow_unsupported=True) == "4.57.0"

@@ -33,9 +33,9 @@ def build_model(size: str, device: torch.device, dtype: torch.dtype, max_len: in
         model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
     model.eval()
     if attention == "varlen":
-        from kvcanary.integrations.varlen_attention import register
+        from kvcanary.integrations.varlen_attention import use
 
-        model.set_attn_implementation(register())
+        use(model)
     else:
         model.set_attn_implementation("paged|sdpa")
     return model

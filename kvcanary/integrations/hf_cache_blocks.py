@@ -118,6 +118,20 @@ class BlockLayout(EngineLayout):
         patcher.set(om, "_offload_to_cpu", offload_to_cpu)
         patcher.set(om, "restore_scheduled_requests", restore_scheduled_requests)
 
+    def plain_cpu_swap_pool(self, offloading_manager, blocks: int) -> None:
+        import torch
+
+        om, c = offloading_manager, self.cache
+        if om._num_cpu_blocks:
+            return
+        shape = (blocks, c.block_size, c.num_key_value_heads, c.head_dim)
+        om._num_cpu_blocks = blocks
+        om._cpu_key_cache = [torch.zeros(shape, dtype=c.dtype) for _ in c.key_cache]
+        om._cpu_value_cache = [torch.zeros(shape, dtype=c.dtype) for _ in c.key_cache]
+        om._gpu_key_views = [k.view(-1, *shape[1:]) for k in c.key_cache]
+        om._gpu_value_views = [v.view(-1, *shape[1:]) for v in c.value_cache]
+        om._free_cpu_blocks = list(range(blocks))
+
     # -- engine internals the planted bugs reach ----------------------------------------------------------
     def full_allocator(self):
         return self.cache.group_cache_managers[self.full_group]

@@ -138,6 +138,20 @@ class SectorLayout(EngineLayout):
         patcher.set(om, "_offload_to_cpu", offload_to_cpu)
         patcher.set(om, "restore_scheduled_requests", restore_scheduled_requests)
 
+    def plain_cpu_swap_pool(self, offloading_manager, blocks: int) -> None:
+        from transformers.generation.continuous_batching.cache_allocators import CachePool
+
+        om, c = offloading_manager, self.cache
+        if om._cpu_pool is not None:
+            return
+        sectors = max(1, -(-blocks * self._full().bytes_per_block // c.bytes_per_sector))
+        om._num_cpu_sectors = sectors
+        om._cpu_tensor = torch.zeros(sectors * c.bytes_per_sector, dtype=torch.uint8)
+        om._cpu_pool = CachePool(sectors, len(c.cache_allocators), num_reserved_sectors=0)
+        for name, a in c.cache_allocators.items():
+            om._cpu_pool.set_blocks_per_sector(a.index, a.blocks_per_sector)
+            om._cpu_views[name] = om._cpu_tensor.view(-1, a.bytes_per_block)
+
     # -- engine internals the planted bugs reach ----------------------------------------------------------
     def full_allocator(self):
         return self._full()

@@ -23,11 +23,11 @@ from kvcanary.ops.types import RealKvSource
 
 log = logging.getLogger("kvcanary")
 
-# One (first, first unsupported) minor-version range per cache generation the hooks were verified on:
-# 5.17 (the GPU image's) and 5.24 (the newest that installs; 5.25 needs a ``kernels`` release the package
-# index lacks). 5.18-5.23 have the sector cache too, with offloading and fork internals that moved between
-# releases: not verified, so refused unless allow_unsupported_version.
-_RANGES = (((5, 17), (5, 18)), ((5, 24), (5, 25)))
+# One (first, first unsupported) minor-version range per span the hooks were verified on: 5.17 (the GPU
+# image's, per-layer tensors) to 5.24 (the newest that installs here; 5.25 needs a ``kernels`` release the
+# package index lacks). The sector cache arrived in 5.18; 5.17, 5.18, 5.21, 5.23 and 5.24 passed the
+# adapter's tests. Later releases are refused unless allow_unsupported_version.
+_RANGES = (((5, 17), (5, 25)),)
 SUPPORTED_RANGE = " or ".join(f">={a[0]}.{a[1]},<{b[0]}.{b[1]}" for a, b in _RANGES)
 
 
@@ -227,6 +227,11 @@ class EngineLayout:
         """Hook the engine calls that move KV between steps: fork copies (``session._on_copy(src_slots,
         dst_slots, blocks)``), offloads to CPU memory (``session._on_offload(victims, done, slots)``) and
         restores (``session._on_restore(slots)``), each after the engine's own work."""
+        raise NotImplementedError
+
+    def plain_cpu_swap_pool(self, offloading_manager, blocks: int) -> None:
+        """Give the engine's CPU swap pool room for ``blocks`` full-group blocks in plain (unpinned) memory,
+        unless it has one: transformers allocates it pinned, which a CPU-only torch cannot (tests, soak)."""
         raise NotImplementedError
 
     # -- engine internals the planted bugs of hf_bugs reach ------------------------------------------------

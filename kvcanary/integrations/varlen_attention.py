@@ -13,10 +13,11 @@ name and passes the cache to the attention, which updates it. From 5.18 the laye
 itself before the attention and continuous batching accepts only ``sdpa``, ``paged|eager`` or a name
 containing "flash": the function is registered as ``kvc_flash_varlen`` (no version digit, so
 transformers builds no dense mask and keeps its flash-only decode fast path, which would hand the
-KV write to the attention, off).
+KV write to the attention, off). ``set_attn_implementation`` would look for a flash kernel of that
+name to download, so ``use`` sets the model's config field instead.
 
-    from kvcanary.integrations.varlen_attention import register
-    model.set_attn_implementation(register())
+    from kvcanary.integrations.varlen_attention import use
+    use(model)  # registers it and switches the model to it
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ def register() -> str:
 
     name = NAME_SECTORS if hasattr(cb_cache.PagedAttentionCache, "perform_cache_copy") else NAME
     AttentionInterface.register(name, paged_varlen_forward)
+    return name
+
+
+def use(model) -> str:
+    """Register the varlen attention for the installed transformers and switch ``model`` to it; returns its name."""
+    name = register()
+    if name == NAME:
+        model.set_attn_implementation(name)
+    else:
+        # (a valid switch first prepares the model as for any attention; the name is then set on the config,
+        # which the layers read per forward and continuous batching checks when it starts)
+        model.set_attn_implementation("sdpa")
+        model.config._attn_implementation = name
     return name
 
 
