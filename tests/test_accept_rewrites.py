@@ -200,3 +200,63 @@ def test_rejected_call_changes_nothing(backend, case):
     assert str(info.value) == message
     for name, a in flatten(before).items():
         assert torch.equal(as_bytes(a), as_bytes(flatten(state)[name])), name
+
+
+@pytest.mark.skipif("triton" not in FAST_BACKENDS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_triton_new_batch_sizes_do_not_recompile(monkeypatch, dtype):
+    from test_triton_ops import _specialization
+
+    from kvcanary.ops import triton_kernels
+
+    jit_fn, seen = triton_kernels._accept_kernel, set()
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                seen.add(_specialization(jit_fn, kwargs))
+                return jit_fn[grid](**kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_accept_kernel", Recorder())
+    head, tail = _buffers(0, [3])
+    plan, rewrites = ops.Plan.allocate(8, 40, DEVICE), t([0])
+    for bs, extend in ((2, 1), (3, 5), (17, 1), (33, 1), (5, 7)):
+        plan.write_offsets[:bs + 1] = torch.arange(bs + 1) * extend
+        loc = (torch.arange(bs * extend, device=DEVICE) % (NUM_SLOTS - 1) + 1).to(dtype)
+        ops.accept_rewrites(head_buf=head, tail_buf=tail, plan=plan, num_requests=bs, out_cache_loc=loc,
+                            sources=_sources(2), real_kv_mode=RealKvMode.PARTIAL, rewrites=rewrites, backend="triton")
+    assert len(seen) == 1, seen
+    assert int(rewrites[0]) > 0
+
+
+@pytest.mark.gpu
+def test_torch_path_replays_in_a_cuda_graph():
+    """No host sync: the torch path captures into a CUDA graph and a replay gives the reference's bytes."""
+    head, tail = _buffers(4, [6, 9])
+    kv = _sources(2, 4)
+    plan = ops.Plan.allocate(8, 3, DEVICE)
+    plan.write_offsets[:4] = t([0, 2, 3, 6])
+    loc, rewrites = t([5, 6, 0, 7, 9, 7]), t([0])
+    start = (tail.clone(), rewrites.clone())
+
+    def step(backend):
+        ops.accept_rewrites(head_buf=head, tail_buf=tail, plan=plan, num_requests=3, out_cache_loc=loc, sources=kv,
+                            real_kv_mode=RealKvMode.ALL, rewrites=rewrites, backend=backend)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step("torch")  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step("torch")
+    tail.copy_(start[0]), rewrites.copy_(start[1])
+    flip_kv_byte(kv[0], 5)  # the replay reads the bytes as they are now
+    graph.replay()
+    torch.cuda.synchronize()
+    got = (tail.clone(), rewrites.clone())
+    tail.copy_(start[0]), rewrites.copy_(start[1])
+    step("reference")
+    assert torch.equal(got[0], tail) and torch.equal(got[1], rewrites) and int(rewrites[0]) == 3
