@@ -190,11 +190,12 @@ def summarize(engine: str, seed: int, outcomes: list[Outcome], wall_s: float, bu
 
 def format_summary(s: dict) -> str:
     """The summary as text: totals, coverage, then one line per finding."""
+    totals = f"  violations {s['violations']} (in {s['workloads_with_violations']} workloads), errors {s['errors']}"
+    if s["engine"] == "transformers":
+        totals += (f", token mismatches {s['token_mismatches']} of {s['greedy_workloads_compared']} greedy "
+                   f"workloads, engine failures alike without the canary {len(s['engine_failures'])}")
     lines = [f"kvcanary soak --engine {s['engine']}: {s['workloads']} workloads from seed {s['seed']}"
-             + (f", bug {s['planted_bug']} planted" if s["planted_bug"] else "") + f", {s['wall_s']} s",
-             f"  violations {s['violations']} (in {s['workloads_with_violations']} workloads), token mismatches "
-             f"{s['token_mismatches']} of {s['greedy_workloads_compared']} greedy workloads, errors {s['errors']}, "
-             f"engine failures alike without the canary {len(s['engine_failures'])}",
+             + (f", bug {s['planted_bug']} planted" if s["planted_bug"] else "") + f", {s['wall_s']} s", totals,
              "  features: " + ", ".join(f"{k} {v}" for k, v in s["features"].items()),
              "  events: " + ", ".join(f"{k} {v['total']} (in {v['workloads']})" for k, v in s["events"].items())]
     for f in s["findings"][:20]:
