@@ -22,6 +22,8 @@ def build_tiny_model(device: str = "cpu", seed: int = 0, sliding_window: int | N
     """Llama-shaped model with seeded random weights (Qwen2 with one sliding layer when ``sliding_window``)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    from kvcanary.integrations.hf_layout import sdpa_name
+
     torch.manual_seed(seed)
     if sliding_window:
         cfg = Qwen2Config(**TINY_CONFIG, use_sliding_window=True, sliding_window=sliding_window,
@@ -30,16 +32,18 @@ def build_tiny_model(device: str = "cpu", seed: int = 0, sliding_window: int | N
     else:
         model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG))
     model = model.to(device).eval()
-    model.set_attn_implementation("paged|sdpa")
+    model.set_attn_implementation(sdpa_name())
     return model
 
 
 def load_local_model(path: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
+    from kvcanary.integrations.hf_layout import sdpa_name
+
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     model = model.to(device).eval()
-    model.set_attn_implementation("paged|sdpa")
+    model.set_attn_implementation(sdpa_name())
     return model
 
 
@@ -71,9 +75,8 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
                  **options) -> RunResult:
     """Run the demo workload once on continuous batching, optionally with the canary and a planted bug."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
     from kvcanary.integrations.hf_bugs import plant
+    from kvcanary.integrations.hf_layout import cb_config
     from kvcanary.integrations.transformers import attach
 
     vocab = model.config.get_text_config().vocab_size
@@ -85,7 +88,7 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
     cb = {"block_size": BLOCK_SIZE, "num_blocks": 96, "max_batch_tokens": 16, "max_requests_per_batch": 16,
           "use_async_batching": False, "use_cuda_graph": False, "scheduler_type": "fifo",
           "allow_block_sharing": not sliding, **(cb or {})}
-    cbc = ContinuousBatchingConfig(**cb)
+    cbc = cb_config(**cb)
     undo = plant(model, bug) if bug else None
     handle = attach(model, **{"mode": "log", "sweep_interval": 4, **options}) if canary else None
     t0 = time.perf_counter()
