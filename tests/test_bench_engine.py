@@ -15,15 +15,16 @@ pytest.importorskip("transformers")
 from kvcanary import cli  # noqa: E402
 from kvcanary.bench import suite as bench_suite  # noqa: E402
 from kvcanary.bench.engine import build_model, canary_config  # noqa: E402
-from kvcanary.integrations.varlen_attention import NAME, register, varlen  # noqa: E402
+from kvcanary.integrations.hf_layout import sdpa_name  # noqa: E402
+from kvcanary.integrations.varlen_attention import use, varlen  # noqa: E402
 
 
-def _generate(attention: str) -> dict:
+def _generate(switch) -> dict:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model = build_model("tiny", torch.device("cpu"), torch.float32, 256)
-    model.set_attn_implementation(attention)
+    switch(model)  # the attention
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 32000, (n,), generator=g).tolist() for n in (30, 50, 70)]
     out = model.generate_batch(
@@ -35,8 +36,7 @@ def _generate(attention: str) -> dict:
 
 
 def test_varlen_attention_generates_what_paged_sdpa_generates():
-    register()
-    assert _generate(NAME) == _generate("paged|sdpa")
+    assert _generate(use) == _generate(lambda model: model.set_attn_implementation(sdpa_name()))
 
 
 def test_varlen_is_causal_per_request_aligned_to_the_last_keys():
