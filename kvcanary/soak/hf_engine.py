@@ -16,7 +16,13 @@ from kvcanary.soak.hf_workload import HfWorkload
 def engine_config(w: HfWorkload, device: str) -> dict:
     """``ContinuousBatchingConfig`` keywords of workload ``w``: synchronous, no CUDA graphs (what the
     adapter supports), block sharing off for the sliding-window model (the adapter requires it)."""
-    cb = {"block_size": w.block_size, "num_blocks": w.num_blocks, "max_batch_tokens": w.max_batch_tokens,
+    import inspect
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    # 5.18+ calls the block a page (block_size still works there, with a deprecation warning per run)
+    size = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    cb = {size: w.block_size, "num_blocks": w.num_blocks, "max_batch_tokens": w.max_batch_tokens,
           "max_requests_per_batch": w.max_requests_per_batch, "use_async_batching": False,
           "use_cuda_graph": False, "scheduler_type": "fifo", "allow_block_sharing": w.model != "hybrid"}
     if w.offload_blocks and device != "cpu":
