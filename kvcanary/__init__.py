@@ -14,7 +14,7 @@ _EXPORTS = {
     "RealKvSource": "kvcanary.ops",
     **{name: "kvcanary.runtime" for name in (
         "Canary", "CanaryConfig", "ForwardBatch", "ForwardMode", "KvCanaryHealthError", "KvCanaryViolationError",
-        "PoolSpec", "SwaSpec", "TokenAppend", "TokenHistory", "Violation", "violations_to_json")},
+        "PoolSpec", "SharedRowError", "SwaSpec", "TokenAppend", "TokenHistory", "Violation", "violations_to_json")},
 }
 
 __all__ = sorted(_EXPORTS)

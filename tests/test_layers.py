@@ -1,6 +1,6 @@
 """The package's dependencies run one way (README, "Layout"):
 
-    format <- ops <- runtime <- (integrations, distributed) <- (sim, pytest_plugin) <- bench <- (demo, selfcheck) <- cli
+    format <- ops <- runtime <- (integrations, distributed) <- (sim, pytest_plugin) <- bench <- (demo, selfcheck) <- soak <- cli
 
 A module may import its own subpackage and anything on a lower level, never a higher level and never a
 sibling on its own level. Every import counts, including the ones inside functions: a lazy upward
@@ -24,7 +24,8 @@ LEVELS = {
     "kvcanary.sim": 4,
     "kvcanary.pytest_plugin": 4,
     "kvcanary.bench": 5,
-    "kvcanary.cli": 7,
+    "kvcanary.soak": 7,
+    "kvcanary.cli": 8,
     "kvcanary.demo": 6,
     "kvcanary.selfcheck": 6,
 }

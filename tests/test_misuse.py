@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from kvcanary import CanaryConfig, KvCanaryViolationError, cli, ops
+from kvcanary import CanaryConfig, KvCanaryViolationError, SharedRowError, cli, ops
 from kvcanary.format import RealKvMode
 from kvcanary.ops import validate
 from kvcanary.runtime import config as config_mod
@@ -38,8 +38,9 @@ def test_duplicate_request_row_is_rejected_before_anything_changes():
     # row 1 twice: the second request would plan from the first one's row and read what it never wrote
     batch = batch_of(e, rows=[1, 2, 1], prefix=[4, 0, 4], extend=[1, 2, 1], locs=[40, 41, 42, 43])
     with pytest.raises(ValueError, match=r"^kv-canary: forward batch req_pool_indices must be distinct rows for "
-                                         r"real requests .*got row 1 at batch indices 0 and 2$"):
+                                         r"real requests .*got row 1 at batch indices 0 and 2$") as info:
         e.canary.before_forward(batch)
+    assert isinstance(info.value, SharedRowError) and (info.value.row, info.value.indices) == (1, (0, 2))
     assert_same(before, full_state(e))
     e.forward([(1, 1), (2, 2)])  # the canary still works: a correct forward is clean
     assert e.canary.flush() == []

@@ -180,6 +180,16 @@ def llama():
     return build_tiny_model(str(DEVICE))
 
 
+def _rewrites_shared_blocks() -> bool:
+    """Whether the installed transformers recomputes an exact cached prompt's last token into the shared
+    block: 5.17 does; 5.18+ never match the block holding a prompt's last token (docs/transformers.md,
+    "Two paged-cache generations"), so there the same workloads must be clean with no rewrite at all."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version("5.18")
+
+
 def _run(model, prompts, num_blocks, sequences, canary=True, **options):
     from kvcanary.demo import run_workload
 
@@ -196,7 +206,10 @@ def test_transformers_exact_cached_prefix(llama, options):
     base = _run(llama, [a, system], 32, 1, canary=False)
     run = _run(llama, [a, system], 32, 1, **options)
     assert run.violations == [] and run.tokens == base.tokens
-    assert run.stats["idempotent_rewrites"] >= 1
+    if _rewrites_shared_blocks():
+        assert run.stats["idempotent_rewrites"] >= 1
+    else:
+        assert run.stats["idempotent_rewrites"] == 0
 
 
 def test_transformers_forks_in_a_tight_pool(llama):
@@ -206,6 +219,8 @@ def test_transformers_forks_in_a_tight_pool(llama):
     run = _run(llama, prompts, 12, 2)
     assert run.violations == [] and run.tokens == base.tokens
     assert run.stats["idempotent_rewrites"] >= 1 and run.stats["fork_block_copies"] > 0
+    if not _rewrites_shared_blocks():
+        return  # 5.18+ rewrite a forked block's slot too, but no request reads it in that forward: no alarm
     patches = no_accept()
     for p in patches:
         p.start()

@@ -48,6 +48,19 @@ def test_bug_is_detected_in_every_config_where_it_applies(bug):
         assert r.first_detected_step >= r.planted_step
 
 
+@pytest.mark.parametrize("bug", ["double_free", "release_race"])
+def test_a_row_handed_out_twice_is_refused_at_the_forward_that_holds_both_owners(bug):
+    from kvcanary.sim.engine import run_sim
+
+    cfg = MATRIX["base"].replace(bug=bug)
+    r = run_sim(cfg)
+    # the canary refuses the forward (SharedRowError) instead of checking it: no "never written" cascade
+    assert r.refused and "must be distinct rows" in r.refused and r.violations == 0
+    assert r.first_detected_step == r.planted_step and r.reasons == ["shared_req_row"] and run_verdict(r) == "detected"
+    clean = run_sim(MATRIX["base"])
+    assert clean.refused is None and run_verdict(clean) == "clean"
+
+
 def test_cli_zoo_json_and_table(capsys):
     assert main(["zoo", "--bug", "wrong_positions", "--config", "base", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -1,6 +1,7 @@
 """The runtime that drives the canary ops forward by forward (SPEC section 5)."""
 
-from kvcanary.runtime.batch import ForwardBatch, ForwardMode, PoolSpec, SwaSpec, TokenAppend, TokenHistory
+from kvcanary.runtime.batch import (ForwardBatch, ForwardMode, PoolSpec, SharedRowError, SwaSpec, TokenAppend,
+                                    TokenHistory)
 from kvcanary.runtime.canary import Canary
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation, violations_to_json
@@ -13,6 +14,7 @@ __all__ = [
     "KvCanaryHealthError",
     "KvCanaryViolationError",
     "PoolSpec",
+    "SharedRowError",
     "SwaSpec",
     "TokenAppend",
     "TokenHistory",

@@ -157,12 +157,26 @@ class ForwardBatch:
         return int(self.out_cache_loc.shape[0])
 
 
+class SharedRowError(ValueError):
+    """Two real requests of one forward in one request row: ``row``, and the batch ``indices`` holding it.
+
+    An engine that frees a request row twice (or hands a row out while its owner still runs) builds
+    such a batch; so does an adapter that maps two requests to one row. The canary cannot tell the two
+    apart, and checking the forward would report what follows from it, never-written reads, instead of
+    its cause; so ``before_forward`` refuses it with this error before any state changes."""
+
+    def __init__(self, row: int, indices: tuple[int, int]):
+        self.row, self.indices = row, indices
+        super().__init__(f"kv-canary: forward batch req_pool_indices must be distinct rows for real requests "
+                         f"(only the padding row 0 may repeat), got row {row} at batch indices {indices[0]} "
+                         f"and {indices[1]}")
+
+
 def check_distinct_rows(batch: ForwardBatch) -> None:
-    """ValueError when two real requests of one forward share a request row (row 0, the padding row,
-    may repeat). Both would plan their reads and writes from the same table row: the first one's new
-    tokens are never written where the second reads them, and the canary would report false
-    violations instead of the engine's bug. Reads the rows' values: a sync on CUDA, so it runs with
-    the value checks (``CanaryConfig.value_check``)."""
+    """``SharedRowError`` when two real requests of one forward share a request row (row 0, the padding
+    row, may repeat). Both would plan their reads and writes from the same table row: the first one's
+    new tokens are never written where the second reads them. Reads the rows' values: a sync on CUDA,
+    so it runs with the value checks (``CanaryConfig.value_check``)."""
     t = batch.req_pool_indices
     rows = (t if t.is_cpu else t.cpu()).tolist()  # (batches are short: a list and a set beat tensor ops)
     real = len(rows) - rows.count(0)
@@ -171,9 +185,7 @@ def check_distinct_rows(batch: ForwardBatch) -> None:
     seen: dict[int, int] = {}
     for i, row in enumerate(rows):
         if row != 0 and row in seen:
-            raise ValueError(f"kv-canary: forward batch req_pool_indices must be distinct rows for real requests "
-                             f"(only the padding row 0 may repeat), got row {row} at batch indices {seen[row]} "
-                             f"and {i}")
+            raise SharedRowError(row, (seen[row], i))
         seen[row] = i
 
 

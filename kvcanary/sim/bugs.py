@@ -50,7 +50,8 @@ _BUG_LIST = (
     Bug("double_free", "A", "an abort arriving after the request finished releases it a second time",
         "the abort handler has no already-released guard: the row and the request's unshared pages go back to "
         "the free lists twice, and two later requests are handed the same row or page",
-        "HEAD verify_token (with chain/position) once two owners share the row or page"),
+        "SharedRowError at HEAD when both owners of the row meet in one forward; HEAD verify_token (with "
+        "chain/position) where two owners share a page"),
     Bug("free_while_cached", "A", "abort frees every slot of the request, including those the prefix cache holds",
         "the pages of the matched prefix and of inserted prefill chunks go back to the allocator while the radix "
         "tree still maps them; a new request overwrites them and every later hit reads foreign KV (SGLang #38319)",
@@ -60,7 +61,7 @@ _BUG_LIST = (
         "with the overlap scheduler the request is already in the next batch; its row and slots go back at once, "
         "a request admitted into that same batch takes them, and the forward reads the new owner's table "
         "(SGLang PR #18803)",
-        "HEAD verify_chain_hash+verify_position+verify_token: the in-flight forward reads the new owner's row"),
+        "SharedRowError at HEAD: the in-flight forward holds the old and the new owner of one row"),
     Bug("insert_dup_stale_table", "A", "inserting a prefix that already exists frees the duplicate pages but "
         "leaves the request's table pointing at them",
         "two requests computed the same prefix in one batch; the second insert frees its own copies, the table "

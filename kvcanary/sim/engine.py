@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvcanary.runtime import Canary, CanaryConfig, ForwardBatch, ForwardMode, PoolSpec, SwaSpec, TokenHistory
+from kvcanary.runtime import (Canary, CanaryConfig, ForwardBatch, ForwardMode, PoolSpec, SharedRowError, SwaSpec,
+                              TokenHistory)
 from kvcanary.sim.bugs import BugSwitch
 from kvcanary.sim.cache import CacheManager
 from kvcanary.sim.config import SimConfig
@@ -59,10 +60,13 @@ class SimResult:
     tokens_protected: int
     wall_s: float
     health_problems: list[str] = field(default_factory=list)
+    # the canary's refusal of a forward whose batch gave one request row to two requests (SharedRowError):
+    # the run ends there, as an engine's would on that error
+    refused: str | None = None
 
     @property
     def detected(self) -> bool:
-        return self.violations > 0
+        return self.violations > 0 or self.refused is not None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,6 +111,7 @@ class SimEngine:
         graph_tokens = max(cfg.graph_sizes) * self.per_decode
         self.graph_loc = torch.zeros(graph_tokens, dtype=torch.int64)
         self.step_no = 0
+        self.refusal: tuple[int, SharedRowError] | None = None  # (the refused forward's step, the error)
 
     # -- running -------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None) -> SimResult:
@@ -115,7 +120,7 @@ class SimEngine:
         ``stop_after``: stop that many steps after the canary's first violation (a bug run has made its point).
         """
         t0 = time.perf_counter()
-        while self.step_no < self.cfg.max_steps:
+        while self.step_no < self.cfg.max_steps and self.refusal is None:
             self.step()
             if not self.sched.busy and self.step_no > self.workload.last_arrival:
                 break
@@ -138,11 +143,18 @@ class SimEngine:
             sched.complete([])
             return
         self.forward(works)
-        sched.complete(works)
+        if self.refusal is None:
+            sched.complete(works)
 
     def forward(self, works: list[Work]) -> ForwardBatch:
         batch = self.build_batch(works)
-        self.canary.before_forward(batch)
+        try:
+            self.canary.before_forward(batch)
+        except SharedRowError as e:
+            # the canary's report of a request row handed to two requests (a double free of the row):
+            # nothing ran, and the engine stops as it would on the error
+            self.refusal = (self.canary.step + 1, e)
+            return batch
         if self.host is not None and self.host.h2d.pending:
             if not self.bugs.on("loadback_no_wait"):
                 self.host.h2d.synchronize()  # the forward waits on the load-back event
@@ -255,16 +267,24 @@ class SimEngine:
         reasons = sorted({label for v in vs for label in v.reasons})
         tags = sorted({v.launch_tag for v in vs})
         first = min(vs, key=lambda v: v.step) if vs else None
+        first_step = first.step if first else None
+        first_report = f"{first.launch_tag} {first.reason_label}" if first else None
+        refused = None
+        if self.refusal is not None:
+            step, err = self.refusal
+            refused = str(err)
+            reasons.append("shared_req_row")
+            if first_step is None or step < first_step:
+                first_step, first_report = step, "HEAD shared_req_row"
         return SimResult(
             config=self.cfg.name, features=self.cfg.features(), seed=self.cfg.seed, bug=self.cfg.bug,
             steps=self.canary.step, planted_step=self.bugs.first_step, bug_hits=self.bugs.hits,
             violations=self.canary.monitor.total_violations,
-            first_detected_step=first.step if first else None,
-            first_report=f"{first.launch_tag} {first.reason_label}" if first else None, reasons=reasons, launch_tags=tags,
+            first_detected_step=first_step, first_report=first_report, reasons=reasons, launch_tags=tags,
             finished=self.sched.finished, aborted=self.sched.aborted, retractions=self.sched.retractions,
             cache_hit_tokens=self.cache.hit_tokens, offloads=self.host.offloads if self.host else 0,
             loadbacks=self.host.loadbacks if self.host else 0, tokens_protected=stats["tokens_protected"],
-            wall_s=round(wall_s, 3), health_problems=list(self.canary.monitor.health_problems))
+            wall_s=round(wall_s, 3), health_problems=list(self.canary.monitor.health_problems), refused=refused)
 
 
 def run_sim(cfg: SimConfig, canary_config: CanaryConfig | None = None, stop_after: int | None = None) -> SimResult:

@@ -22,16 +22,17 @@ from kvcanary.sim.config import MATRIX, SimConfig
 from kvcanary.sim.engine import SimResult, run_sim
 
 SHORT_REASONS = {"verify_chain_hash": "chain", "verify_position": "pos", "verify_real_kv_hash": "real_kv",
-                 "verify_token": "token", "write_token": "w_token", "write_position": "w_pos"}
+                 "verify_token": "token", "write_token": "w_token", "write_position": "w_pos",
+                 "shared_req_row": "row"}
 
 
 def run_verdict(r: SimResult) -> str:
     """'clean' / 'FALSE ALARM' for clean runs; 'detected' / 'MISSED' / 'NOT PLANTED' / 'EARLY' for bug runs."""
     if r.bug is None:
-        return "clean" if r.violations == 0 and not r.health_problems else "FALSE ALARM"
+        return "clean" if not r.detected and not r.health_problems else "FALSE ALARM"
     if r.planted_step is None:
         return "NOT PLANTED"
-    if r.violations == 0:
+    if not r.detected:
         return "MISSED"
     if r.first_detected_step is not None and r.first_detected_step < r.planted_step:
         return "EARLY"
