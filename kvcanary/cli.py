@@ -379,12 +379,15 @@ def _config(args: argparse.Namespace) -> int:
     import dataclasses
     import warnings
 
-    from kvcanary.runtime.config import ENV_PREFIX, CanaryConfig
+    from kvcanary.runtime.config import ENV_FIELDS, ENV_PREFIX, INJECT_KEYS, INJECT_VARIABLE, CanaryConfig
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg, sources = CanaryConfig.from_env(), CanaryConfig.sources()
-    rows = [(ENV_PREFIX + f.name.upper(), getattr(cfg, f.name), sources[f.name]) for f in dataclasses.fields(cfg)]
+    # a field's row is named by the variable that sets it; the fields set only in code by their names
+    inject = {name: f"{INJECT_VARIABLE} {key}" for key, name in INJECT_KEYS.items()}
+    label = lambda n: ENV_PREFIX + n.upper() if n in ENV_FIELDS else inject.get(n, n)  # noqa: E731
+    rows = [(label(f.name), getattr(cfg, f.name), sources[f.name]) for f in dataclasses.fields(cfg)]
     notes = sorted({str(w.message) for w in caught})
     width = max(len(r[0]) for r in rows)
     text = "\n".join([f"{'variable':<{width}}  {'value':<10}  source"]

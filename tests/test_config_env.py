@@ -13,8 +13,10 @@ from kvcanary import CanaryConfig
     ("MODE", "bogus", "KV_CANARY_MODE must be one of ('none', 'log', 'raise'), got 'bogus'"),
     ("REAL_KV", "some", "KV_CANARY_REAL_KV must be one of ('none', 'partial', 'all'), got 'some'"),
     ("RING_CAPACITY", "0", "KV_CANARY_RING_CAPACITY must be >= 1, got '0'"),
-    ("RECORD_STRIDE", "36", "KV_CANARY_RECORD_STRIDE must be >= 32 and a multiple of 8, got '36'"),
-    ("INJECT_KV_PROB", "1.5", "KV_CANARY_INJECT_KV_PROB must be in [0, 1], got '1.5'"),
+    ("INJECT", "kv=1.5", "KV_CANARY_INJECT kv must be in [0, 1], got '1.5'"),
+    ("INJECT", "warmup=x", "KV_CANARY_INJECT warmup must be an integer, got 'x'"),
+    ("INJECT", "kv", "KV_CANARY_INJECT must be comma-separated key=value pairs with keys ['table', 'kv', 'cached', "
+                     "'after', 'swap', 'seed', 'warmup', 'group'] (e.g. 'kv=0.05,seed=3'), got 'kv'"),
     ("VALUE_CHECK", "maybe", "KV_CANARY_VALUE_CHECK must be one of ('auto', 'always', 'off'), got 'maybe'"),
 ])
 def test_bad_variable_is_named(var, raw, message):
@@ -45,6 +47,16 @@ def test_unknown_variables_warn_and_known_others_do_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CanaryConfig.from_env({"KV_CANARY_TRITON_FAST_LAUNCH": "0", "OTHER": "1"})
+
+
+def test_fourteen_variables_and_fields_set_only_in_code_warn():
+    from kvcanary.runtime.config import VARIABLES, env_table
+
+    assert len(VARIABLES) == 14 and [row[0] for row in env_table()] == list(VARIABLES)
+    # a field without a variable (set in code) is not read from the environment: the variable warns
+    with pytest.warns(UserWarning, match=r"unknown environment variables \['KV_CANARY_RECORD_STRIDE'\]"):
+        cfg = CanaryConfig.from_env({"KV_CANARY_RECORD_STRIDE": "64"})
+    assert cfg.record_stride == CanaryConfig().record_stride
 
 
 def test_sources():

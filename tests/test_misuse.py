@@ -301,9 +301,13 @@ def test_every_size_knob_has_an_upper_bound(field):
     CanaryConfig(**{field: bound})  # the bound itself is allowed
     with pytest.raises(ValueError, match=rf"^kv-canary: config {field} must be <= {bound} "):
         CanaryConfig(**{field: bound + 8})
-    var = "KV_CANARY_" + field.upper()
-    with pytest.raises(ValueError, match=rf"^kv-canary: {var} must be <= {bound} .*got '{bound + 8}'$"):
-        CanaryConfig.from_env({var: str(bound + 8)})
+    if field in config_mod.ENV_FIELDS:
+        var = "KV_CANARY_" + field.upper()
+        with pytest.raises(ValueError, match=rf"^kv-canary: {var} must be <= {bound} .*got '{bound + 8}'$"):
+            CanaryConfig.from_env({var: str(bound + 8)})
+    elif field == "inject_warmup":
+        with pytest.raises(ValueError, match=rf"^kv-canary: KV_CANARY_INJECT warmup must be <= {bound} "):
+            CanaryConfig.from_env({"KV_CANARY_INJECT": f"warmup={bound + 8}"})
 
 
 @pytest.mark.parametrize("raw, value", [("false", False), ("OFF", False), (" No ", False), ("0", False),

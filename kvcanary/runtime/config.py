@@ -1,7 +1,9 @@
 """Canary configuration: a frozen dataclass, overridable from ``KV_CANARY_*`` environment variables.
 
-Each field's environment variable is its upper-case name behind ``KV_CANARY_``;
-docs/configuration.md holds the one table that documents them.
+Fourteen variables in all (``VARIABLES``): the twelve fields of ``ENV_FIELDS``, each its upper-case name
+behind ``KV_CANARY_``; ``KV_CANARY_INJECT``, the fault-injection fields as one ``key=value,...`` spec; and
+``KV_CANARY_TRITON_FAST_LAUNCH``, read by the Triton launcher. Other fields are set in code
+(``CanaryConfig(...)``). docs/configuration.md holds the one table that documents them.
 """
 
 from __future__ import annotations
@@ -19,8 +21,18 @@ REAL_KV_MODES = ("none", "partial", "all")
 VALUE_CHECKS = ("auto", "always", "off")
 ENV_PREFIX = "KV_CANARY_"
 INJECT_PROBS = ("inject_table_prob", "inject_kv_prob", "inject_cached_prob", "inject_after_prob", "inject_swap_prob")
+# The fields a deployment sets without touching code. The rest (the checks one would only switch off to
+# debug the canary, capacities, the launch-path toggles) are set in code: fewer variables to misspell.
+ENV_FIELDS = ("mode", "backend", "check_v", "real_kv", "value_check", "sweep_interval", "ring_capacity",
+              "plan_capacity", "health_interval", "stats_interval", "report_blocks", "check_before_forward")
+INJECT_VARIABLE = ENV_PREFIX + "INJECT"
+# KV_CANARY_INJECT's keys: the inject_* field each sets (probabilities, seed, warm-up steps, address space)
+INJECT_KEYS = {"table": "inject_table_prob", "kv": "inject_kv_prob", "cached": "inject_cached_prob",
+               "after": "inject_after_prob", "swap": "inject_swap_prob", "seed": "inject_seed",
+               "warmup": "inject_warmup", "group": "inject_group"}
 # Variables with the prefix that are read elsewhere (not CanaryConfig fields): no "unknown variable" warning.
 OTHER_VARIABLES = ("KV_CANARY_TRITON_FAST_LAUNCH",)
+VARIABLES = tuple(ENV_PREFIX + f.upper() for f in ENV_FIELDS) + (INJECT_VARIABLE,) + OTHER_VARIABLES
 # Upper bounds of the size and count knobs (docs/configuration.md). Past them an allocation (a ring of
 # 2**30 rows is 64 GiB, three more copies on CUDA) or a counter would fail at the first Canary or step,
 # far from the setting and without naming it; each bound sits well above any engine's real need.
@@ -158,17 +170,23 @@ class CanaryConfig:
     @classmethod
     def _from_env(cls, environ, overrides) -> tuple[CanaryConfig, dict[str, str]]:
         environ = os.environ if environ is None else environ
-        fields = {ENV_PREFIX + f.name.upper(): f for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in fields
-                         and k not in OTHER_VARIABLES)
+        by_name = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {ENV_PREFIX + name.upper(): by_name[name] for name in ENV_FIELDS}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in VARIABLES)
         if unknown:
-            warnings.warn(f"kv-canary: unknown environment variables {unknown} ignored (known: "
-                          f"docs/configuration.md or `kvcanary config`)", stacklevel=3)
-        values, source, raws = {}, {f.name: "default" for f in fields.values()}, {}
+            warnings.warn(f"kv-canary: unknown environment variables {unknown} ignored (known: {list(VARIABLES)}; "
+                          f"other fields are set in code, CanaryConfig(...))", stacklevel=3)
+        values, source, raws = {}, {name: "default" for name in by_name}, {}
         for var, field in fields.items():
             raw = environ.get(var)
             if raw is not None:
                 values[field.name], source[field.name], raws[field.name] = _parse(field, raw), "environment", raw
+        labels = {name: ENV_PREFIX + name.upper() for name in ENV_FIELDS}
+        spec = environ.get(INJECT_VARIABLE)
+        if spec is not None:
+            for name, (value, key, raw) in _parse_inject(spec, by_name).items():
+                values[name], source[name], raws[name] = value, "environment", raw
+                labels[name] = f"{INJECT_VARIABLE} {key}"
         for name in overrides:
             source[name] = "argument"
         values.update(overrides)
@@ -176,7 +194,7 @@ class CanaryConfig:
             cfg = cls(**values)
         except ConfigError as e:
             if e.field in raws and e.field not in overrides:
-                raise ValueError(f"kv-canary: {ENV_PREFIX + e.field.upper()} must be {e.expectation}, got "
+                raise ValueError(f"kv-canary: {labels[e.field]} must be {e.expectation}, got "
                                  f"{raws[e.field]!r}") from None
             raise
         return cfg, source
@@ -205,8 +223,24 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(name, f"one of {choices}", value)
 
 
-def _parse(field: dataclasses.Field, raw: str):
-    name = ENV_PREFIX + field.name.upper()
+def _parse_inject(spec: str, by_name: dict[str, dataclasses.Field]) -> dict[str, tuple[object, str, str]]:
+    """``KV_CANARY_INJECT``'s ``key=value,...`` as {inject_* field: (value, key, raw value)} (``INJECT_KEYS``)."""
+    out = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        key, sep, raw = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in INJECT_KEYS:
+            raise ValueError(f"kv-canary: {INJECT_VARIABLE} must be comma-separated key=value pairs with keys "
+                             f"{list(INJECT_KEYS)} (e.g. 'kv=0.05,seed=3'), got {spec!r}")
+        name = INJECT_KEYS[key]
+        out[name] = (_parse(by_name[name], raw.strip(), f"{INJECT_VARIABLE} {key}"), key, raw.strip())
+    return out
+
+
+def _parse(field: dataclasses.Field, raw: str, name: str | None = None):
+    name = name or ENV_PREFIX + field.name.upper()
     kind = _kind(field)
     if kind == "bool":
         return parse_bool(name, raw)
@@ -224,14 +258,28 @@ def _parse(field: dataclasses.Field, raw: str):
     return raw.strip().lower()
 
 
-def env_table() -> list[tuple[str, str, str]]:
-    """(variable, default, meaning) for every knob, for docs and ``kvcanary config``."""
-    doc = CanaryConfig.__doc__ or ""
-    meanings = {}
-    for line in doc.splitlines():
+def field_meanings() -> dict[str, str]:
+    """Each field's line of ``CanaryConfig``'s docstring, its continuation lines joined."""
+    meanings: dict[str, str] = {}
+    key = None
+    for line in (CanaryConfig.__doc__ or "").split("Attributes:", 1)[-1].splitlines():
         line = line.strip()
-        if ":" in line and line.split(":")[0].isidentifier():
-            key, text = line.split(":", 1)
-            meanings[key] = text.strip()
-    return [(ENV_PREFIX + f.name.upper(), repr(f.default), meanings.get(f.name, ""))
-            for f in dataclasses.fields(CanaryConfig)]
+        head = line.split(":", 1)[0]
+        if ":" in line and head.isidentifier() and head in CanaryConfig.__dataclass_fields__:
+            key, meanings[head] = head, line.split(":", 1)[1].strip()
+        elif key is not None and line:
+            meanings[key] += " " + line
+    return meanings
+
+
+def env_table() -> list[tuple[str, str, str]]:
+    """(variable, default, meaning) for every variable (``VARIABLES``), for docs and ``kvcanary config``."""
+    meanings = field_meanings()
+    defaults = {f.name: f.default for f in dataclasses.fields(CanaryConfig)}
+    rows = [(ENV_PREFIX + name.upper(), repr(defaults[name]), meanings.get(name, "")) for name in ENV_FIELDS]
+    keys = ", ".join(f"{k} ({name})" for k, name in INJECT_KEYS.items())
+    rows.append((INJECT_VARIABLE, "''", f"fault injection (self-test, docs/fault_injection.md) as key=value pairs, "
+                 f"e.g. 'kv=0.05,seed=3'; keys: {keys}."))
+    rows.append(("KV_CANARY_TRITON_FAST_LAUNCH", "True", "launch compiled Triton kernels through their cached "
+                 "launcher rather than triton's Python dispatch (same kernels; 0 for a profiler's launch hook)."))
+    return rows
