@@ -77,7 +77,7 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
     from transformers import GenerationConfig
     from kvcanary.integrations.hf_bugs import plant
     from kvcanary.integrations.hf_layout import cb_config
-    from kvcanary.integrations.transformers import attach
+    from kvcanary.integrations.transformers import attach_with
 
     vocab = model.config.get_text_config().vocab_size
     prompts = demo_prompts(vocab) if prompts is None else prompts
@@ -90,7 +90,7 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
           "allow_block_sharing": not sliding, **(cb or {})}
     cbc = cb_config(**cb)
     undo = plant(model, bug) if bug else None
-    handle = attach(model, **{"mode": "log", "sweep_interval": 4, **options}) if canary else None
+    handle = attach_with(model, **{"mode": "log", "sweep_interval": 4, **options}) if canary else None
     t0 = time.perf_counter()
     try:
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc)

@@ -135,7 +135,7 @@ def test_attach_to_a_manager_a_model_handle_guards_is_refused(tiny):
     (dict(config="raise"), TypeError, r"^kv-canary: attach config must be a CanaryConfig or None, got str 'raise'"),
     (dict(max_context=-1), ValueError, r"^kv-canary: attach max_context must be an int >= 1 or None .*got -1$"),
     (dict(max_context=2.5), TypeError, r"^kv-canary: attach max_context must be an int >= 1 or None, got 2.5$"),
-    (dict(timing="yes"), TypeError, r"^kv-canary: attach timing must be a bool \(True/False\), got 'yes'$"),
+    (dict(token_oracle="yes"), TypeError, r"^kv-canary: attach token_oracle must be a bool \(True/False\), got 'yes'$"),
 ])
 def test_attach_arguments_are_named(tiny, kwargs, exc, match):
     from kvcanary.integrations.transformers import attach
@@ -162,19 +162,45 @@ def test_attach_without_transformers_names_the_extra(monkeypatch):
     (dict(check_before_forward=True, late_hooks=True), "late_hooks=True has no effect with check_before_forward"),
 ])
 def test_attach_options_without_effect_warn(tiny, kwargs, option):
-    from kvcanary.integrations.transformers import attach
+    from kvcanary.integrations.transformers import attach_with
 
     with pytest.warns(UserWarning, match=option):
-        handle = attach(tiny, **kwargs)
+        handle = attach_with(tiny, **kwargs)
     handle.detach()
 
 
 def test_attach_options_with_effect_do_not_warn(tiny):
-    from kvcanary.integrations.transformers import attach
+    from kvcanary.integrations.transformers import attach_with
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        attach(tiny, step_graphs=True, fused_steps=True, late_hooks=True).detach()
+        attach_with(tiny, step_graphs=True, fused_steps=True, late_hooks=True).detach()
+
+
+def test_attach_keeps_to_ten_keywords_and_the_toggles_are_private(tiny):
+    import inspect
+
+    from kvcanary.integrations.transformers import TUNING_OPTIONS, attach, tuned
+
+    params = inspect.signature(attach).parameters
+    assert len(params) <= 10 and not set(params) & set(TUNING_OPTIONS)
+    bare = hooks(tiny)
+    with pytest.raises(TypeError, match="step_graphs"):
+        attach(tiny, step_graphs=False)  # a toggle is not a user's keyword
+    with pytest.raises(TypeError, match=r"^kv-canary: tuned got unknown toggles \['graphs'\]"):
+        with tuned(graphs=False):
+            pass
+    with pytest.raises(TypeError, match=r"^kv-canary: attach step_graphs must be a bool"):
+        with tuned(step_graphs="no"):
+            pass
+    assert hooks(tiny) == bare
+    with tuned(step_graphs=False, timing=True):
+        handle = attach(tiny)
+    assert handle.options["step_graphs"] is False and handle.options["timing"] is True
+    handle.detach()
+    handle = attach(tiny)  # outside the block: the defaults again
+    assert "step_graphs" not in handle.options
+    handle.detach()
 
 
 # -- 4. out structures of every op: checked from metadata before any kernel runs --------------------

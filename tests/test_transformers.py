@@ -16,7 +16,7 @@ from kvcanary.demo import build_tiny_model, demo_prompts, run_workload  # noqa: 
 from kvcanary.format import FailReason, oracle_token  # noqa: E402
 from kvcanary.integrations import hf_bugs  # noqa: E402
 from kvcanary.integrations.hf_layout import EngineLayout  # noqa: E402
-from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, check_version  # noqa: E402
+from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, attach_with, check_version  # noqa: E402
 from kvcanary.runtime.report import MISSING_TOKEN  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
@@ -142,7 +142,7 @@ def test_late_hooks_run_the_canary_once_the_forward_is_enqueued(llama, llama_bas
 
 @pytest.mark.parametrize("late", [True, False], ids=["late-hooks", "hooks-before-the-forward"])
 def test_timing_records_every_step(llama, late):
-    handle = attach(llama, timing=True, late_hooks=late)
+    handle = attach_with(llama, timing=True, late_hooks=late)
     gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
     cbc = ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=16, use_async_batching=False,
                                    use_cuda_graph=False)

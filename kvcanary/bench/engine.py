@@ -58,13 +58,13 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from kvcanary.integrations.transformers import attach
+    from kvcanary.integrations.transformers import attach_with
 
     sync = torch.cuda.synchronize if wl.device.type == "cuda" else (lambda: None)
     gen = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1)
     sync()
     t_start = time.perf_counter()
-    handle = attach(model, config=wl.canary_config, mode="log", timing=True, **wl.attach_options) if canary else None
+    handle = attach_with(model, config=wl.canary_config, mode="log", timing=True, **wl.attach_options) if canary else None
     manager = bp = session = None
     steps, parts, outputs, phases = [], [], {}, {}
     prof = ranges = kernels = None

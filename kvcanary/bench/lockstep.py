@@ -62,7 +62,7 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from kvcanary.integrations.transformers import attach
+    from kvcanary.integrations.transformers import attach_with
 
     cuda = wl.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -75,7 +75,7 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
         for c in (False, True):
             m = model.init_continuous_batching(gen, ContinuousBatchingConfig(**wl.cb))
             if c and attach_canary:
-                handle = attach(m, config=wl.canary_config, mode="log", timing=True, **wl.attach_options)
+                handle = attach_with(m, config=wl.canary_config, mode="log", timing=True, **wl.attach_options)
             bps[c] = m.batch_processor = m._create_batch_processor()
             managers[c] = m
             for i, p in enumerate(wl.prompts):

@@ -16,9 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import inspect
 import threading
 import warnings
+from collections.abc import Iterator
 
 from kvcanary.integrations.hf_layout import SUPPORTED_RANGE, Patcher, check_engine, check_version
 from kvcanary.integrations.hf_session import Session
@@ -26,57 +30,85 @@ from kvcanary.runtime import CanaryConfig, Violation
 
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
-INTEGRATION_OPTIONS = ("token_oracle", "token_history", "timing", "max_context", "allow_unsupported_version",
-                       "step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "bucket_batches")
+
+def attach_with(model_or_manager, **options) -> TransformersHandle:
+    """Private: ``attach`` with one flat set of keywords, for the project's demo, benchmarks and tests:
+    ``attach``'s own, ``CanaryConfig`` fields (onto ``config`` or the environment's) and ``tuned`` toggles."""
+    tuning = {k: options.pop(k) for k in TUNING_OPTIONS if k in options}
+    public = set(inspect.signature(attach).parameters) - {"model_or_manager"}
+    fields = {k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS and k not in public}
+    unknown = sorted(set(options) - public)
+    if unknown:
+        raise TypeError(f"kv-canary: attach got unknown options {unknown}; expected attach's keywords, "
+                        f"CanaryConfig fields or {list(TUNING_OPTIONS)}")
+    if fields:
+        config = options.get("config")
+        options["config"] = CanaryConfig.from_env(**fields) if config is None else config.replace(**fields)
+    with tuned(**tuning):
+        return attach(model_or_manager, **options)
+
+# The adapter's step-path toggles: private (``tuned``), for benchmarks and tests that compare paths; the
+# defaults are what users run, and each path gives the same results.
+TUNING_OPTIONS = ("timing", "step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "bucket_batches")
+_TUNING: contextvars.ContextVar[dict] = contextvars.ContextVar("kvcanary_tuning", default={})
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
 
 
-def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> TransformersHandle:
+@contextlib.contextmanager
+def tuned(**toggles: bool) -> Iterator[None]:
+    """Private: ``attach`` calls inside the block take these step-path toggles (``TUNING_OPTIONS``).
+
+    timing: per-step host times and profiler ranges for benchmarks; step_graphs: replay each batch shape's
+    canary launches from CUDA graphs; late_hooks: run a step's canary work once the engine has enqueued the
+    forward; fused_steps: a steady decode step's canary work as one graph replayed after the forward;
+    in_graph_waits: that graph waits for the engine's events itself; bucket_batches: pad decode batches to
+    size buckets. All default True except timing (docs/transformers.md).
+    """
+    unknown = sorted(set(toggles) - set(TUNING_OPTIONS))
+    if unknown:
+        raise TypeError(f"kv-canary: tuned got unknown toggles {unknown}; expected {list(TUNING_OPTIONS)}")
+    _check_options(toggles)
+    token = _TUNING.set({**_TUNING.get(), **toggles})
+    try:
+        yield
+    finally:
+        _TUNING.reset(token)
+
+
+def attach(model_or_manager, config: CanaryConfig | None = None, *, mode: str | None = None,
+           check_v: bool | None = None, real_kv: str | None = None, sweep_interval: int | None = None,
+           token_history: bool = True, token_oracle: bool = False, max_context: int | None = None,
+           allow_unsupported_version: bool = False) -> TransformersHandle:
     """Guard a transformers model (or a not-yet-started ``ContinuousBatchingManager``) with kv-canary.
 
     Args:
         model_or_manager: a ``PreTrainedModel`` with continuous batching (``generate_batch``), or a
             manager from ``model.init_continuous_batching(...)`` whose cache holds no KV yet.
-        config: canary knobs (default ``CanaryConfig.from_env()``); keyword options named like a
-            ``CanaryConfig`` field override it (``mode="raise"``, ``check_v=True``, ``sweep_interval=4``...).
-        token_oracle: force every sampled token to ``oracle_token(request_id, position, vocab)``, so the
-            write-input assert checks each input id and position (changes the generated text).
+        config: the canary's ``CanaryConfig`` (default ``CanaryConfig.from_env()``: the ``KV_CANARY_*``
+            variables); every other knob is a field there (docs/configuration.md).
+        mode, check_v, real_kv, sweep_interval: override those ``config`` fields ("log" / "raise" / "none";
+            also V; real-KV bytes hashed; sweep every N steps).
         token_history: check stored tokens against each request's prompt + generated tokens (default True).
-        timing: record per-step host times and profiler ranges (``kvcanary_before``, ``engine_forward``,
-            ``kvcanary_after``) for benchmarks.
+        token_oracle: force every sampled token to ``oracle_token(request_id, position, vocab)``, so the
+            write-input assert checks each input id and position (changes the generated text: for tests).
         max_context: columns of the canary's tables (default: the cache's pages, the longest a request can be).
         allow_unsupported_version: skip the transformers version gate.
-        step_graphs: on CUDA, replay each batch shape's canary launches from CUDA graphs (default True;
-            same results, a fraction of the host time: docs/transformers.md).
-        late_hooks: run each step's canary work once the engine has enqueued the forward, while the device
-            runs it, instead of before (default True; same results; off with the token oracle and fault
-            injection, and on CUDA without step graphs: docs/transformers.md).
-        fused_steps: with step graphs and late hooks, run a steady decode step's whole canary work (HEAD,
-            TAIL, the step's snapshot) as one graph replayed after the forward (default True; same
-            results, less host time per step: docs/transformers.md, "Fused steady steps").
-        in_graph_waits: a fused step's graph waits for the engine's inputs and forward itself, two CUDA
-            calls fewer per step than waiting from the host (default True; same ordering).
-        bucket_batches: with step graphs, pad each decode step's batch to its size bucket (the next power of
-            two) with padding requests that read and write nothing, so a batch that shrinks or grows keeps
-            replaying its bucket's graphs (default True; same results: docs/transformers.md, "Batch buckets").
 
     Returns:
         a ``TransformersHandle``; ``handle.detach()`` restores the engine.
     """
-    unknown = set(options) - _CONFIG_FIELDS - set(INTEGRATION_OPTIONS)
-    if unknown:
-        raise TypeError(f"kv-canary: attach got unknown options {sorted(unknown)}; expected CanaryConfig fields "
-                        f"or {list(INTEGRATION_OPTIONS)}")
     if config is not None and not isinstance(config, CanaryConfig):
         raise TypeError(f"kv-canary: attach config must be a CanaryConfig or None, got {type(config).__name__} "
                         f"{config!r} (options such as mode='raise' are keyword arguments of attach)")
+    options = {**_TUNING.get(), "token_history": token_history, "token_oracle": token_oracle,
+               "max_context": max_context, "allow_unsupported_version": allow_unsupported_version}
     _check_options(options)
     try:
         import transformers  # noqa: F401  (the extra; hf_layout imports it lazily)
     except ImportError as e:
         raise ImportError(f"kv-canary: attach needs the transformers package, got an ImportError ({e}); install "
                           "it with pip install 'kv-canary[transformers]'") from e
-    check_version(allow_unsupported=bool(options.get("allow_unsupported_version")))
+    check_version(allow_unsupported=allow_unsupported_version)
     live = live_handle(model_or_manager)
     if live is not None:
         # Two handles on one engine would stack their hooks; detaching them out of order reinstalls the
@@ -84,10 +116,11 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
         raise RuntimeError(f"kv-canary: attach model_or_manager must not be guarded already, got a "
                            f"{type(model_or_manager).__name__} with a live handle {live!r}; call its detach() "
                            "first")
-    overrides = {k: v for k, v in options.items() if k in _CONFIG_FIELDS}
+    overrides = {k: v for k, v in (("mode", mode), ("check_v", check_v), ("real_kv", real_kv),
+                                   ("sweep_interval", sweep_interval)) if v is not None}
     config = CanaryConfig.from_env(**overrides) if config is None else config.replace(**overrides)
     _warn_unused(options, config)
-    handle = TransformersHandle(config, {k: v for k, v in options.items() if k in INTEGRATION_OPTIONS})
+    handle = TransformersHandle(config, options)
     try:
         if hasattr(model_or_manager, "_create_batch_processor"):
             handle._hook_manager(model_or_manager)
@@ -102,7 +135,7 @@ def attach(model_or_manager, config: CanaryConfig | None = None, **options) -> T
     return handle
 
 
-_FLAG_OPTIONS = tuple(o for o in INTEGRATION_OPTIONS if o != "max_context")
+_FLAG_OPTIONS = (*TUNING_OPTIONS, "token_history", "token_oracle", "allow_unsupported_version")
 # The instance attributes a live handle installs: attach reads them to find an engine already guarded.
 _HOOKED = {"model": ("init_continuous_batching", "generate_batch"), "manager": ("_create_batch_processor", "stop")}
 

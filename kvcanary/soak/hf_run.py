@@ -52,7 +52,7 @@ def _generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from kvcanary.integrations.hf_bugs import plant
-    from kvcanary.integrations.transformers import attach
+    from kvcanary.integrations.transformers import attach_with
 
     if w.greedy:
         # forks need sampling in transformers' batching; top_k=1 keeps it greedy and deterministic
@@ -64,7 +64,7 @@ def _generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None):
     cbc = ContinuousBatchingConfig(**engine_config(w, device))
     undo_shims = wrap_processors(model, processor_shims(w, device, reserve_padding=not canary))
     undo_bug = plant(model, bug) if bug else None
-    handle = attach(model, mode="log", **dict(w.canary_options)) if canary else None
+    handle = attach_with(model, mode="log", **dict(w.canary_options)) if canary else None
     try:
         out = model.generate_batch([list(p) for p in w.prompts], generation_config=gen,
                                    continuous_batching_config=cbc)
