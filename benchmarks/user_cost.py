@@ -1,12 +1,14 @@
 """What a user pays for the canary: whole generations through transformers' public API, against the
 engine's fastest configuration.
 
-Three arms run the same workload through ``model.generate_batch`` in one process, alternating in rounds
+Five arms run the same workload through ``model.generate_batch`` in one process, alternating in rounds
 (the arm order rotates each round so drift in the host or the GPU falls on every arm alike):
 
 - ``fast``: the engine's fastest configuration (CUDA graphs and async batching on), no canary;
 - ``sync``: CUDA graphs and async batching off, no canary;
-- ``canary``: the configuration the canary accepts today (graphs and async off) with ``attach(model)``.
+- ``canary``: graphs and async off with ``attach(model)``;
+- ``graphs``: CUDA graphs on, async batching off (the canary refuses async batching), no canary;
+- ``canary_graphs``: the same with ``attach(model)``: the fastest configuration the canary accepts.
 
 Each call of ``generate_batch`` is timed whole (the engine's set-up and graph captures included: that is
 what a user's call costs). Reported per workload: tokens/s per arm (median over rounds), the ratios
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvcanary.bench.workload import VOCAB, build_model  # noqa: E402
 
-ARMS = ("fast", "sync", "canary")
+ARMS = ("fast", "sync", "canary", "graphs", "canary_graphs")
 BLOCK = 32
 
 
@@ -69,13 +71,14 @@ def run_arm(model, arm: str, prompts, new_tokens) -> dict:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     fast = arm == "fast"
+    graphs = fast or arm in ("graphs", "canary_graphs")
     longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
     blocks = len(prompts) * (longest // BLOCK + 2) + 16
     cbc = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=blocks, max_batch_tokens=1024,
-                                   use_cuda_graph=fast, use_async_batching=fast, scheduler_type="fifo")
+                                   use_cuda_graph=graphs, use_async_batching=fast, scheduler_type="fifo")
     gen = GenerationConfig(max_new_tokens=max(new_tokens), eos_token_id=-1, do_sample=False)
     handle = None
-    if arm == "canary":
+    if arm in ("canary", "canary_graphs"):
         from kvcanary.integrations.transformers import attach
 
         handle = attach(model, mode="log")
@@ -161,16 +164,22 @@ def main(argv=None) -> int:
             "canary_over_fast": spread([c / f for c, f in zip(tps["canary"], tps["fast"])]),
             "canary_over_sync": spread([c / s for c, s in zip(tps["canary"], tps["sync"])]),
             "fast_over_sync": spread([f / s for f, s in zip(tps["fast"], tps["sync"])]),
+            "canary_graphs_over_fast": spread([c / f for c, f in zip(tps["canary_graphs"], tps["fast"])]),
+            "canary_graphs_over_graphs": spread([c / g for c, g in zip(tps["canary_graphs"], tps["graphs"])]),
+            "graphs_over_fast": spread([g / f for g, f in zip(tps["graphs"], tps["fast"])]),
+            "tokens_identical_canary_graphs_vs_graphs": all(x["tokens"] == runs["graphs"][0]["tokens"]
+                                                            for x in runs["canary_graphs"]) if runs["graphs"] else None,
             "tokens_identical_canary_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["canary"]),
             # the engine's own run-to-run determinism, the yardstick for the two comparisons above
             "tokens_identical_sync_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["sync"]),
             "tokens_identical_fast_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["fast"]),
-            "violations": sum(x["violations"] for x in runs["canary"]),
+            "violations": sum(x["violations"] for x in runs["canary"] + runs["canary_graphs"]),
         }
         w = result["workloads"][name]
         print(f"[{name}] tok/s fast {w['tokens_per_s']['fast']['median']:.0f}, sync "
               f"{w['tokens_per_s']['sync']['median']:.0f}, canary {w['tokens_per_s']['canary']['median']:.0f}; "
-              f"canary/fast {w['canary_over_fast']['median']:.3f}x; identical {w['tokens_identical_canary_vs_sync']}; "
+              f"canary/fast {w['canary_over_fast']['median']:.3f}x; canary+graphs/fast "
+              f"{w['canary_graphs_over_fast']['median']:.3f}x; identical {w['tokens_identical_canary_vs_sync']}; "
               f"violations {w['violations']}", file=sys.stderr, flush=True)
     text = json.dumps(result, indent=1)
     if a.json:

@@ -421,6 +421,71 @@ def test_planted_bug_is_reported(llama, bug):
     EXPECTED[bug](lambda rid: run.names.get(rid, ""), run.violations)
 
 
+GRAPHS = {"use_cuda_graph": True}
+
+
+@pytest.fixture
+def engine_padding(monkeypatch):
+    """The engine pads its inputs as it does for its CUDA graphs (static sizes, padding tokens writing the
+    write-trash row, length-0 padding sequences) and warms up with fake requests before the first one, on
+    any device: its forward then runs eagerly over the padded inputs."""
+    runner = pytest.importorskip("transformers.generation.continuous_batching.model_runner",
+                                 reason="the engine's model runner (transformers 5.18+)")
+    orig = runner.ModelRunner.__init__
+
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        self.pad_inputs = True
+
+    pads, warmups = [], []
+    orig_pad, orig_warm = runner.ModelRunner.maybe_pad_inputs, runner.ModelRunner.run_one_warmup
+
+    def pad(self, num_q_tokens, max_kv_read, use_decode_fast_path):
+        out = orig_pad(self, num_q_tokens, max_kv_read, use_decode_fast_path)
+        pads.append(((num_q_tokens, max_kv_read), out))
+        return out
+
+    def warm(self, *args, **kwargs):
+        warmups.append(1)
+        return orig_warm(self, *args, **kwargs)
+
+    monkeypatch.setattr(runner.ModelRunner, "__init__", init)
+    monkeypatch.setattr(runner.ModelRunner, "maybe_pad_inputs", pad)
+    monkeypatch.setattr(runner.ModelRunner, "run_one_warmup", warm)
+    return pads, warmups
+
+
+def test_engine_padded_inputs_and_warmup_are_clean_and_bugs_still_reported(llama, engine_padding):
+    padded = {"q_padding_interval_size": 8, "kv_padding_interval_size": 16}
+    base = run_workload(llama, canary=False, cb=padded)
+    pads, warmups = engine_padding
+    del pads[:], warmups[:]
+    run = run_workload(llama, cb=padded)
+    assert run.violations == [] and run.tokens == base.tokens and run.stats["forwards"] > 0
+    # the engine really padded (query tokens past the batch's) and warmed up with its fake requests
+    assert warmups and any(out[0] > got[0] for got, out in pads), pads[:4]
+    for bug in ("early-free", "wrong-read-index"):
+        planted = run_workload(llama, bug=bug, cb=padded)
+        assert planted.violations, f"{bug}: no violation over the engine's padded inputs"
+        EXPECTED[bug](lambda rid: planted.names.get(rid, ""), planted.violations)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine's CUDA graphs need CUDA")
+def test_engine_cuda_graphs_clean_run_matches_and_reports_nothing(llama):
+    base = run_workload(llama, canary=False, cb=GRAPHS)
+    run = run_workload(llama, cb=GRAPHS)
+    assert run.violations == [] and run.tokens == base.tokens and run.stats["forwards"] > 0
+    assert run.tokens == run_workload(llama, canary=False).tokens  # (greedy: graphs change no token here)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine's CUDA graphs need CUDA")
+@pytest.mark.parametrize("bug", sorted(hf_bugs.BUGS))
+def test_planted_bug_is_reported_with_engine_cuda_graphs(llama, bug):
+    run = run_workload(llama, bug=bug, cb=GRAPHS)
+    assert run.violations, f"{bug}: no violation with the engine's CUDA graphs on"
+    EXPECTED[bug](lambda rid: run.names.get(rid, ""), run.violations)
+
+
 def nan_filled_cache(monkeypatch) -> None:
     """transformers' paged cache allocated NaN-filled: 5.17's ``torch.empty`` leaves whatever memory held
     (5.18+ zero their byte tensor, the NaN bytes here stand for an engine that does not)."""
