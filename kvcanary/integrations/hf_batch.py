@@ -48,7 +48,7 @@ def table_width(width: int, max_context: int, floor: int) -> int:
 
 class BatchBuilder(TokenRows):
     glue = None  # where the canary runs Triton (__init__): hf_glue's kernels for the read table and entries
-    host_table = None  # where it runs numba: the host read table as one compiled loop (ops.numba_read_table)
+    host_table = None  # where it runs numba: the host read table as one compiled loop (ops.read_table_ops)
     new_reads_match = None  # and the new tokens' read-check shortcut as another
 
     def __init__(self, session):

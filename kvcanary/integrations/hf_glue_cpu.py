@@ -2,7 +2,7 @@
 
 An eager CPU step fills the batch's read table from the engine's read index on the host
 (``BatchBuilder._fill_host``) with ``kvcanary.ops.read_table``'s compiled loop (``read_table`` here:
-``ops/numba_read_table.py``, unvalidated; rows and the clamp are bounds-checked inside the loop).
+``ops/read_table_ops.compiled_loop``, unvalidated; rows and the clamp are bounds-checked inside the loop).
 
 ``new_reads_match`` is the shortcut of the new tokens' read check (``BatchBuilder.verify_new_reads``): do
 the read table's cells of the new tokens hold their write slots? 1 yes, 0 no, -1 where an index is out
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import numba
 
-from kvcanary.ops.numba_read_table import host_read_table as read_table
+from kvcanary.ops.read_table_ops import compiled_loop
 
 __all__ = ["new_reads_match", "read_table"]
+
+read_table = compiled_loop()  # (the module imports numba anyway: the backend is numba)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -25,7 +25,7 @@ _MODULES = {"reference": "kvcanary.ops.reference", "torch": "kvcanary.ops.torch_
 # (the read table's bodies sit in modules of their own, kvcanary/ops/read_table_ops.py: module, function)
 _READ_TABLES = {"reference": ("kvcanary.ops.read_table_ops", "reference"),
                 "torch": ("kvcanary.ops.read_table_ops", "torch_read_table"),
-                "numba": ("kvcanary.ops.numba_read_table", "read_table"),
+                "numba": ("kvcanary.ops.read_table_ops", "numba_read_table"),
                 "triton": ("kvcanary.ops.triton_read_table", "read_table")}
 
 
