@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from kvcanary import ops
+from kvcanary.ops.read_table_ops import numpy_read_table, torch_read_table
+from kvcanary.ops.types import NO_LIMIT
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.integrations.hf_layout import fill_swa_table
 from kvcanary.integrations.hf_staging import HostStep, Staging
@@ -29,10 +31,6 @@ log = logging.getLogger("kvcanary")
 
 
 CPU_WIDTH_STEP = 64  # the CPU's reused batches: read-table columns rounded up to a power of two from this
-
-
-# ``limit`` of a read index that lists every slot the batch reads (the read-table loops: hf_glue, hf_glue_cpu)
-NO_LIMIT = 2**62
 
 
 def bucket(bs: int, cap: int) -> int:
@@ -50,7 +48,7 @@ def table_width(width: int, max_context: int, floor: int) -> int:
 
 class BatchBuilder(TokenRows):
     glue = None  # where the canary runs Triton (__init__): hf_glue's kernels for the read table and entries
-    host_table = None  # where it runs numba: the host read table as one compiled loop (hf_glue_cpu.py)
+    host_table = None  # where it runs numba: the host read table as one compiled loop (ops.read_table_ops)
     new_reads_match = None  # and the new tokens' read-check shortcut as another
 
     def __init__(self, session):
@@ -281,20 +279,11 @@ class BatchBuilder(TokenRows):
         return max(0, have - 1), have, self.s.layout.num_slots
 
     def _read_table_ops(self, read, rows_t, prefix_t, extend_t, rtt, have: int, total: int) -> torch.Tensor:
-        """``_read_table``'s device path as tensor ops. Cells the read index lacks get an out-of-range slot,
-        which verifies as a never-written record: a short read index is reported against the request that
-        misses slots."""
-        width = rtt.shape[1]
-        seen = prefix_t + extend_t
-        # [bs, width] positions into the flat read index; cells past a request's length are never read.
-        idx = (torch.cumsum(seen, 0) - seen).unsqueeze(1) + self._arange(width)
-        if have == total:
-            cells = read.index_select(0, idx.view(-1).clamp_(max=read.shape[0] - 1)).view(idx.shape)
-        else:
-            got = read.index_select(0, idx.view(-1).clamp(max=max(0, have - 1))).view(idx.shape)
-            cells = torch.where(idx < have, got, self.s.layout.num_slots)
-        # row 0, the padding requests' (a batch padded to its bucket), keeps its cells: never filled
-        rtt[rows_t] = torch.where((rows_t == 0).unsqueeze(1), rtt[0], cells)
+        """``_read_table``'s device path as tensor ops (``ops.read_table``'s torch body, unvalidated: it runs
+        every step). Cells the read index lacks get an out-of-range slot, which verifies as a never-written
+        record: a short read index is reported against the request that misses slots."""
+        torch_read_table(rtt, rows_t, prefix_t, extend_t, read, *self._read_limits(have, total, read.shape[0]),
+                         cols=self._arange(rtt.shape[1]))
         return rtt
 
     def _fill_host(self, v, io, total: int) -> None:
@@ -306,15 +295,9 @@ class BatchBuilder(TokenRows):
             self.warned_read_size = True
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
-        clamp_max, limit, fill = self._read_limits(have, total, read.shape[0])
-        if self.host_table is not None:  # (numba: one compiled pass, the same cells)
-            self.host_table(out, rows, v.prefix, v.extend, read, clamp_max, limit, fill)
-            return
-        seen = v.prefix + v.extend
-        idx = (np.cumsum(seen) - seen)[:, None] + np.arange(v.rtt.shape[1])
-        cells = read[np.minimum(idx, clamp_max)]
-        cells = cells if limit == NO_LIMIT else np.where(idx < limit, cells, fill)
-        out[rows] = np.where((rows == 0)[:, None], out[0], cells)  # (row 0, the padding row: never filled)
+        limits = self._read_limits(have, total, read.shape[0])
+        # (numba: one compiled pass; else numpy: the same cells, ops.read_table's host bodies, unvalidated)
+        (self.host_table or numpy_read_table)(out, rows, v.prefix, v.extend, read, *limits)
 
     def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:
         """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.

@@ -1,4 +1,4 @@
-"""Two Triton kernels for the transformers adapter's per-step index work on the device (``hf_batch.py``).
+"""The transformers adapter's per-step index work on the device as Triton kernels (``hf_batch.py``).
 
 Before the HEAD verify, the adapter builds the batch's read table from the engine's read index and,
 after the HEAD write, the entries of the new tokens' read check. As tensor ops these are about twenty
@@ -6,10 +6,8 @@ small kernels per step (cumulative sums, index grids, clamps, gathers, scatters,
 and fills): most of the kernels of a fused steady step's graph, and of its device time. Here each is
 one kernel, with the same results cell for cell:
 
-- ``read_table``: row ``rows[i]`` of ``out`` gets, for every column ``c < out.shape[1]``,
-  ``read[min(start_i + c, clamp_max)]`` where ``start_i`` is the sum of ``prefix + extend`` over the
-  requests before ``i``; cells whose ``start_i + c`` is not below ``limit`` get ``fill`` instead (a read
-  index shorter than the batch: ``BatchBuilder._read_table``). Row 0, the padding row, is never filled.
+- ``read_table``: the op ``kvcanary.ops.read_table``'s Triton kernel (``ops/triton_read_table.py``, where its
+  semantics are stated), called here unvalidated with the adapter's limits (``BatchBuilder._read_limits``).
 - ``new_read_entries``: entry ``t`` of the first ``min(T, capacity)`` is (``rtt[r, p]``, ``p``,
   ``rtt[r, p - 1]`` or -1 at position 0, ``input_ids[t]``) with ``r = rows[token_req[t]]`` and
   ``p = positions[t]``; ``count``, ``requested`` and ``enable`` as ``ops.fill_entries`` sets them for the
@@ -18,8 +16,9 @@ one kernel, with the same results cell for cell:
   are (0, 0, -1, ``input_ids[t]``) past the count, never read: their positions are not read either (the
   engine's input storage past the real tokens holds stale values).
 
-The tensor-op versions stay in ``hf_batch.py`` (the torch backend, and the check these are held to:
-tests/test_hf_glue.py); the CPU's eager steps use numpy there, or one numba loop (``hf_glue_cpu.py``).
+The tensor-op versions (the read table's: the op's torch body) run from ``hf_batch.py`` (the torch backend, and
+the check these are held to: tests/test_hf_glue.py); the CPU's eager steps use the op's numpy body there, or its
+numba loop (``hf_glue_cpu.py``).
 ``IndexKernels`` runs each kernel as the adapter calls it: on its first eager call also the tensor ops,
 compared on the host, and the tensor ops from then on, with a warning, where the kernel fails to compile
 or launch or gives other cells. The kernels are an optimisation, never a new way to fail or to report.
@@ -34,34 +33,13 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from kvcanary.integrations.hf_batch import NO_LIMIT
 from kvcanary.ops import triton_ops
+from kvcanary.ops.triton_read_table import launch as read_table
 from kvcanary.runtime.streams import capturing
 
 log = logging.getLogger("kvcanary")
 
-READ_BLOCK = 256  # columns of the read table per program
 ENTRY_BLOCK = 256  # new tokens per program
-
-
-@triton.jit(do_not_specialize=["bs", "clamp_max", "limit", "fill", "width"])
-def _read_table_kernel(p_rows, p_prefix, p_extend, bs, p_read, clamp_max, limit, fill, p_out, out_s0, width,
-                       BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
-    # one program per (request, block of BLOCK columns): a long row is many programs side by side, not one
-    # program's loop (at batch 1 and 4K columns the loop ran 16 blocks in turn: 7.9 us on the H200)
-    i = tl.program_id(0).to(tl.int64)
-    o_b = tl.arange(0, BLOCK_B)
-    m_b = o_b < bs
-    seen = tl.load(p_prefix + o_b, mask=m_b, other=0).to(tl.int64) + \
-        tl.load(p_extend + o_b, mask=m_b, other=0).to(tl.int64)
-    start = tl.sum(tl.where(o_b < i, seen, 0), axis=0)  # the requests before this one, back to back
-    row = tl.load(p_rows + i).to(tl.int64)
-    cols = tl.where(row == 0, 0, width)  # (row 0: the padding requests', never read: not filled)
-    o_c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    m = o_c < cols
-    idx = start + o_c
-    got = tl.load(p_read + tl.minimum(idx, clamp_max), mask=m & (idx < limit), other=0)
-    tl.store(p_out + row * out_s0 + o_c, tl.where(idx < limit, got, fill), mask=m)
 
 
 @triton.jit(do_not_specialize=["bs", "T", "capacity"])
@@ -89,18 +67,6 @@ def _new_reads_kernel(p_rtt, rtt_s0, p_rows, p_extend, bs, p_token_req, p_pos, p
         tl.store(p_count, tl.minimum(n, capacity))
         tl.store(p_requested, n)
         tl.store(p_enable, (n <= capacity).to(tl.int32))
-
-
-def read_table(out: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor,
-               read: torch.Tensor, clamp_max: int, limit: int = NO_LIMIT, fill: int = 0) -> None:
-    """Fill ``out``'s rows ``rows`` from the flat read index ``read`` (the module's docstring)."""
-    bs = rows.shape[0]
-    if bs == 0 or out.shape[1] == 0:
-        return
-    grid = (bs, triton.cdiv(out.shape[1], READ_BLOCK))
-    triton_ops._launch(_read_table_kernel, grid, p_rows=rows, p_prefix=prefix, p_extend=extend, bs=bs, p_read=read,
-                       clamp_max=clamp_max, limit=limit, fill=fill, p_out=out, out_s0=out.stride(0),
-                       width=out.shape[1], BLOCK_B=max(16, triton.next_power_of_2(bs)), BLOCK=READ_BLOCK)
 
 
 def new_read_entries(entries, rtt: torch.Tensor, rows: torch.Tensor, extend: torch.Tensor, token_req: torch.Tensor,

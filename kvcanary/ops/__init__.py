@@ -1,4 +1,5 @@
-"""The canary ops of SPEC section 4, each with reference, torch, numba and Triton implementations."""
+"""The canary ops of SPEC section 4 and the adapter's read table, each with reference, torch, numba and Triton
+implementations."""
 
 from kvcanary.ops.api import (
     BACKENDS,
@@ -7,12 +8,14 @@ from kvcanary.ops.api import (
     fingerprint,
     launch_scatter_req_token_ids_kernel,
     plan,
+    read_table,
     resolve_backend,
     scatter_req_token_ids,
     verify,
     write,
 )
 from kvcanary.ops.types import (
+    NO_LIMIT,
     Entries,
     Plan,
     RealKvSource,
@@ -23,6 +26,7 @@ from kvcanary.ops.types import (
 
 __all__ = [
     "BACKENDS",
+    "NO_LIMIT",
     "Entries",
     "Plan",
     "RealKvSource",
@@ -34,6 +38,7 @@ __all__ = [
     "fingerprint",
     "launch_scatter_req_token_ids_kernel",
     "plan",
+    "read_table",
     "resolve_backend",
     "scatter_req_token_ids",
     "verify",

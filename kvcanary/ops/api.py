@@ -17,11 +17,16 @@ import torch
 
 from kvcanary.format import ATTRIBUTION_STRIDE, RealKvMode
 from kvcanary.ops import validate as v
-from kvcanary.ops.types import Entries, Plan, ViolationRing
+from kvcanary.ops.types import NO_LIMIT, Entries, Plan, ViolationRing
 
 BACKENDS = ("auto", "reference", "torch", "numba", "triton")
 _MODULES = {"reference": "kvcanary.ops.reference", "torch": "kvcanary.ops.torch_ops",
             "numba": "kvcanary.ops.numba_ops", "triton": "kvcanary.ops.triton_ops"}
+# (the read table's bodies sit in modules of their own, kvcanary/ops/read_table_ops.py: module, function)
+_READ_TABLES = {"reference": ("kvcanary.ops.read_table_ops", "reference"),
+                "torch": ("kvcanary.ops.read_table_ops", "torch_read_table"),
+                "numba": ("kvcanary.ops.read_table_ops", "numba_read_table"),
+                "triton": ("kvcanary.ops.triton_read_table", "read_table")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,6 +84,31 @@ def _module(name: str):
 def impl_module(backend: str, device_type: str):
     """The implementation module ``backend`` selects on ``device_type`` (the import is cached)."""
     return _module(resolve_backend(backend, torch.device(device_type)))
+
+
+def read_table_impl(backend: str, device_type: str):
+    """The unvalidated read-table body ``backend`` selects on ``device_type`` (``read_table``'s arguments)."""
+    module, name = _READ_TABLES[resolve_backend(backend, torch.device(device_type))]
+    return getattr(importlib.import_module(module), name)
+
+
+def read_table(out: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor,
+               read: torch.Tensor, clamp_max: int, limit: int = NO_LIMIT, fill: int = 0, *,
+               backend: str = "auto") -> None:
+    """Fill rows of a req_to_token table from a flat read index, in place (``kvcanary/ops/read_table_ops.py``).
+
+    Args:
+        out: int32/int64 [num_rows, width] table; row 0 (padding) and rows no request names keep their cells.
+        rows, prefix, extend: int32/int64 [bs] each request's row of ``out`` and its two lengths.
+        read: int32/int64 [n] the slots all requests read, back to back (int32 when ``out`` is).
+        clamp_max: the last index of ``read`` a cell may take; limit, fill: cells at ``limit`` or past it
+            take ``fill`` (``NO_LIMIT``: none).
+
+    Row ``rows[i]`` gets ``out[rows[i], c] = read[min(start_i + c, clamp_max)]``, ``start_i`` the sum of
+    ``prefix + extend`` over the requests before ``i``.
+    """
+    v.check_read_table("read_table", out, rows, prefix, extend, read, clamp_max, limit, fill)
+    read_table_impl(backend, out.device.type)(out, rows, prefix, extend, read, clamp_max, limit, fill)
 
 
 def scatter_req_token_ids(flat_in: torch.Tensor, offsets: torch.Tensor, req_pool_indices: torch.Tensor,

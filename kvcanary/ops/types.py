@@ -12,6 +12,10 @@ import torch
 
 from kvcanary.format import NUM_LAUNCH_TAGS, VIOLATION_COUNT_LIMIT, VIOLATION_WIDTH
 
+# ``limit`` of ``read_table`` for a read index that lists every slot the batch reads: above any cell's index
+# (an int64 the Triton kernel takes unspecialised), so no cell gets the fill
+NO_LIMIT = 2**62
+
 
 @dataclass(frozen=True)
 class RealKvSource:

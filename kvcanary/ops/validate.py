@@ -219,3 +219,37 @@ def check_write_offsets(op: str, offsets: torch.Tensor, num_requests: int) -> No
         i = int(falling[0, 0]) + 1
         raise fail_value(op, "plan.write_offsets", "non-decreasing",
                          f"{int(offs[i])} after {int(offs[i - 1])} at index {i}")
+
+
+def check_read_table(op: str, out, rows, prefix, extend, read, clamp_max, limit, fill) -> None:
+    """``read_table``'s arguments. Row, prefix and extend values are read only on the CPU (free there); on an
+    accelerator that would sync, and the Triton kernel writes nothing for a row outside ``out`` instead."""
+    check_ndim(op, "out", out, 2)
+    check_dtype(op, "out", out, INDEX_DTYPES)
+    check_vector(op, "rows", rows, INDEX_DTYPES)
+    bs = rows.shape[0]
+    check_vector(op, "prefix", prefix, INDEX_DTYPES, length=bs)
+    check_vector(op, "extend", extend, INDEX_DTYPES, length=bs)
+    check_vector(op, "read", read, INDEX_DTYPES)
+    if out.dtype == torch.int32 and read.dtype != torch.int32:
+        raise fail_type(op, "read", "int32 when out is int32 (its slots would not fit)", read.dtype)
+    check_device(op, out.device, rows=rows, prefix=prefix, extend=extend, read=read)
+    n = read.shape[0]
+    if not is_int(clamp_max) or not 0 <= clamp_max < n:
+        raise fail_value(op, "clamp_max", f"an int index into read, in [0, {n})", repr(clamp_max))
+    if not is_int(limit):
+        raise fail_type(op, "limit", "an int", type(limit).__name__)
+    info = torch.iinfo(out.dtype)
+    if not is_int(fill) or not info.min <= fill <= info.max:
+        raise fail_value(op, "fill", f"an int that fits out's {str(out.dtype).replace('torch.', '')}", repr(fill))
+    if not rows.is_cpu or bs == 0:
+        return
+    bad = ((rows < 0) | (rows >= out.shape[0])).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise fail_value(op, "rows", f"rows of out, in [0, {out.shape[0]})", f"{int(rows[i])} at index {i}")
+    for name, t in (("prefix", prefix), ("extend", extend)):
+        negative = (t < 0).nonzero()
+        if negative.numel():
+            i = int(negative[0, 0])
+            raise fail_value(op, name, "non-negative", f"{int(t[i])} at index {i}")
