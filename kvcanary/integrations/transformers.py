@@ -3,8 +3,8 @@
 Nothing is patched at import time. ``attach(model)`` rebinds a few methods on that model instance
 (and, as they are created, on its batching managers and processors); ``detach()`` removes exactly
 those instance attributes again. Supported: transformers ``SUPPORTED_RANGE``, synchronous batching
-without CUDA graphs, full-attention models and hybrid full + sliding-window models (the latter with
-``allow_block_sharing=False``). See docs/transformers.md.
+with or without the engine's CUDA graphs, full-attention models and hybrid full + sliding-window models
+(the latter with ``allow_block_sharing=False``). See docs/transformers.md.
 
 Example:
     >>> handle = attach(model, mode="raise", token_oracle=True)
