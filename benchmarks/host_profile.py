@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcanary.bench import engine as bench_engine  # noqa: E402
 
-from kvcanary.integrations import hf_session  # noqa: E402
+from kvcanary.integrations.transformers import session as hf_session  # noqa: E402
 from kvcanary.runtime import launch  # noqa: E402
 
 
@@ -42,12 +42,12 @@ class _NoKernels:
 
 
 _TIMED = {
-    "kvcanary.integrations.hf_session:Session": ("_before", "_after", "_before_update", "_after_update",
+    "kvcanary.integrations.transformers.session:Session": ("_before", "_after", "_before_update", "_after_update",
                                                  "_engine_stream", "_late_step", "_join"),
-    "kvcanary.integrations.hf_batch:BatchBuilder": ("host_part", "_rows", "_token_cells", "forget_finished", "_steady"),
-    "kvcanary.integrations.hf_staging:Staging": ("send", "copied"),
-    "kvcanary.integrations.hf_graph:StepGraphs": ("before", "_run"),
-    "kvcanary.integrations.hf_fused:FusedSteps": ("step", "repeat", "_launch", "_capture", "_replay", "usable", "join"),
+    "kvcanary.integrations.transformers.batch:BatchBuilder": ("host_part", "_rows", "_token_cells", "forget_finished", "_steady"),
+    "kvcanary.integrations.transformers.staging:Staging": ("send", "copied"),
+    "kvcanary.integrations.transformers.graphs:StepGraphs": ("before", "_run"),
+    "kvcanary.integrations.transformers.fused:FusedSteps": ("step", "repeat", "_launch", "_capture", "_replay", "usable", "join"),
     "kvcanary.runtime.canary:Canary": ("host_before", "after_forward", "device_after", "host_after",
                                        "replayed_step", "check_replayed"),
     "kvcanary.runtime.launch:ForwardLauncher": ("join", "side"),
@@ -224,7 +224,7 @@ def use_stand_in_graphs() -> None:
     paths per steady step, counted on any machine (each replay counts as one call). Needs the Triton backend
     under the interpreter (``--canary-option backend=triton``, TRITON_INTERPRET=1): the stand-in records
     Triton launches and torch ops, not numba calls."""
-    from kvcanary.integrations import hf_graph
+    from kvcanary.integrations.transformers import graphs as hf_graph
     from kvcanary.runtime.graphs import DispatchGraph
 
     orig = hf_session.Session._step_graphs

@@ -39,7 +39,7 @@ from kvcanary.bench.workload import Workload, build_model  # noqa: E402
 
 def _timed_captures(stats: dict):
     """Count and time every canary capture: the modules that capture call ``capture`` by name."""
-    from kvcanary.integrations import hf_fused, hf_graph
+    from kvcanary.integrations.transformers import fused as hf_fused, graphs as hf_graph
     from kvcanary.runtime import graphs
 
     orig = graphs.capture
@@ -63,7 +63,7 @@ def _profile_mixed(limit: int, state: dict):
 
     from host_profile import profile_while
 
-    from kvcanary.integrations import hf_session
+    from kvcanary.integrations.transformers import session as hf_session
 
     prof = state["prof"] = cProfile.Profile()
     cls = hf_session.Session

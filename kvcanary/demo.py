@@ -22,7 +22,7 @@ def build_tiny_model(device: str = "cpu", seed: int = 0, sliding_window: int | N
     """Llama-shaped model with seeded random weights (Qwen2 with one sliding layer when ``sliding_window``)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from kvcanary.integrations.hf_layout import sdpa_name
+    from kvcanary.integrations.transformers.layout import sdpa_name
 
     torch.manual_seed(seed)
     if sliding_window:
@@ -39,7 +39,7 @@ def build_tiny_model(device: str = "cpu", seed: int = 0, sliding_window: int | N
 def load_local_model(path: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    from kvcanary.integrations.hf_layout import sdpa_name
+    from kvcanary.integrations.transformers.layout import sdpa_name
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     model = model.to(device).eval()
@@ -75,8 +75,8 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
                  **options) -> RunResult:
     """Run the demo workload once on continuous batching, optionally with the canary and a planted bug."""
     from transformers import GenerationConfig
-    from kvcanary.integrations.hf_bugs import plant
-    from kvcanary.integrations.hf_layout import cb_config
+    from kvcanary.integrations.transformers.bugs import plant
+    from kvcanary.integrations.transformers.layout import cb_config
     from kvcanary.integrations.transformers import attach_with
 
     vocab = model.config.get_text_config().vocab_size
@@ -128,7 +128,7 @@ def most_telling(violations: list) -> list:
 
 def run_demo(device: str = "cpu", bug: str = DEFAULT_BUG, model_path: str | None = None) -> dict:
     """Clean run, then the same workload with ``bug`` planted; returns the summary the CLI prints."""
-    from kvcanary.integrations.hf_bugs import BUGS
+    from kvcanary.integrations.transformers.bugs import BUGS
 
     if bug not in BUGS:
         raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {bug!r}")

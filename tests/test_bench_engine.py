@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 from kvcanary import cli  # noqa: E402
 from kvcanary.bench import suite as bench_suite  # noqa: E402
 from kvcanary.bench.engine import build_model, canary_config  # noqa: E402
-from kvcanary.integrations.hf_layout import sdpa_name  # noqa: E402
-from kvcanary.integrations.varlen_attention import use, varlen  # noqa: E402
+from kvcanary.integrations.transformers.layout import sdpa_name  # noqa: E402
+from kvcanary.integrations.transformers.varlen_attention import use, varlen  # noqa: E402
 
 
 def _generate(switch) -> dict:
@@ -315,7 +315,7 @@ def test_warmup_cost_pairs_whole_generations_and_profiles_the_mixed_steps(tmp_pa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import warmup_cost
 
-    from kvcanary.integrations import hf_fused, hf_graph, hf_session
+    from kvcanary.integrations.transformers import fused as hf_fused, graphs as hf_graph, session as hf_session
     from kvcanary.runtime import graphs
 
     hooks = {n: getattr(hf_session.Session, n) for n in ("_before", "_after", "_before_update", "_after_update")}

@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("transformers")
 triton = pytest.importorskip("triton")
 
-from kvcanary.integrations.hf_batch import BatchBuilder, bucket  # noqa: E402
-from kvcanary.integrations.hf_graph import StepGraphs  # noqa: E402
+from kvcanary.integrations.transformers.batch import BatchBuilder, bucket  # noqa: E402
+from kvcanary.integrations.transformers.graphs import StepGraphs  # noqa: E402
 from kvcanary.demo import run_workload  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
@@ -102,8 +102,8 @@ def test_padding_follows_the_option_and_the_engine_s_batch_cap(llama, monkeypatc
 def test_the_cpu_stages_in_one_buffer_unless_step_graphs_replay(llama, monkeypatch):
     # the CPU reads each step's observation when the step closes: one staging buffer serves (a reused batch
     # then serves every step of its shape); the graphs' CPU stand-in keeps every turn, as CUDA does
-    from kvcanary.integrations import hf_session
-    from kvcanary.integrations.hf_staging import STAGING_TURNS
+    from kvcanary.integrations.transformers import session as hf_session
+    from kvcanary.integrations.transformers.staging import STAGING_TURNS
 
     depths = []
     init = hf_session.Session.__init__

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcanary.integrations import hf_fused, hf_staging
-from kvcanary.integrations.hf_fused import FusedSteps
-from kvcanary.integrations.hf_staging import Staging
+from kvcanary.integrations.transformers import fused as hf_fused, staging as hf_staging
+from kvcanary.integrations.transformers.fused import FusedSteps
+from kvcanary.integrations.transformers.staging import Staging
 from kvcanary.runtime import observer
 from kvcanary.runtime.observer import SlotFence
 from kvcanary.runtime.streams import record_event
@@ -146,8 +146,8 @@ def test_a_steady_run_repeats_only_steps_of_its_shape(cap):
     # A repeat skips the graph keys: it must match only a step the keys would give the same graph, i.e. the
     # same batch size and staged values, storages, read-index flavour, a full read index, and a read-table
     # width that rounds to the run's; and it should take every width that does, below the cap.
-    from kvcanary.integrations.hf_batch import table_width
-    from kvcanary.integrations.hf_graph import WIDTH_STEP, StepGraphs
+    from kvcanary.integrations.transformers.batch import table_width
+    from kvcanary.integrations.transformers.graphs import WIDTH_STEP, StepGraphs
 
     ptrs = (1, 2, 3, 4)
     io = SimpleNamespace(max_kv_read=5, true_read_sizes=[40])

@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvcanary import ops  # noqa: E402
-from kvcanary.integrations.hf_batch import BatchBuilder, new_read_ops  # noqa: E402
+from kvcanary.integrations.transformers.batch import BatchBuilder, new_read_ops  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
 
@@ -20,7 +20,7 @@ NUM_SLOTS = 500
 
 
 def builder(glue: bool) -> BatchBuilder:
-    from kvcanary.integrations import hf_glue
+    from kvcanary.integrations.transformers import glue as hf_glue
 
     b = BatchBuilder.__new__(BatchBuilder)
     b.num_rows, b.device, b.warned_read_size = 9, DEVICE, False
@@ -111,7 +111,7 @@ def test_new_read_entries_kernel_fills_what_fill_entries_fills(capacity, pad):
 def test_a_kernel_is_checked_once_against_the_tensor_ops_and_given_up_if_it_fails(caplog, fault):
     # The first eager call of each kernel also runs the tensor ops and compares; a kernel that raises or
     # gives other cells leaves the tensor ops in charge (their cells in place) with one warning.
-    from kvcanary.integrations import hf_glue
+    from kvcanary.integrations.transformers import glue as hf_glue
 
     io, rows, prefix, extend, total = case(5, 4, short=2)
     want = torch.full((9, 40), -5, dtype=torch.int64, device=DEVICE)

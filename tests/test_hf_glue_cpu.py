@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("numba")
 
-from kvcanary.integrations import hf_glue_cpu  # noqa: E402
-from kvcanary.integrations.hf_batch import BatchBuilder  # noqa: E402
+from kvcanary.integrations.transformers import glue_cpu as hf_glue_cpu  # noqa: E402
+from kvcanary.integrations.transformers.batch import BatchBuilder  # noqa: E402
 
 NUM_ROWS, NUM_SLOTS = 9, 500
 

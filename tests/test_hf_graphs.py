@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 triton = pytest.importorskip("triton")
 
 from kvcanary.demo import build_tiny_model, run_workload  # noqa: E402
-from kvcanary.integrations import hf_session  # noqa: E402
-from kvcanary.integrations.hf_graph import StepGraphs  # noqa: E402
+from kvcanary.integrations.transformers import session as hf_session  # noqa: E402
+from kvcanary.integrations.transformers.graphs import StepGraphs  # noqa: E402
 from kvcanary.runtime.graphs import DispatchGraph  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
@@ -58,9 +58,9 @@ STEADY = dict(max_new_tokens=16, num_return_sequences=1)
                          ids=["fused", "graph-per-turn", "default"])
 @pytest.mark.parametrize("bug", [None, "new-token-read-index"])
 def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, steady, fused):
-    from kvcanary.integrations import hf_graph
-    from kvcanary.integrations.hf_batch import BatchBuilder
-    from kvcanary.integrations.hf_fused import FusedSteps
+    from kvcanary.integrations.transformers import graphs as hf_graph
+    from kvcanary.integrations.transformers.batch import BatchBuilder
+    from kvcanary.integrations.transformers.fused import FusedSteps
 
     if steady is not None:  # every decode shape takes the graph-per-turn (or fused) path at once
         monkeypatch.setattr(hf_graph, "STEADY_SIGHTINGS", steady)
@@ -126,7 +126,7 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
 def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypatch, bug):
     # prompts longer than the chunk: multi-token steps of one shape recur, are captured (one graph
     # reading a static copy of the staged values) and replayed
-    from kvcanary.integrations.hf_batch import BatchBuilder
+    from kvcanary.integrations.transformers.batch import BatchBuilder
 
     verify = BatchBuilder.verify_new_reads
     monkeypatch.setattr(BatchBuilder, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))

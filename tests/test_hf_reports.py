@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcanary.format import CHAIN_HEAD, FailReason
-from kvcanary.integrations.hf_batch import BatchBuilder
+from kvcanary.integrations.transformers.batch import BatchBuilder
 from kvcanary.runtime.report import MISSING_TOKEN, Violation
 
 B = 4  # block size
@@ -172,7 +172,7 @@ def test_tail_row_rewritten_after_the_check_names_that_writer():
 
 def steady_builder() -> BatchBuilder:
     """A builder whose host_part runs on fake requests (no engine, no canary)."""
-    from kvcanary.integrations.hf_staging import Staging
+    from kvcanary.integrations.transformers.staging import Staging
 
     b = builder()
     ids: dict = {}

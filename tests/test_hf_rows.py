@@ -4,7 +4,7 @@ import collections
 
 import torch
 
-from kvcanary.integrations.hf_batch import BatchBuilder, Staging
+from kvcanary.integrations.transformers.batch import BatchBuilder, Staging
 from kvcanary.runtime.monitor import KEEP_BATCHES
 
 

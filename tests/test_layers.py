@@ -91,7 +91,7 @@ def test_no_module_imports_upward_or_sideways():
     ("kvcanary.ops.api", "import kvcanary.runtime.batch\n"),
     ("kvcanary.ops.api", "from kvcanary import runtime\n"),
     ("kvcanary.sim.recall", "from kvcanary.bench.suite import table\n"),
-    ("kvcanary.integrations.hf_batch", "from kvcanary.distributed import pack\n"),
+    ("kvcanary.integrations.transformers.batch", "from kvcanary.distributed import pack\n"),
     ("kvcanary.runtime.batch", "from ..sim import engine\n"),
 ])
 def test_an_upward_or_sideways_import_is_caught(module, source):

@@ -14,8 +14,8 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from kvcanary import KvCanaryViolationError  # noqa: E402
 from kvcanary.demo import build_tiny_model, demo_prompts, run_workload  # noqa: E402
 from kvcanary.format import FailReason, oracle_token  # noqa: E402
-from kvcanary.integrations import hf_bugs  # noqa: E402
-from kvcanary.integrations.hf_layout import EngineLayout  # noqa: E402
+from kvcanary.integrations.transformers import bugs as hf_bugs  # noqa: E402
+from kvcanary.integrations.transformers.layouts import layout_of  # noqa: E402
 from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, attach_with, check_version  # noqa: E402
 from kvcanary.runtime.report import MISSING_TOKEN  # noqa: E402
 
@@ -122,7 +122,7 @@ def test_late_hooks_run_the_canary_once_the_forward_is_enqueued(llama, llama_bas
     # late hooks (the default): each step's canary work runs after the engine enqueued its forward (on a
     # GPU, while the device runs it); late_hooks=False runs it before. Both find the same: nothing, on a
     # clean run, and the planted bug of test_planted_bug_is_reported.
-    from kvcanary.integrations.hf_session import Session
+    from kvcanary.integrations.transformers.session import Session
 
     order = []
     for name in ("_before", "_after"):
@@ -178,7 +178,7 @@ def enable_cpu_pool(model, blocks=64):
 
         def create():
             bp = orig_create()
-            EngineLayout.from_cache(bp.cache).plain_cpu_swap_pool(bp.offloading_manager, blocks)
+            layout_of(bp.cache).plain_cpu_swap_pool(bp.offloading_manager, blocks)
             return bp
 
         manager._create_batch_processor = create
@@ -244,7 +244,7 @@ def test_a_paged_cache_without_the_fields_read_is_named_not_an_attribute_error(g
         missing = ("layer_index_to_group_indices", "key_cache", "value_cache", "write_trash_index")
         present = "block_size"
     with pytest.raises(RuntimeError) as err:
-        EngineLayout.from_cache(MovedCache())
+        layout_of(MovedCache())
     msg = str(err.value)
     for name in missing:
         assert f"'{name}'" in msg
@@ -552,7 +552,7 @@ def test_raise_mode_surfaces_the_violation_to_the_caller(llama):
 
 
 def test_hook_exception_surfaces_to_the_caller(llama, monkeypatch):
-    from kvcanary.integrations import hf_batch
+    from kvcanary.integrations.transformers import batch as hf_batch
 
     def broken(self, copy=True, padded=False):
         raise ZeroDivisionError("adapter bug")
@@ -595,7 +595,7 @@ def plant_local(model, planter):
 
 def flip_sliding_kv(bp, state):
     orig, cache = bp._generation_step, bp.cache
-    lay = EngineLayout.from_cache(cache)
+    lay = layout_of(cache)
     sliding_layer = lay_types(cache).index("sliding_attention")
 
     def step(model):
@@ -615,14 +615,14 @@ def flip_sliding_kv(bp, state):
 
 
 def lay_types(cache):
-    from kvcanary.integrations.hf_layout import layer_types
+    from kvcanary.integrations.transformers.layout import layer_types
 
     return layer_types(cache.config)
 
 
 def swap_sliding_blocks(bp, state):
     orig, cache = bp.update_batch, bp.cache
-    lay = EngineLayout.from_cache(cache)
+    lay = layout_of(cache)
 
     def update_batch():
         orig()

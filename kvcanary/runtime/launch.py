@@ -130,7 +130,7 @@ class ForwardLauncher:
         self.pending = None  # side-stream work the engine stream has not waited for yet
         self.in_side = False  # inside a side section that switched streams (_Side)
         # True while a caller that orders the current stream after the forward itself (events) wants side
-        # sections to run where they are: the transformers adapter's steady decode steps (hf_graph.py)
+        # sections to run where they are: the transformers adapter's steady decode steps (graphs.py)
         self.on_current = False
         # set by after_forward / after_replayed: TAIL's captured sequence waits (deferred) for the step's
         # snapshot and both replay as one graph (one host call fewer per step)

@@ -57,47 +57,27 @@ def processor_shims(w: HfWorkload, device: str, reserve_padding: bool) -> list[C
 def _cpu_swap_pool(bp, blocks: int) -> None:
     """transformers' swap pool is pinned memory, which a CPU-only torch cannot allocate: plain memory, laid out
     by the adapter's view of this cache generation."""
-    from kvcanary.integrations.hf_layout import EngineLayout
+    from kvcanary.integrations.transformers.layouts import layout_of
 
-    EngineLayout.from_cache(bp.cache).plain_cpu_swap_pool(bp.offloading_manager, blocks)
+    layout_of(bp.cache).plain_cpu_swap_pool(bp.offloading_manager, blocks)
 
 
 def _reserve_block0(bp) -> None:
     """What the canary's session does to the pool (keep slot 0 free of real tokens, where that takes a block)."""
-    from kvcanary.integrations.hf_layout import EngineLayout
+    from kvcanary.integrations.transformers.layouts import layout_of
 
-    EngineLayout.from_cache(bp.cache).reserve_padding()
+    layout_of(bp.cache).reserve_padding()
 
 
 def wrap_processors(model, shims: list[Callable]) -> Callable[[], None]:
     """Run ``shims`` on every batch processor ``model`` creates; returns the undo (per instance, as
-    ``hf_bugs.plant`` does: wrap before ``attach`` so the canary sees the processor shimmed)."""
+    ``bugs.plant`` does: wrap before ``attach`` so the canary sees the processor shimmed)."""
     if not shims:
         return lambda: None
-    had = "init_continuous_batching" in vars(model)
-    prev = model.init_continuous_batching
+    from kvcanary.integrations.transformers.bugs import on_new_processors
 
-    def init_continuous_batching(*args, **kwargs):
-        manager = prev(*args, **kwargs)
-        orig_create = manager._create_batch_processor
+    def shimmed(bp) -> None:
+        for shim in shims:
+            shim(bp)
 
-        def create():
-            bp = orig_create()
-            if not getattr(bp, "_kvcanary_soak", False):
-                bp._kvcanary_soak = True
-                for shim in shims:
-                    shim(bp)
-            return bp
-
-        manager._create_batch_processor = create
-        return manager
-
-    model.init_continuous_batching = init_continuous_batching
-
-    def undo() -> None:
-        if had:
-            model.init_continuous_batching = prev
-        else:
-            vars(model).pop("init_continuous_batching", None)
-
-    return undo
+    return on_new_processors(model, shimmed, "_kvcanary_soak")

@@ -23,9 +23,9 @@ from kvcanary import ops
 from kvcanary.ops.read_table_ops import numpy_read_table, torch_read_table
 from kvcanary.ops.types import NO_LIMIT
 from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
-from kvcanary.integrations.hf_layout import fill_swa_table
-from kvcanary.integrations.hf_staging import HostStep, Staging
-from kvcanary.integrations.hf_tokens import QUERY, STATE, STATE_ID, STATE_OFFSET, TokenRows
+from kvcanary.integrations.transformers.layout import fill_swa_table
+from kvcanary.integrations.transformers.staging import HostStep, Staging
+from kvcanary.integrations.transformers.tokens import QUERY, STATE, STATE_ID, STATE_OFFSET, TokenRows
 
 log = logging.getLogger("kvcanary")
 
@@ -36,7 +36,7 @@ CPU_WIDTH_STEP = 64  # the CPU's reused batches: read-table columns rounded up t
 def bucket(bs: int, cap: int) -> int:
     """The size a decode batch of ``bs`` requests is padded to: the next power of two, at most ``cap`` (and never
     below ``bs``). A batch that shrinks or grows inside its bucket keeps the shape its step graphs were captured
-    with (``hf_graph.py``)."""
+    with (``graphs.py``)."""
     return bs if bs >= cap or bs < 1 else min(1 << (bs - 1).bit_length(), cap)
 
 
@@ -47,7 +47,7 @@ def table_width(width: int, max_context: int, floor: int) -> int:
 
 
 class BatchBuilder(TokenRows):
-    glue = None  # where the canary runs Triton (__init__): hf_glue's kernels for the read table and entries
+    glue = None  # where the canary runs Triton (__init__): glue.py's kernels for the read table and entries
     host_table = None  # where it runs numba: the host read table as one compiled loop (ops.read_table_ops)
     new_reads_match = None  # and the new tokens' read-check shortcut as another
 
@@ -63,12 +63,12 @@ class BatchBuilder(TokenRows):
         self.oracle = bool(session.handle.options.get("token_oracle"))
         # one staging buffer on the CPU: there a step's observation is read when the step closes, so no report
         # reads a batch after the next step refilled its buffer, and a reused batch (_cpu_batch) serves every
-        # step of its shape, not one step in each of the turns (hf_graph.py restores the turns: its CPU stand-in
+        # step of its shape, not one step in each of the turns (graphs.py restores the turns: its CPU stand-in
         # replays as CUDA does)
         self.stage = Staging(self.device, 1) if self.device.type == "cpu" else Staging(self.device)
         self.in_block = torch.arange(session.layout.block_size, dtype=torch.int64, device=self.device)
         self.warned_read_size = False
-        # decode steps padded to their size bucket (``bucket``; hf_graph.py sets it where step graphs run): at most
+        # decode steps padded to their size bucket (``bucket``; graphs.py sets it where step graphs run): at most
         # this many requests, 0 = no padding
         self.pad_cap = 0
         self.new_reads = ops.Entries.allocate(session.canary.max_tokens, self.device)
@@ -76,14 +76,14 @@ class BatchBuilder(TokenRows):
         self.cpu_batches: dict = {}  # CPU: a reused ForwardBatch per shape (_cpu_batch)
         self.iota_np = np.arange(256, dtype=np.int64)
         # the read table and the new tokens' read entries as one Triton kernel each where the canary runs
-        # Triton (hf_glue.py); the torch backend keeps the tensor ops
+        # Triton (glue.py); the torch backend keeps the tensor ops
         backend = ops.resolve_backend(session.config.backend, self.device)
         if backend == "triton":
-            from kvcanary.integrations import hf_glue  # (imports Triton)
+            from kvcanary.integrations.transformers import glue as hf_glue  # (imports Triton)
 
             self.glue = hf_glue.IndexKernels()
         elif backend == "numba":
-            from kvcanary.integrations import hf_glue_cpu  # (imports numba)
+            from kvcanary.integrations.transformers import glue_cpu as hf_glue_cpu  # (imports numba)
 
             self.host_table, self.new_reads_match = hf_glue_cpu.read_table, hf_glue_cpu.new_reads_match
 
@@ -264,7 +264,7 @@ class BatchBuilder(TokenRows):
             self.warned_read_size = True
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         io.true_read_sizes[g], total)
-        if self.glue is not None and self.glue.ok:  # one kernel (hf_glue.py) for the tensor ops
+        if self.glue is not None and self.glue.ok:  # one kernel (glue.py) for the tensor ops
             glue, limits = self.glue, self._read_limits(have, total, read.shape[0])
             glue.run("read table", lambda: glue.read_table(rtt, rows_t, prefix_t, extend_t, read, *limits),
                      lambda: self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total), (rtt,))
@@ -324,7 +324,7 @@ class BatchBuilder(TokenRows):
                 return
         e = self.new_reads
         rows, extend, token_req = batch.req_pool_indices, batch.extend_lens, batch.token_req
-        if self.glue is not None and self.glue.ok:  # one kernel (hf_glue.py) for the tensor ops
+        if self.glue is not None and self.glue.ok:  # one kernel (glue.py) for the tensor ops
             glue = self.glue
             glue.run("new tokens' read entries", lambda: glue.new_read_entries(
                 e, rtt, rows, extend, token_req, batch.positions, batch.input_ids),

@@ -17,7 +17,7 @@ reports (up to ``KEEP_BATCHES`` steps late), and the same turn comes back only a
 ``STAGING_TURNS`` steps, so no copy of the staged values or the read table is made per step, and
 the graph itself holds the copy of the staged values from the turn's pinned buffer: a
 steady decode batch costs ``STAGING_TURNS`` captures, once. With late hooks such a step's before and
-after work run as one graph per (turn, snapshot slot) instead (``hf_fused.py``). Other steps — prefill chunks, decode
+after work run as one graph per (turn, snapshot slot) instead (``fused.py``). Other steps — prefill chunks, decode
 shapes that come and go as requests arrive and finish — recur too rarely for a graph per turn (the
 prefill chunks' many shapes times the turns overflowed the kept graphs and were captured again and
 again in the H200 prefill benchmark): their graph, one per shape, reads a static copy of the staged
@@ -37,9 +37,9 @@ from contextlib import nullcontext
 
 import torch
 
-from kvcanary.integrations.hf_batch import table_width
-from kvcanary.integrations.hf_fused import FusedSteps, Run
-from kvcanary.integrations.hf_staging import STAGING_TURNS, Staging
+from kvcanary.integrations.transformers.batch import table_width
+from kvcanary.integrations.transformers.fused import FusedSteps, Run
+from kvcanary.integrations.transformers.staging import STAGING_TURNS, Staging
 from kvcanary.runtime.graphs import capture, replay_of
 from kvcanary.runtime.streams import capturing, stream_cache
 
@@ -109,7 +109,7 @@ class StepGraphs:
         self.captures = self.replays = 0
         self.inline = False  # this step's before work was replayed by _inline: its after hook is ``after``
         self.quiet = None  # (stream, session.engine_calls) of the last inline close (_inline, after)
-        # steady decode steps as one replay after the forward (hf_fused.py; attach option fused_steps)
+        # steady decode steps as one replay after the forward (fused.py; attach option fused_steps)
         self.fused = FusedSteps(self) if session.handle.options.get("fused_steps", True) else None
         self.fused_now = False  # this step ran fused: its after hook has nothing left to do
         self.last_fused = False  # the last step ran fused (the next one likely will: Session._late_step)

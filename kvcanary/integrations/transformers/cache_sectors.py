@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.integrations.hf_layout import EngineLayout
+from kvcanary.integrations.transformers.layout import EngineLayout
 
 __all__ = ["SectorLayout"]
 

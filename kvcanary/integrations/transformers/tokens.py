@@ -1,7 +1,7 @@
 """The transformers adapter's per-request bookkeeping: each request's stable canary row, and the token
 table cells its row still lacks (the token history the canary checks records against).
 
-``TokenRows`` is a part of ``BatchBuilder`` (``hf_batch.py``): rows are kept while a request lives
+``TokenRows`` is a part of ``BatchBuilder`` (``batch.py``): rows are kept while a request lives
 (least recently used among requests outside the batch when they run out), so only new tokens
 cross to the device; a decode step takes C loops only (``_decode_cells``), and a decode step of
 the same requests as the step before fills a kept array (``_steady``) with its positions and
@@ -16,7 +16,7 @@ from operator import add, attrgetter, getitem, sub
 
 import numpy as np
 
-from kvcanary.integrations.hf_staging import HostStep
+from kvcanary.integrations.transformers.staging import HostStep
 from kvcanary.runtime.report import MISSING_TOKEN
 
 __all__ = ["TokenRows", "NAME", "QUERY", "STATE", "STATE_ID", "STATE_OFFSET"]

@@ -24,8 +24,8 @@ import threading
 import warnings
 from collections.abc import Iterator
 
-from kvcanary.integrations.hf_layout import SUPPORTED_RANGE, Patcher, check_engine, check_version
-from kvcanary.integrations.hf_session import Session
+from kvcanary.integrations.transformers.layout import SUPPORTED_RANGE, Patcher, check_engine, check_version
+from kvcanary.integrations.transformers.session import Session
 from kvcanary.runtime import CanaryConfig, Violation
 
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
@@ -104,7 +104,7 @@ def attach(model_or_manager, config: CanaryConfig | None = None, *, mode: str | 
                "max_context": max_context, "allow_unsupported_version": allow_unsupported_version}
     _check_options(options)
     try:
-        import transformers  # noqa: F401  (the extra; hf_layout imports it lazily)
+        import transformers  # noqa: F401  (the extra; layout.py imports it lazily)
     except ImportError as e:
         raise ImportError(f"kv-canary: attach needs the transformers package, got an ImportError ({e}); install "
                           "it with pip install 'kv-canary[transformers]'") from e

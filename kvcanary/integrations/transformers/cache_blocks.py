@@ -8,7 +8,7 @@ the engine's free list while attached.
 
 from __future__ import annotations
 
-from kvcanary.integrations.hf_layout import EngineLayout, layer_types, log
+from kvcanary.integrations.transformers.layout import EngineLayout, layer_types, log
 
 __all__ = ["BlockLayout"]
 

@@ -2,7 +2,7 @@
 
 A canary slot is one physical row of the engine's KV storage, the index its read and write indices
 hold. ``EngineLayout`` is the interface; one subclass per generation of transformers' paged cache
-implements it, and ``EngineLayout.from_cache`` picks the one whose fields the cache has:
+implements it, and ``layouts.layout_of`` picks the one whose fields the cache has:
 
 - ``hf_cache_blocks.BlockLayout`` (transformers 5.17): per-layer K and V tensors and one block
   manager; slot = ``block_id * block_size + offset``.
@@ -14,7 +14,6 @@ implements it, and ``EngineLayout.from_cache`` picks the one whose fields the ca
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +140,7 @@ class EngineLayout:
     """Where the canary looks in one paged cache, and the engine calls that move KV between steps.
 
     The fields describe the slot space; the methods below them are what each cache generation
-    implements (``hf_cache_blocks``, ``hf_cache_sectors``). Engine groups are the indices of the
+    implements (``cache_blocks``, ``cache_sectors``). Engine groups are the indices of the
     engine's read and write index rows (``io.read_index_storage[g]``).
     """
 
@@ -162,22 +161,6 @@ class EngineLayout:
     values: tuple[torch.Tensor, ...] = ()
     swa_keys: tuple[torch.Tensor, ...] = ()  # per sliding layer: its K rows, one per slot
     swa_values: tuple[torch.Tensor, ...] = ()
-
-    @classmethod
-    def from_cache(cls, cache) -> EngineLayout:
-        """The layout of ``cache``, by which generation's fields it has (a RuntimeError names what is missing)."""
-        if hasattr(cache, "cache_tensor") or hasattr(cache, "cache_allocators"):
-            from kvcanary.integrations.hf_cache_sectors import SectorLayout as gen
-        else:
-            from kvcanary.integrations.hf_cache_blocks import BlockLayout as gen
-        # (with allow_unsupported_version another transformers may have moved a field: say what is missing
-        # here, once, instead of an AttributeError from the engine's loop)
-        missing = [name for name in gen.FIELDS if not hasattr(cache, name)]
-        if missing:
-            version = getattr(sys.modules.get("transformers"), "__version__", "unknown")
-            raise RuntimeError(f"kv-canary: transformers {version}'s {type(cache).__name__} lacks {missing}, which "
-                               f"the integration reads (supported: transformers {SUPPORTED_RANGE})")
-        return gen.build(cache)
 
     def real_kv_sources(self, check_v: bool,
                         swa: bool = False) -> tuple[tuple[RealKvSource, ...], tuple[RealKvSource, ...]]:
@@ -252,7 +235,7 @@ class EngineLayout:
         unless it has one: transformers allocates it pinned, which a CPU-only torch cannot (tests, soak)."""
         raise NotImplementedError
 
-    # -- engine internals the planted bugs of hf_bugs reach ------------------------------------------------
+    # -- engine internals the planted bugs of bugs.py reach ------------------------------------------------
     def full_allocator(self):
         """The object holding the full group's ``block_table``, ``get_read_indices``, ``get_write_indices``."""
         raise NotImplementedError

@@ -2,7 +2,7 @@
 
 Each bug is a realistic bookkeeping mistake from shared/BUGS.md, planted per instance on the batch
 processor transformers creates (below kv-canary's hooks: plant first, then attach). It fires once.
-The engine internals each one reaches come from the cache's layout (``hf_layout.EngineLayout``), so
+The engine internals each one reaches come from the cache's layout (``layout.EngineLayout``), so
 the same bugs are planted in every paged-cache generation the adapter supports.
 
 Example:
@@ -45,6 +45,17 @@ def plant(model, name: str) -> Callable[[], None]:
     if name not in BUGS:
         raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {name!r}")
     state = {"fired": False}
+
+    def planted(bp) -> None:
+        _zero_pool(bp)
+        _PLANTERS[name.replace("-", "_")](bp, _layout(bp), state)
+
+    return on_new_processors(model, planted, "_kvcanary_bug")
+
+
+def on_new_processors(model, fn: Callable, tag: str) -> Callable[[], None]:
+    """Run ``fn(bp)`` once on every batch processor ``model`` creates (``tag`` marks the ones done: the
+    engine reuses a processor across generations); returns the undo. Per instance: nothing of the class."""
     had = "init_continuous_batching" in vars(model)
     orig_init = model.init_continuous_batching
 
@@ -54,10 +65,9 @@ def plant(model, name: str) -> Callable[[], None]:
 
         def create():
             bp = orig_create()
-            if not getattr(bp, "_kvcanary_bug", None):
-                bp._kvcanary_bug = name
-                _zero_pool(bp)
-                _PLANTERS[name.replace("-", "_")](bp, _layout(bp), state)
+            if not getattr(bp, tag, False):
+                setattr(bp, tag, True)
+                fn(bp)
             return bp
 
         manager._create_batch_processor = create
@@ -84,9 +94,9 @@ def _zero_pool(bp) -> None:
 
 
 def _layout(bp):
-    from kvcanary.integrations.hf_layout import EngineLayout  # (not at import time: the CLI reads BUGS without torch)
+    from kvcanary.integrations.transformers.layouts import layout_of  # (not at import time: the CLI reads BUGS without torch)
 
-    return EngineLayout.from_cache(bp.cache)
+    return layout_of(bp.cache)
 
 
 def _once(state) -> bool:

@@ -20,10 +20,11 @@ from contextlib import nullcontext
 import torch
 
 from kvcanary.format import oracle_token
-from kvcanary.integrations.hf_batch import BatchBuilder
-from kvcanary.integrations.hf_graph import StepGraphs
-from kvcanary.integrations.hf_moves import KvMoves
-from kvcanary.integrations.hf_layout import EngineLayout, Patcher
+from kvcanary.integrations.transformers.batch import BatchBuilder
+from kvcanary.integrations.transformers.graphs import StepGraphs
+from kvcanary.integrations.transformers.moves import KvMoves
+from kvcanary.integrations.transformers.layout import Patcher
+from kvcanary.integrations.transformers.layouts import layout_of
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 from kvcanary.runtime.graphs import CudaGraphs
 from kvcanary.runtime.streams import event_wait, record_event, stream_cache
@@ -39,7 +40,7 @@ class Session(KvMoves):
         self.handle, self.bp = handle, bp
         self.lock = handle.lock
         cache = bp.cache
-        self.layout = lay = EngineLayout.from_cache(cache)
+        self.layout = lay = layout_of(cache)
         lay.check_fresh()
         self.device = lay.k_full.device
         self.reserved_block0 = lay.reserve_padding()

@@ -1,4 +1,4 @@
-"""The transformers adapter's per-step index work on the device as Triton kernels (``hf_batch.py``).
+"""The transformers adapter's per-step index work on the device as Triton kernels (``batch.py``).
 
 Before the HEAD verify, the adapter builds the batch's read table from the engine's read index and,
 after the HEAD write, the entries of the new tokens' read check. As tensor ops these are about twenty
@@ -12,13 +12,13 @@ one kernel, with the same results cell for cell:
   ``rtt[r, p - 1]`` or -1 at position 0, ``input_ids[t]``) with ``r = rows[token_req[t]]`` and
   ``p = positions[t]``; ``count``, ``requested`` and ``enable`` as ``ops.fill_entries`` sets them for the
   batch's real tokens: ``extend`` summed over the requests outside row 0. A padding request's tokens (row 0,
-  after every real request: a batch padded to its size bucket, ``hf_batch.py``) come last; their entries
+  after every real request: a batch padded to its size bucket, ``batch.py``) come last; their entries
   are (0, 0, -1, ``input_ids[t]``) past the count, never read: their positions are not read either (the
   engine's input storage past the real tokens holds stale values).
 
-The tensor-op versions (the read table's: the op's torch body) run from ``hf_batch.py`` (the torch backend, and
+The tensor-op versions (the read table's: the op's torch body) run from ``batch.py`` (the torch backend, and
 the check these are held to: tests/test_hf_glue.py); the CPU's eager steps use the op's numpy body there, or its
-numba loop (``hf_glue_cpu.py``).
+numba loop (``glue_cpu.py``).
 ``IndexKernels`` runs each kernel as the adapter calls it: on its first eager call also the tensor ops,
 compared on the host, and the tensor ops from then on, with a warning, where the kernel fails to compile
 or launch or gives other cells. The kernels are an optimisation, never a new way to fail or to report.

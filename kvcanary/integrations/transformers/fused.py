@@ -1,7 +1,7 @@
 """Fused steady decode steps: a step's whole canary work captured as one graph, replayed once after the forward.
 
-With late hooks (``hf_session.py``) a step's before and after work run back to back, once transformers
-has enqueued the forward. For a steady decode step (``hf_graph.py``: the same requests as the step
+With late hooks (``session.py``) a step's before and after work run back to back, once transformers
+has enqueued the forward. For a steady decode step (``graphs.py``: the same requests as the step
 before, one new token each, a shape seen often) the two replays of the unfused path (HEAD beside the
 forward, then TAIL and the step's snapshot after it), their stream hand-overs and the runtime's
 per-step bookkeeping around each become one replay behind the forward, on the canary's side stream: the

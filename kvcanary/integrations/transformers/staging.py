@@ -1,4 +1,4 @@
-"""The host half of a transformers step: what ``BatchBuilder.host_part`` (``hf_batch.py``) computed
+"""The host half of a transformers step: what ``BatchBuilder.host_part`` (``batch.py``) computed
 (``HostStep``), and the staging of its values (``Staging``: one pinned buffer, one asynchronous copy
 into a device buffer whose views become the batch's tensors).
 """
@@ -17,7 +17,7 @@ __all__ = ["HostStep", "Staging", "STAGING_TURNS"]
 
 # Staging turns: a remembered batch's buffer is not refilled for KEEP_BATCHES steps (and a spare),
 # rounded up to a multiple of the snapshot slots, so a steady step's (turn, slot) pair comes back every
-# STAGING_TURNS steps (a fused graph per pair: hf_fused.py)
+# STAGING_TURNS steps (a fused graph per pair: fused.py)
 STAGING_TURNS = -(-(KEEP_BATCHES + 1) // NUM_SLOTS) * NUM_SLOTS
 
 
@@ -47,7 +47,7 @@ class Staging:
     the monitor reads a remembered batch when its violations arrive steps later (reader attribution),
     so a buffer must not be refilled while that batch may still be read: ``KEEP_BATCHES`` turns and
     a spare, rounded up to a multiple of the snapshot slots (``STAGING_TURNS``; few turns also mean few
-    CUDA-graph captures, ``hf_graph.py``). Each turn has its own
+    CUDA-graph captures, ``graphs.py``). Each turn has its own
     pinned buffer too, so a step graph per turn can hold the copy itself (``copy`` inside a capture:
     it replays from the same host address), and the host never refills a pinned buffer whose copy
     may still be in flight (the turn's event). On the CPU the values go straight into the turn's buffer
@@ -60,7 +60,7 @@ class Staging:
         self.host: list[torch.Tensor] = []  # CUDA: the pinned buffer of each turn
         self.ring: list[torch.Tensor] = []
         self.views: dict = {}  # (turn, size) -> the device slice, the pinned slice, the numpy destination
-        self.static: torch.Tensor | None = None  # the one buffer a captured multi-token step reads (hf_graph.py)
+        self.static: torch.Tensor | None = None  # the one buffer a captured multi-token step reads (graphs.py)
         self.turn = 0
         self.events = [torch.cuda.Event() for _ in range(depth)] if self.cuda else []
         # or, per turn, a later point its copy is known to precede (copied's fence): no CUDA call to check it
