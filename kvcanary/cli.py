@@ -390,7 +390,7 @@ def _config(args: argparse.Namespace) -> int:
     rows = [(label(f.name), getattr(cfg, f.name), sources[f.name]) for f in dataclasses.fields(cfg)]
     notes = sorted({str(w.message) for w in caught})
     width = max(len(r[0]) for r in rows)
-    text = "\n".join([f"{'variable':<{width}}  {'value':<10}  source"]
+    text = "\n".join([f"{'setting':<{width}}  {'value':<10}  source"]
                      + [f"{var:<{width}}  {value!r:<10}  {source}" for var, value, source in rows] + notes)
     emit(args, {"config": {var: {"value": value, "source": source} for var, value, source in rows},
                 "warnings": notes}, text)
