@@ -174,3 +174,17 @@ def test_markdown_options_print_markdown(capsys, monkeypatch, fast_zoo):
     assert out[0].startswith("| run | injections |") and out[2].startswith("| kv |")
     assert cli.main(["zoo", "--markdown", "--distributed"]) == 2
     assert "--markdown applies to the simulated engine's zoo" in capsys.readouterr().err
+
+
+def test_readme_is_an_entry_point():
+    """At most 200 lines, its sections in the order a newcomer reads them, attach on the first screen."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, len(lines)
+    heads = [x[3:] for x in lines if x.startswith("## ")]
+    order = ["Install", "Attach it", "In an engine's tests: the pytest fixture", "The command line",
+             "What it catches", "What it costs", "Layout", "Documentation"]
+    assert heads == order, heads
+    assert next(i for i, x in enumerate(lines) if "import attach" in x) < 60
+    costs = "\n".join(lines[lines.index("## What it costs"):lines.index("## Layout")])
+    # the user's price comes first: whole generations against the engine's fastest configuration
+    assert costs.index("fastest configuration") < costs.index("Per step")
