@@ -106,3 +106,61 @@ def test_an_upward_or_sideways_import_is_caught(module, source):
 ])
 def test_a_downward_or_internal_import_passes(module, source):
     assert upward_imports(source, module) == []
+
+
+# The adapter drives the runtime through Canary's public methods and the attributes an engine sets by
+# its protocol, never by writing the runtime's internals (issue 35).
+ENGINE_SET = {"sweep_provider", "head_overlap", "padding_tokens"}
+
+
+def _chain(node: ast.AST) -> list[str]:
+    out = []
+    while isinstance(node, ast.Attribute):
+        out.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        out.append(node.id)
+    return out[::-1]
+
+
+def _runtime_writes(source: str) -> list[tuple[int, str]]:
+    """(line, dotted target) of each write into the canary's objects: through ``...canary...`` or a local
+    name bound to such an expression (``obs = self.s.canary.monitor.observer``), past ``ENGINE_SET``."""
+    out = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        alias: dict[str, list[str]] = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute):
+                chain = _chain(node.value)
+                for t in node.targets:
+                    if isinstance(t, ast.Name) and "canary" in chain:
+                        alias[t.id] = chain[chain.index("canary"):]
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                chain = _chain(target)
+                if chain and chain[0] in alias and len(chain) > 1:
+                    chain = alias[chain[0]] + chain[1:]
+                if "canary" not in chain[:-1]:
+                    continue
+                after = chain[chain.index("canary") + 1:]
+                if len(after) > 1 or after[0] not in ENGINE_SET:
+                    out.append((node.lineno, ".".join(["canary", *after])))
+    return sorted(set(out))
+
+
+def test_the_adapter_writes_no_runtime_field():
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} writes {target}"
+           for path in sorted((PACKAGE / "integrations").rglob("*.py"))
+           for line, target in _runtime_writes(path.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+def test_runtime_writes_are_found_through_aliases():
+    src = ("def f(self):\n    self.canary.launcher.graphs = 1\n    obs = self.s.canary.monitor.observer\n"
+           "    obs.graphs = 2\n    self.canary.sweep_provider = 3\n    self.canary._open = 4\n")
+    assert [t for _, t in _runtime_writes(src)] == ["canary.launcher.graphs", "canary.monitor.observer.graphs",
+                                                   "canary._open"]

@@ -221,6 +221,15 @@ class Canary(RecordMoves):
         self.monitor.poll()
         self._open = batch
 
+    def use_graphs(self, graphs=None, *, host_ops: bool = True) -> None:
+        """For an adapter that replays the canary's launches from graphs: ``graphs`` (a
+        ``runtime.graphs.CudaGraphs``) serves the launcher's and the observer's captures; ``host_ops=False``
+        keeps the CPU launcher's numpy shortcuts off (a stand-in graph replays tensor ops only)."""
+        if graphs is not None:
+            self.launcher.graphs = graphs
+            self.monitor.observer.graphs = graphs
+        self.launcher.host_ops = host_ops
+
     def records_ready(self) -> None:
         """Order the current stream after the canary's launches so far (the HEAD write included): call it
         before reading canary records on the engine's stream inside a forward; an engine that does may set

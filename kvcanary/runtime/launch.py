@@ -153,6 +153,11 @@ class ForwardLauncher:
             return _STAY
         return _Side(self)
 
+    def note_side_work(self, stream) -> None:
+        """Work an adapter issued on ``stream`` (the side stream) outside a ``side()`` section: the next
+        ``join`` makes the engine stream wait for it."""
+        self.pending = self.streams.record(stream)
+
     def join(self) -> None:
         """The current (engine) stream waits for the side stream's work so far; a no-op when none is pending."""
         s = self.streams

@@ -102,7 +102,7 @@ class StepGraphs:
         # reuse each other's memory; a pool per graph would hold 32 copies of the largest of them.
         self.pool = self.new_pool()
         # a stand-in graph on the CPU replays tensor ops only: the launcher's numpy shortcuts stay off
-        session.canary.launcher.host_ops = graph_type is None
+        session.canary.use_graphs(host_ops=graph_type is None)
         self.entries: OrderedDict = OrderedDict()
         self.sightings: dict = {}  # steps per shape, any turn (EAGER_SIGHTINGS, STEADY_SIGHTINGS)
         self.reports: OrderedDict = OrderedDict()  # multi-token steps' batches for the monitor (_report)
@@ -275,7 +275,7 @@ class StepGraphs:
                 report.req_to_token.copy_(e.batch.req_to_token)
         if side is not None:
             # HEAD runs beside the forward; the step's close makes the engine stream wait for it
-            launcher.pending = launcher.streams.record(side)
+            launcher.note_side_work(side)
         return report
 
     def _entry(self, key: tuple, h, width: int) -> _Entry:

@@ -115,8 +115,7 @@ class Session(KvMoves):
         if not self.canary.launcher.streams.overlap:
             return None  # the whole-step graph runs on the side stream: overlap off keeps every launch eager
         graphs = CudaGraphs(self.device, max_graphs=32)
-        self.canary.launcher.graphs = graphs
-        self.canary.monitor.observer.graphs = graphs
+        self.canary.use_graphs(graphs)
         return StepGraphs(self)
 
     def _install(self) -> None:
