@@ -44,11 +44,21 @@ def plant(model, name: str) -> Callable[[], None]:
     """Plant bug ``name`` into every batch processor ``model`` creates; returns the undo function."""
     if name not in BUGS:
         raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {name!r}")
-    state = {"fired": False}
+    state = {"fired": False, "warming_up": False}
 
     def planted(bp) -> None:
         _zero_pool(bp)
         _PLANTERS[name.replace("-", "_")](bp, _layout(bp), state)
+        warmup = getattr(bp, "warmup", None)  # (5.18+: fake requests, then a cache reset that undoes a bug)
+        if warmup is not None:
+            def quiet_warmup(*args, **kwargs):
+                state["warming_up"] = True
+                try:
+                    return warmup(*args, **kwargs)
+                finally:
+                    state["warming_up"] = False
+
+            bp.warmup = quiet_warmup
 
     return on_new_processors(model, planted, "_kvcanary_bug")
 
@@ -100,7 +110,8 @@ def _layout(bp):
 
 
 def _once(state) -> bool:
-    if state["fired"]:
+    # (never during the engine's warm-up: its cache reset would drop the bug before a real request met it)
+    if state["fired"] or state["warming_up"]:
         return False
     state["fired"] = True
     return True
@@ -113,8 +124,7 @@ def double_free(bp, lay, state) -> None:
     def free_blocks(request_id, *args, **kwargs):
         table = list(lay.block_table(lay.full_group).get(request_id, []))
         orig(request_id, *args, **kwargs)
-        # (not a warm-up request's blocks: the engine's cache reset after its warm-up drops the duplicate)
-        if table and not str(request_id).startswith("__warmup_") and lay.is_free(table[-1]) and _once(state):
+        if table and lay.is_free(table[-1]) and _once(state):
             lay.take_free(table[-1])
             lay.hand_out_next(table[-1], times=2)
 
