@@ -108,8 +108,7 @@ class _Side:
             try:
                 self.switch.__exit__(*exc)
             finally:
-                s = launcher.streams
-                launcher.pending = s.record(s.side())
+                launcher.note_side_work(launcher.streams.side())
         return False
 
 

@@ -258,18 +258,24 @@ class BatchBuilder(TokenRows):
                                         rtt=rtt.numpy(), read=io.read_index_storage[g].numpy())
             self._fill_host(views, io, total)
             return rtt
-        have = min(total, io.true_read_sizes[g])
+        have = self._have(io, total)
         read = io.read_index_storage[g]
-        if have < total and not self.warned_read_size:
-            self.warned_read_size = True
-            log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
-                        io.true_read_sizes[g], total)
         if self.glue is not None and self.glue.ok:  # one kernel (glue.py) for the tensor ops
             glue, limits = self.glue, self._read_limits(have, total, read.shape[0])
             glue.run("read table", lambda: glue.read_table(rtt, rows_t, prefix_t, extend_t, read, *limits),
                      lambda: self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total), (rtt,))
             return rtt
         return self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total)
+
+    def _have(self, io, total: int) -> int:
+        """The slots of the ``total`` prefix + new positions the engine's read index lists (a warning, once,
+        when it lists fewer)."""
+        listed = io.true_read_sizes[self.s.layout.full_group]
+        if listed < total and not self.warned_read_size:
+            self.warned_read_size = True
+            log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
+                        listed, total)
+        return min(total, listed)
 
     def _read_limits(self, have: int, total: int, n_read: int) -> tuple[int, int, int]:
         """The read-table loops' (clamp_max, limit, fill): a read index listing all ``total`` slots is read up
@@ -288,14 +294,8 @@ class BatchBuilder(TokenRows):
 
     def _fill_host(self, v, io, total: int) -> None:
         """The numpy read table from numpy views (``_cpu_batch`` keeps a reused batch's views)."""
-        g = self.s.layout.full_group
-        have = min(total, io.true_read_sizes[g])
         read, out, rows = v.read, v.rtt, v.rows
-        if have < total and not self.warned_read_size:
-            self.warned_read_size = True
-            log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
-                        io.true_read_sizes[g], total)
-        limits = self._read_limits(have, total, read.shape[0])
+        limits = self._read_limits(self._have(io, total), total, read.shape[0])
         # (numba: one compiled pass; else numpy: the same cells, ops.read_table's host bodies, unvalidated)
         (self.host_table or numpy_read_table)(out, rows, v.prefix, v.extend, read, *limits)
 
@@ -362,7 +362,7 @@ class BatchBuilder(TokenRows):
 
 
 def new_read_ops(e, rtt, rows, extend, token_req, positions, input_ids) -> None:
-    """The new tokens' read entries as tensor ops (``hf_glue.new_read_entries``'s twin, cell for cell): the
+    """The new tokens' read entries as tensor ops (``glue.new_read_entries``'s twin, cell for cell): the
     counts are those of the real tokens, and a padding token (its request in row 0) reads no cell."""
     per = rows[token_req]
     real = per != 0
