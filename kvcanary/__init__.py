@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "RealKvSource": "kvcanary.ops",
     **{name: "kvcanary.runtime" for name in (
-        "Canary", "CanaryConfig", "ForwardBatch", "ForwardMode", "KvCanaryHealthError", "KvCanaryViolationError",
+        "Canary", "CanaryConfig", "ForwardBatch", "ForwardMode", "KvCanaryAbortError", "KvCanaryHealthError", "KvCanaryViolationError",
         "PoolSpec", "SharedRowError", "SwaSpec", "TokenAppend", "TokenHistory", "Violation", "violations_to_json")},
 }
 

@@ -1,5 +1,6 @@
 """The runtime that drives the canary ops forward by forward (SPEC section 5)."""
 
+from kvcanary.runtime.abort import KvCanaryAbortError
 from kvcanary.runtime.batch import (ForwardBatch, ForwardMode, PoolSpec, SharedRowError, SwaSpec, TokenAppend,
                                     TokenHistory)
 from kvcanary.runtime.canary import Canary
@@ -11,6 +12,7 @@ __all__ = [
     "CanaryConfig",
     "ForwardBatch",
     "ForwardMode",
+    "KvCanaryAbortError",
     "KvCanaryHealthError",
     "KvCanaryViolationError",
     "PoolSpec",

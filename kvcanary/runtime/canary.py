@@ -19,6 +19,7 @@ import torch
 from kvcanary import ops
 from kvcanary.ops import validate as v
 from kvcanary.format import RealKvMode, launch_tag
+from kvcanary.runtime.abort import AbortHandler, check_abort_handler
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec, check_distinct_rows
 from kvcanary.runtime.checks import canary_device, check_batch_sizes, check_batch_values
 from kvcanary.runtime.config import CanaryConfig
@@ -64,6 +65,9 @@ class Canary(RecordMoves):
         num_rows: rows of the engine's req_to_token table (for the expected-token table).
         device: where the engine's KV lives.
         on_violation: optional callback called with each ``Violation``.
+        on_abort: the engine's error path for one request, ``on_abort(request_id, violations)``: required in
+            mode "abort" (``ValueError`` without it), never called in other modes. It fails the request as
+            the engine fails one on an error (its output carries the error, its KV is freed); docs/runtime.md.
 
     Example:
         >>> canary = Canary(pool, max_batch=8, max_tokens=256, max_context=512, num_rows=9)
@@ -72,7 +76,7 @@ class Canary(RecordMoves):
 
     def __init__(self, pool: PoolSpec, config: CanaryConfig | None = None, *, max_batch: int, max_tokens: int,
                  max_context: int, num_rows: int, device: torch.device | str = "cpu",
-                 on_violation: Callable[[Violation], None] | None = None):
+                 on_violation: Callable[[Violation], None] | None = None, on_abort: AbortHandler | None = None):
         if not isinstance(pool, PoolSpec):
             raise TypeError(f"kv-canary: Canary pool must be a PoolSpec, got {type(pool).__name__}")
         if config is not None and not isinstance(config, CanaryConfig):
@@ -85,8 +89,10 @@ class Canary(RecordMoves):
                     f"kv-canary: Canary {name} must be an int >= 1, got {value!r}")
         if on_violation is not None and not callable(on_violation):
             raise TypeError(f"kv-canary: Canary on_violation must be a callable or None, got {on_violation!r}")
+        cfg = config if config is not None else CanaryConfig.from_env()
+        check_abort_handler(cfg.mode, on_abort)
         self.device, self.pool = canary_device(device), pool
-        self.config = cfg = config if config is not None else CanaryConfig.from_env()
+        self.config = cfg
         self.max_batch, self.max_tokens, self.max_context, self.num_rows = max_batch, max_tokens, max_context, num_rows
         self.enabled = cfg.mode != "none"
         self.real_kv_mode = RealKvMode[cfg.real_kv.upper()]
@@ -111,7 +117,7 @@ class Canary(RecordMoves):
         self._open: ForwardBatch | None = None  # the forward between before_forward and after_forward
         self._sweeps_unsnapshotted = False  # sweep rows in the ring that no step close has taken yet
         self._check_values = cfg.value_check == "always" or (cfg.value_check == "auto" and self.device.type == "cpu")
-        self.monitor = Monitor(self, on_violation)
+        self.monitor = Monitor(self, on_violation, on_abort)
         self.launcher = ForwardLauncher(self)
         self.monitor.observer.graphs = self.launcher.graphs
         # Fault injection (a self-test, docs/fault_injection.md): None unless an inject_*_prob is above 0.

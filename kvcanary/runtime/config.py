@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvcanary.format import DEFAULT_RECORD_STRIDE
 from kvcanary.ops.validate import parse_bool
 
-MODES = ("none", "log", "raise")
+MODES = ("none", "log", "raise", "abort")
 REAL_KV_MODES = ("none", "partial", "all")
 VALUE_CHECKS = ("auto", "always", "off")
 ENV_PREFIX = "KV_CANARY_"
@@ -63,7 +63,7 @@ class CanaryConfig:
     """Knobs of a ``Canary``; ``CanaryConfig.from_env()`` reads the ``KV_CANARY_*`` variables.
 
     Attributes:
-        mode: "none" (nothing runs), "log" (warn and keep serving), "raise" (error after the drain).
+        mode: "none" (nothing runs), "log" (warn and keep serving), "raise" (error after the drain), "abort" (fail the requests that read wrong KV through the engine's error path, keep serving; the engine must implement it).
         backend: op implementation, "auto" | "reference" | "torch" | "numba" | "triton" ("auto": Triton on
             CUDA, numba on the CPU when it imports, else torch).
         check_v: also keep V buffers (and V real-KV hashes) besides K.

@@ -16,6 +16,7 @@ from kvcanary.format import (
     link,
     to_unsigned,
 )
+from kvcanary.runtime.abort import Aborts
 from kvcanary.runtime.batch import batch_lists, verified_cells
 from kvcanary.runtime.observer import NUM_SLOTS, HostObserver, Observation
 from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation
@@ -27,9 +28,10 @@ KEEP_BATCHES = NUM_SLOTS + 1
 
 
 class Monitor:
-    def __init__(self, canary, on_violation=None):
+    def __init__(self, canary, on_violation=None, on_abort=None):
         self.canary = canary
         self.on_violation = on_violation
+        self.aborts = Aborts(on_abort)
         watched = {"counters": canary.counters, "rewrites": canary.rewrites}
         for g in canary.groups:
             watched[f"plan_count_{g.name}"] = g.plan.entries.requested
@@ -131,6 +133,8 @@ class Monitor:
                 log.warning(v.block())
             if self.on_violation is not None:
                 self.on_violation(v)
+        if self.canary.config.mode == "abort":
+            self.aborts.dispatch(fresh)
         if self.canary.config.mode == "raise":
             raise KvCanaryViolationError(fresh, total)
 
@@ -157,6 +161,8 @@ class Monitor:
                 attribution.update(self._reader(row, step, group, kv, phase))
             elif phase != "sweep":
                 attribution.update(self._slot_position(row, step, group))
+                if "writer_request" not in attribution:  # (a record another write replaced, or slot 0's)
+                    attribution.update(self._batch_writer(row, step))
         except Exception as e:  # attribution is a courtesy: the violation itself must never be lost
             log.error("kv_canary: attribution of a violation at step %d failed (%s: %s); reported without it",
                       step, type(e).__name__, e)
@@ -239,6 +245,21 @@ class Monitor:
                 return {"slot_position": position if position in where else where[0]}
         return {}
 
+    def _batch_writer(self, row: list[int], step: int) -> dict:
+        """For a write-time row whose record names no writer: the step's request that wrote the row's token
+        and position into its slot (mode "abort" fails it)."""
+        batch = self.batches.get(step)
+        if batch is None:
+            return {}
+        rows, _, ids = batch_lists(batch)
+        hit = (batch.out_cache_loc == row[1]) & (batch.positions == row[2]) & (batch.input_ids == row[3])
+        starts = batch.extend_lens.cumsum(0).tolist()
+        for k in hit.nonzero().flatten().tolist():
+            r = sum(1 for s in starts if s <= k)  # the request whose write entries hold entry k
+            if r < len(rows) and rows[r] != 0:
+                return {"writer_request": ids[r], "writer_step": step}
+        return {}
+
     # -- health and stats ------------------------------------------------------------------------
     def expected_tags(self) -> list[str]:
         return [LaunchTag(g.tag(phase, kv)).name for g in self.canary.groups for kv in g.kvs
@@ -268,6 +289,11 @@ class Monitor:
                     if asked > 0 and ran == 0:
                         problems.append(f"{LaunchTag(tag).name} ran 0 launches over {asked} sweeps")
         self.last_health = now
+        aborted, failures = self.aborts.take_health()
+        problems += failures
+        if aborted:
+            log.warning("kv_canary health: %d request(s) aborted since the last check (%d in all)", aborted,
+                        len(self.aborts.aborted))
         self.health_problems.extend(problems)
         for p in problems:
             log.error("kv_canary health: %s", p)
@@ -288,12 +314,14 @@ class Monitor:
             "violations": self.total_violations,
             # write entries whose slot already held the same record (ops.accept_rewrites), one step late
             "idempotent_rewrites": 0 if obs is None else obs.values["rewrites"][0],
+            **self.aborts.stats(),
         }
 
     def stats_line(self) -> str:
         s = self.stats()
         return (f"kv_canary stats: step={s['step']} tokens_protected={s['tokens_protected']} "
-                f"entries_checked={s['entries_checked']} sweeps={s['sweeps']} violations={s['violations']}")
+                f"entries_checked={s['entries_checked']} sweeps={s['sweeps']} violations={s['violations']} "
+                f"aborted_requests={s['aborted_requests']}")
 
 
 def _new_cells(batch) -> list[tuple[int, int, int, int]]:

@@ -17,6 +17,7 @@ import torch
 
 from kvcanary.runtime import (Canary, CanaryConfig, ForwardBatch, ForwardMode, PoolSpec, SharedRowError, SwaSpec,
                               TokenHistory)
+from kvcanary.runtime.abort import KvCanaryAbortError
 from kvcanary.sim.bugs import BugSwitch
 from kvcanary.sim.cache import CacheManager
 from kvcanary.sim.config import SimConfig
@@ -52,7 +53,7 @@ class SimResult:
     reasons: list[str]
     launch_tags: list[str]
     finished: int
-    aborted: int
+    aborted: int  # by the client (the workload)
     retractions: int
     cache_hit_tokens: int
     offloads: int
@@ -63,6 +64,7 @@ class SimResult:
     # the canary's refusal of a forward whose batch gave one request row to two requests (SharedRowError):
     # the run ends there, as an engine's would on that error
     refused: str | None = None
+    failed: int = 0  # requests failed through the engine's error path: the canary's mode "abort"
 
     @property
     def detected(self) -> bool:
@@ -99,7 +101,9 @@ class SimEngine:
         self.per_decode = cfg.tokens_per_decode
         max_tokens = (cfg.chunk_size or cfg.prefill_budget) + cfg.max_context + self.max_batch * self.per_decode
         self.canary = Canary(spec, canary_config or default_canary_config(cfg), max_batch=self.max_batch,
-                             max_tokens=max_tokens, max_context=cfg.max_context, num_rows=cfg.num_rows)
+                             max_tokens=max_tokens, max_context=cfg.max_context, num_rows=cfg.num_rows,
+                             on_abort=self.fail_request)
+        self.in_flight: set[int] = set()  # request ids of the forward under way (an abort defers their release)
         self.canary.sweep_provider = self.sweep_triples
         self.canary.mark_ready()
         if cfg.offload:
@@ -145,9 +149,19 @@ class SimEngine:
         self.forward(works)
         if self.refusal is None:
             sched.complete(works)
+        self.in_flight = set()
+
+    def fail_request(self, request_id: int, violations) -> None:
+        """The canary's ``on_abort`` (mode "abort"): fail the request through the scheduler's release path. Called
+        while a forward is open or closing (the drain), its release waits for that forward to complete; a
+        request that already ended is left alone."""
+        r = self.sched.requests.get(request_id)
+        if r is not None:
+            self.sched.fail(r, self.step_no, self.in_flight, str(KvCanaryAbortError(request_id, violations)))
 
     def forward(self, works: list[Work]) -> ForwardBatch:
         batch = self.build_batch(works)
+        self.in_flight = {w.req.rid for w in works}
         try:
             self.canary.before_forward(batch)
         except SharedRowError as e:
@@ -284,7 +298,8 @@ class SimEngine:
             finished=self.sched.finished, aborted=self.sched.aborted, retractions=self.sched.retractions,
             cache_hit_tokens=self.cache.hit_tokens, offloads=self.host.offloads if self.host else 0,
             loadbacks=self.host.loadbacks if self.host else 0, tokens_protected=stats["tokens_protected"],
-            wall_s=round(wall_s, 3), health_problems=list(self.canary.monitor.health_problems), refused=refused)
+            wall_s=round(wall_s, 3), health_problems=list(self.canary.monitor.health_problems), refused=refused,
+            failed=self.sched.failed)
 
 
 def run_sim(cfg: SimConfig, canary_config: CanaryConfig | None = None, stop_after: int | None = None) -> SimResult:

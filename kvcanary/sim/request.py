@@ -13,7 +13,7 @@ class State(enum.Enum):
     PREFILL = "prefill"  # admitted, prompt not fully prefilled yet (chunked prefill)
     RUNNING = "running"  # decoding
     FINISHED = "finished"  # reached max_new (released, or release deferred past the in-flight forward)
-    ABORTED = "aborted"  # aborted by the client
+    ABORTED = "aborted"  # aborted by the client, or failed by the engine (``Request.error`` says why)
 
 
 @dataclass(eq=False)
@@ -52,6 +52,7 @@ class Request:
     freed: bool = False  # its KV and row were given back (release); a request is freed once
     retractions: int = 0
     done_step: int | None = None
+    error: str | None = None  # why the engine failed it (the canary's abort); its output ends there
 
     def __post_init__(self) -> None:
         if not self.tokens:

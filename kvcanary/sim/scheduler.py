@@ -53,6 +53,7 @@ class Scheduler:
         self.retractions = 0
         self.finished = 0
         self.aborted = 0
+        self.failed = 0  # requests failed through the engine's error path (fail)
 
     @property
     def busy(self) -> bool:
@@ -140,22 +141,35 @@ class Scheduler:
             self.cache.release(r, insert=insert)
 
     def _abort(self, r: Request, step: int, in_flight: set[int]) -> None:
-        if r.state is State.WAITING:
-            self.waiting.remove(r)
-            r.state, r.done_step = State.ABORTED, step
-            self.aborted += 1
-            return
         if r.released:
             # Already finished or aborted: nothing to do, unless the planted bug releases it again.
             if r.row and self.bugs.hit("double_free"):
                 self.cache.release(r, insert=r.state is State.FINISHED)
+            return
+        self._stop(r, step, in_flight)
+        self.aborted += 1
+
+    def fail(self, r: Request, step: int, in_flight: set[int], error: str) -> bool:
+        """The engine's error path for one request (the canary's mode "abort"): ended like a client abort,
+        its KV released (after the in-flight forward if it is in it), no further output. False when it
+        had ended already."""
+        if r.released:
+            return False
+        r.error = error
+        self._stop(r, step, in_flight)
+        self.failed += 1
+        return True
+
+    def _stop(self, r: Request, step: int, in_flight: set[int]) -> None:
+        if r.state is State.WAITING:
+            self.waiting.remove(r)
+            r.state, r.done_step = State.ABORTED, step
             return
         if r is self.chunked:
             self.chunked = None
         elif r in self.running:
             self.running.remove(r)
         r.state, r.done_step = State.ABORTED, step
-        self.aborted += 1
         self._release(r, in_flight, insert=False)
 
     # -- 3. prefill -----------------------------------------------------------------------------
@@ -220,8 +234,8 @@ class Scheduler:
     def complete(self, works: list[Work]) -> None:
         for w in works:
             r = w.req
-            if r.freed or r.state is State.WAITING:
-                continue  # released or retracted meanwhile: nothing of it is left to update
+            if r.freed or r.state is State.WAITING or r.error is not None:
+                continue  # released, retracted or failed meanwhile: nothing of it is left to update
             if w.kind == "prefill":
                 if w.final:
                     r.tokens.append(self.model.sample(r.rid, w.start + w.n))
