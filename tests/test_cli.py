@@ -118,4 +118,4 @@ def test_config_shows_values_and_their_source(capsys, monkeypatch):
     assert any("KV_CANARY_NOT_A_FIELD" in w for w in out["warnings"])
     monkeypatch.setenv("KV_CANARY_MODE", "bogus")
     assert cli.main(["config"]) == 2
-    assert "kv-canary: KV_CANARY_MODE must be one of ('none', 'log', 'raise'), got 'bogus'" in capsys.readouterr().err
+    assert "kv-canary: KV_CANARY_MODE must be one of ('none', 'log', 'raise', 'abort'), got 'bogus'" in capsys.readouterr().err

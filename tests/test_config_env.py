@@ -10,7 +10,7 @@ from kvcanary import CanaryConfig
 
 
 @pytest.mark.parametrize("var, raw, message", [
-    ("MODE", "bogus", "KV_CANARY_MODE must be one of ('none', 'log', 'raise'), got 'bogus'"),
+    ("MODE", "bogus", "KV_CANARY_MODE must be one of ('none', 'log', 'raise', 'abort'), got 'bogus'"),
     ("REAL_KV", "some", "KV_CANARY_REAL_KV must be one of ('none', 'partial', 'all'), got 'some'"),
     ("RING_CAPACITY", "0", "KV_CANARY_RING_CAPACITY must be >= 1, got '0'"),
     ("INJECT", "kv=1.5", "KV_CANARY_INJECT kv must be in [0, 1], got '1.5'"),

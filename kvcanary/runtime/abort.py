@@ -25,14 +25,16 @@ class KvCanaryAbortError(RuntimeError):
     """The error an engine puts in the output of a request the canary aborted.
 
     Attributes:
-        request_id: the canary's int id of the request (``ForwardBatch.request_ids``).
+        request_id: the canary's int id of the request (``ForwardBatch.request_ids``); ``name``, optional:
+            the engine's own id of it, for the message.
         violations: the violations that named it, in the drain that aborted it.
     """
 
-    def __init__(self, request_id: int, violations: tuple[Violation, ...]):
+    def __init__(self, request_id: int, violations: tuple[Violation, ...], name: str | None = None):
         self.request_id, self.violations = request_id, tuple(violations)
         first = self.violations[0].log_line() if self.violations else "(no row kept)"
-        super().__init__(f"kv-canary: request {request_id} aborted: {len(self.violations)} violation(s) of the KV it "
+        named = f"{request_id} ({name!r})" if name is not None else str(request_id)
+        super().__init__(f"kv-canary: request {named} aborted: {len(self.violations)} violation(s) of the KV it "
                          f"{'wrote' if self.violations and self.violations[0].is_write_check else 'read'}; "
                          f"first: {first}")
 

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 
 from kvcanary.format import oracle_token
+from kvcanary.integrations.transformers.abort import EngineAborts
 from kvcanary.integrations.transformers.batch import BatchBuilder
 from kvcanary.integrations.transformers.graphs import StepGraphs
 from kvcanary.integrations.transformers.moves import KvMoves
@@ -59,6 +60,7 @@ class Session(KvMoves):
         self.engine_calls = 0  # _engine_stream calls so far
         self.final_stats: dict | None = None
         self.final_violations: list = []
+        self.aborts = EngineAborts(self)  # mode "abort": the canary's on_abort, applied after each update
         self.canary = self._build_canary()
         self.builder = BatchBuilder(self)
         self.graphs = self._step_graphs()
@@ -92,7 +94,7 @@ class Session(KvMoves):
             swa = SwaSpec(lay.num_slots, lay.window, self.swa_table, *lay.real_kv_sources(config.check_v, swa=True))
         pool = PoolSpec(lay.num_slots, k_sources, v_sources, swa=swa)
         canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
-                        num_rows=2 * max_batch + 1, device=self.device)
+                        num_rows=2 * max_batch + 1, device=self.device, on_abort=self.aborts.request)
         canary.sweep_provider = self._sweep_triples
         # The adapter's only read of canary records inside a forward (verify_new_reads) runs on the
         # canary's side stream after HEAD, so HEAD may run beside the model's forward.
@@ -164,6 +166,7 @@ class Session(KvMoves):
             orig_update()
             t2 = time.perf_counter()
             self._guarded(self._after_update, snap)
+            self._guarded(self.aborts.apply)
             self._join()  # (the next batch's inputs are prepared next: after the last fused step's reads)
             if self.timings:
                 self.timings[-1]["update_s"] = t1 - t0 + time.perf_counter() - t2
