@@ -194,7 +194,8 @@ def test_sim_wrong_inputs_abort_exactly_their_writers():
     assert bug.fed_wrong and bug.failed() == bug.fed_wrong
     # The canary also names requests whose in-flight forward ran after they finished: asked, left alone.
     s = bug.canary.stats()
-    assert set(s["aborts_by_reason"]) == {"write_token"} and s["aborted_requests"] >= result.failed == len(bug.fed_wrong)
+    assert set(s["aborts_by_reason"]) == {"write_token"}
+    assert s["aborted_requests"] >= result.failed == len(bug.fed_wrong)
     clean = OracleEngine(cfg.replace(bug=None))
     clean.run()
     for rid, r in bug.sched.requests.items():

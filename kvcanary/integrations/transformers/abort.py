@@ -28,7 +28,8 @@ class EngineAborts:
         """Fail the queued requests that are still active or waiting (a finished one keeps its output)."""
         if not self.pending:
             return
-        pending, self.pending = self.pending, {}
+        with self.session.lock:  # (a drain on another thread, handle.flush, may queue meanwhile)
+            pending, self.pending = self.pending, {}
         bp = self.session.bp
         names = {rid: name for name, rid in self.session.ids.items()}
         scheduler = bp.scheduler

@@ -70,7 +70,7 @@ def attach(model_or_manager, config: CanaryConfig | None = None, *, mode: str | 
             manager from ``model.init_continuous_batching(...)`` whose cache holds no KV yet.
         config: the canary's ``CanaryConfig`` (default ``CanaryConfig.from_env()``: the ``KV_CANARY_*``
             variables); every other knob is a field there (docs/configuration.md).
-        mode, check_v, real_kv, sweep_interval: override those ``config`` fields ("log" / "raise" / "none";
+        mode, check_v, real_kv, sweep_interval: override those ``config`` fields ("log" / "raise" / "abort" / "none";
             also V; real-KV bytes hashed; sweep every N steps).
         token_history: check stored tokens against each request's prompt + generated tokens (default True).
         token_oracle: force every sampled token to ``oracle_token(request_id, position, vocab)``, so the
