@@ -37,13 +37,14 @@ class Toy:
         self.table = torch.zeros(8, 32, dtype=torch.int32)
         self.next_slot = 1
 
-    def forward(self, work, bad_input=None):
+    def forward(self, work, bad_input=None, stale=()):
         """``work``: (request id, row, prefix, tokens) per request; ``bad_input``: a request id whose first input
-        token is not the one its history expects (a write-input violation)."""
+        token is not the one its history expects (a write-input violation); ``stale``: request ids whose new
+        token's table cell is a stale 0 (they write into slot 0)."""
         rows, prefix, extend, ids, pos, loc, rids, exp = [], [], [], [], [], [], [], []
         for rid, row, p, tokens in work:
-            slots = list(range(self.next_slot, self.next_slot + len(tokens)))
-            self.next_slot += len(tokens)
+            slots = [0] * len(tokens) if rid in stale else list(range(self.next_slot, self.next_slot + len(tokens)))
+            self.next_slot += len(tokens) * (rid not in stale)
             self.table[row, p:p + len(tokens)] = torch.tensor(slots, dtype=torch.int32)
             rows.append(row), prefix.append(p), extend.append(len(tokens)), rids.append(rid)
             ids += tokens
@@ -98,6 +99,21 @@ def test_a_wrong_input_aborts_its_writer():
     assert [rid for rid, _ in calls] == [8]
     assert all(v.is_write_check and v.writer_request == 8 for v in calls[0][1])
     assert toy.canary.stats()["aborts_by_reason"] == {"write_token": 1}
+
+
+def test_a_write_row_whose_record_was_replaced_names_its_writer_from_the_batch():
+    calls = []
+    toy = Toy(on_abort=lambda rid, vs: calls.append((rid, vs)))
+    toy.forward([(7, 1, 0, [11, 22, 33]), (8, 2, 0, [44, 55, 66, 77, 88])])
+    toy.forward([(7, 1, 3, [34])], stale={7})  # request 7's table cells from position 3 on are stale zeros
+    toy.forward([(7, 1, 4, [35]), (8, 2, 5, [99])], stale={7, 8})
+    assert calls == []  # (each chain still continues the record it was written after)
+    # Request 7 continues from slot 0, which request 8 rewrote last step: its write of position 5 fails the
+    # chain-position assert, and request 8's later write of position 6 in the same forward replaces the record.
+    toy.forward([(7, 1, 5, [36]), (8, 2, 6, [98])], stale={7, 8})
+    rows = [v for v in toy.canary.violations if v.is_write_check]
+    assert [(v.slot, v.position, v.writer_request) for v in rows] == [(0, 5, 7)]
+    assert [rid for rid, _ in calls] == [7]
 
 
 def test_a_failing_handler_is_a_health_problem_not_an_error():
