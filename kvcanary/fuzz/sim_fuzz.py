@@ -146,7 +146,7 @@ def run_sim_schedule(seed: int, perturbation: SimPerturbation | None, bug: str |
             run.tokens[str(s.rid)] = req.tokens[:len(req.prompt) + req.max_new]
         elif req is not None and req.state is State.ABORTED:
             run.aborted.append(str(s.rid))
-        else:
+        elif not r.refused:  # (a refused forward ends the run: what it left unfinished says nothing more)
             state = "never arrived" if req is None else req.state.value
             run.failed[str(s.rid)] = f"unfinished ({state}) after {engine.step_no} steps"
     run.seconds = round(time.perf_counter() - t0, 3)
