@@ -67,9 +67,18 @@ def run_workload(engine: str, seed: int, perturbations: list[int], device: str =
         model = tiny_model(w.model, device)
         features = list(w.features)
         runs = [hf_fuzz.run_hf_schedule(model, w, None, device, bug)]
-        runs += [hf_fuzz.run_hf_schedule(model, w, p, device, bug) for p in hf_fuzz.hf_schedules(seed, perturbations)]
+        perturbed = hf_fuzz.hf_schedules(seed, perturbations)
+        runs += [hf_fuzz.run_hf_schedule(model, w, p, device, bug) for p in perturbed]
         near_tie = hf_fuzz.near_tie(model, w, runs[0])
     verdicts = [judge(runs[0], r, near_tie) for r in runs]
+    if engine == "transformers":
+        for p, r, v in zip(perturbed, runs[1:], verdicts[1:]):
+            if r.error or set(r.failed) - set(runs[0].failed):
+                # whose failure is it: the same schedule without the canary says
+                alone = hf_fuzz.run_hf_schedule(model, w, p, device, bug, canary=False)
+                alike = alone.error == r.error and set(alone.failed) == set(r.failed)
+                v.findings.append("the engine fails alike without the canary" if alike
+                                  else "the engine does not fail so without the canary")
     return WorkloadResult(seed, features, runs, verdicts, round(time.perf_counter() - t0, 3))
 
 
@@ -146,6 +155,8 @@ def summarize(engine: str, seed: int, perturbations: int, results: list[Workload
         "runs_with_violations": sum(r.violations > 0 for _, r, _ in pairs),
         "token_mismatches": sum(any(f.startswith("tokens:") for f in v.findings) for _, _, v in pairs),
         "errors": sum(any(f.startswith("error:") for f in v.findings) for _, _, v in pairs),
+        # failures of a perturbed schedule that the engine has without the canary too: its own bugs
+        "engine_own_failures": sum("the engine fails alike without the canary" in v.findings for _, _, v in pairs),
         "events": {k: {"total": events[k], "runs": with_event[k]} for k in sorted(events)},
         "findings": findings,
         "benign_divergences": [entry(w, r) | {"at": v.benign} for w, r, v in pairs if v.benign],
@@ -162,7 +173,8 @@ def format_summary(s: dict) -> str:
              f"{s['perturbations']} perturbed schedules ({s['runs']} runs)"
              + (f", bug {s['planted_bug']} planted" if s["planted_bug"] else "") + f", {s['wall_s']} s",
              f"  violations {s['violations']} (in {s['runs_with_violations']} runs), token mismatches "
-             f"{s['token_mismatches']}, errors {s['errors']}, benign near-tie divergences "
+             f"{s['token_mismatches']}, errors {s['errors']} (failures alike without the canary "
+             f"{s['engine_own_failures']}), benign near-tie divergences "
              f"{len(s['benign_divergences'])}, engine failures in the reference too {len(s['engine_failures'])}",
              "  events: " + ", ".join(f"{k} {v['total']} (in {v['runs']} runs)" for k, v in s["events"].items())]
     for f in s["findings"][:20]:

@@ -137,9 +137,9 @@ class ArrivalSchedule:
 
 
 def run_hf_schedule(model, w: HfWorkload, perturbation: HfPerturbation | None, device: str = "cpu",
-                    bug: str | None = None) -> Run:
+                    bug: str | None = None, canary: bool = True) -> Run:
     """Run greedy workload ``w`` under ``perturbation`` (None: the reference schedule, the soak's) under the
-    canary, with ``bug`` planted."""
+    canary (``canary=False``: without it, as the engine runs alone), with ``bug`` planted."""
     from kvcanary.soak.hf_run import EVENTS, generate
 
     p, shims, overrides = perturbation, (), None
@@ -151,7 +151,7 @@ def run_hf_schedule(model, w: HfWorkload, perturbation: HfPerturbation | None, d
               params={"model": w.model, "block_size": w.block_size} | (p.to_dict() if p else {}))
     t0 = time.perf_counter()
     try:
-        tokens, errors, handle = generate(model, w, device, canary=True, bug=bug, shims=shims, overrides=overrides)
+        tokens, errors, handle = generate(model, w, device, canary=canary, bug=bug, shims=shims, overrides=overrides)
     except Exception as e:  # a schedule the engine cannot run is judged against the reference, not a crash
         run.error = f"{type(e).__name__}: {e}"
         run.seconds = round(time.perf_counter() - t0, 3)
@@ -159,6 +159,9 @@ def run_hf_schedule(model, w: HfWorkload, perturbation: HfPerturbation | None, d
     failed = dict(e.split(": ", 1) for e in errors)
     run.tokens = {k: t for k, t in tokens.items() if k not in failed}
     run.failed = failed
+    if handle is None:
+        run.seconds = round(time.perf_counter() - t0, 3)
+        return run
     stats = handle.stats()
     run.violations = int(stats.get("violations", 0))
     run.first_violations = [v.log_line() for v in handle.violations[:3]]
