@@ -13,9 +13,6 @@ report, also when the engine swallowed the ``KvCanaryViolationError`` or reporte
         kv_canary.attach(model)                              # kvcanary.integrations.transformers.attach
         model.generate_batch(prompts, generation_config=gen)
 
-    def test_schedules(kv_canary):
-        kv_canary.fuzz("sim", workloads=2, perturbations=4)   # kvcanary fuzz: a finding fails the test
-
 docs/runtime.md ("Testing an engine with pytest") has the full description.
 """
 
@@ -66,16 +63,6 @@ class KvCanaryGuard:
         handle = attach(model_or_manager, **{**options, "mode": "raise"})
         self.handles.append(handle)
         return handle
-
-    def fuzz(self, engine: str, workloads: int = 1, perturbations: int = 4, seed: int = 0, **options) -> dict:
-        """``kvcanary fuzz`` (``kvcanary.fuzz.run_fuzz``) from a test: any finding fails it with the findings'
-        seeds and replay commands; returns the summary."""
-        from kvcanary.fuzz import format_summary, run_fuzz
-
-        summary = run_fuzz(engine, workloads, perturbations, seed, **options)
-        if not summary["ok"]:
-            pytest.fail(format_summary(summary), pytrace=False)
-        return summary
 
     def violations(self) -> list:
         """Every violation of every watched canary and attached handle (drained first)."""

@@ -10,7 +10,6 @@ from kvcanary.fuzz import campaign, run_fuzz
 from kvcanary.fuzz.hf_fuzz import ArrivalSchedule, hf_schedules
 from kvcanary.fuzz.judge import Run, judge
 from kvcanary.fuzz.sim_fuzz import run_sim_schedule, sim_schedules
-from kvcanary.pytest_plugin import KvCanaryGuard
 from kvcanary.soak.sim_workload import make_sim_config
 
 transformers_installed = pytest.mark.skipif(
@@ -231,9 +230,3 @@ def test_library_arguments_are_checked():
     with pytest.raises(ValueError, match=r"kv-canary: fuzz replay must be a \(workload seed, perturbation seed\)"):
         run_fuzz("sim", replay=3)
 
-
-def test_pytest_helper_fails_a_test_with_the_findings():
-    guard = KvCanaryGuard()
-    assert guard.fuzz("sim", workloads=1, perturbations=1, seed=0)["ok"]
-    with pytest.raises(pytest.fail.Exception, match=r"FINDING workload 0 perturbation \d+: .*replay: kvcanary fuzz"):
-        guard.fuzz("sim", workloads=1, perturbations=1, seed=0, bug="wrong_input_ids")
