@@ -107,7 +107,8 @@ def run_fuzz(engine: str, workloads: int = 1, perturbations: int = 4, seed: int 
     check_bug(engine, bug, "fuzz")
     if replay is not None:
         if not (isinstance(replay, tuple) and len(replay) == 2):
-            raise ValueError(f"kv-canary: fuzz replay must be a (workload seed, perturbation seed) tuple, got {replay!r}")
+            raise ValueError("kv-canary: fuzz replay must be a (workload seed, perturbation seed) tuple, got "
+                             f"{replay!r}")
         _check_int("replay workload seed", replay[0], 0)
         _check_int("replay perturbation seed", replay[1], 0)
         seed, workloads = replay[0], 1
