@@ -338,6 +338,20 @@ def _soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bug", default=None, metavar="NAME",
                    help="plant this engine bug into every canary run (transformers.bugs or sim.bugs names): a campaign "
                         "that must fail")
+    _campaign_output_args(p)
+
+
+def _check_campaign_args(command: str, args: argparse.Namespace) -> None:
+    """The engine's extra, --device and --json of a campaign command, before any work."""
+    if args.engine == "transformers":
+        need_extra(f"{command} --engine transformers", "transformers", "transformers")
+    check_device("--device", args.device)
+    if args.json not in (None, "-"):
+        check_output("--json", args.json)
+
+
+def _campaign_output_args(p: argparse.ArgumentParser) -> None:
+    """--device and --json of the campaign commands (soak, fuzz)."""
     p.add_argument("--device", default="cpu", help="transformers: cpu or cuda (default cpu)")
     # (replaces the generic --json flag: a path takes the summary, a bare --json prints it)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
@@ -347,11 +361,7 @@ def _soak_args(p: argparse.ArgumentParser) -> None:
 @command("soak", "seeded clean workloads that must report nothing: violations, greedy tokens against a run "
                  "without the canary", _soak_args)
 def _soak(args: argparse.Namespace) -> int:
-    if args.engine == "transformers":
-        need_extra("soak --engine transformers", "transformers", "transformers")
-    check_device("--device", args.device)
-    if args.json not in (None, "-"):
-        check_output("--json", args.json)
+    _check_campaign_args("soak", args)
     if args.workloads < 1:
         raise ValueError(f"kv-canary: --workloads must be >= 1, got {args.workloads}")
     for option, value in (("--seed", args.seed), ("--replay", args.replay)):
@@ -371,6 +381,40 @@ def _soak(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2, default=str)
     print(json.dumps(summary, indent=2, default=str) if args.json == "-" else text)
+    return 0 if summary["ok"] else 1
+
+
+def _fuzz_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="sim", choices=("sim", "transformers"),
+                   help="the simulated engine or transformers continuous batching (tiny models) (default sim)")
+    p.add_argument("--workloads", type=int, default=10, help="how many seeded workloads (default 10)")
+    p.add_argument("--perturbations", type=int, default=4, help="perturbed schedules per workload (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first workload; workload i has seed + i "
+                                                        "(default 0)")
+    p.add_argument("--replay", default=None, metavar="W:P",
+                   help="run workload W's reference and its perturbation P (0: the reference alone)")
+    p.add_argument("--bug", default=None, metavar="NAME",
+                   help="plant this engine bug into every run (sim.bugs or transformers.bugs names)")
+    _campaign_output_args(p)
+
+
+@command("fuzz", "a workload under perturbed schedules (token budget, batch cap, preemption, arrival order) "
+                 "against its unperturbed run, under the canary", _fuzz_args)
+def _fuzz(args: argparse.Namespace) -> int:
+    _check_campaign_args("fuzz", args)
+    for option, value, least in (("--workloads", args.workloads, 1), ("--perturbations", args.perturbations, 1),
+                                 ("--seed", args.seed, 0)):
+        if value < least:
+            raise ValueError(f"kv-canary: {option} must be >= {least}, got {value}")
+    from kvcanary import fuzz
+
+    replay = fuzz.parse_replay(args.replay) if args.replay is not None else None
+    summary = fuzz.run_fuzz(args.engine, args.workloads, args.perturbations, args.seed, device=args.device,
+                            bug=args.bug, replay=replay, progress=sys.stderr)
+    if args.json not in (None, "-"):
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    print(json.dumps(summary, indent=2, default=str) if args.json == "-" else fuzz.format_summary(summary))
     return 0 if summary["ok"] else 1
 
 

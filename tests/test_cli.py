@@ -15,7 +15,7 @@ def test_help_lists_every_subcommand_and_does_not_import_torch():
             "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for name in ("bench", "config", "demo", "recall", "selfcheck", "zoo"):
+    for name in ("bench", "config", "demo", "fuzz", "recall", "selfcheck", "zoo"):
         assert name in out
     assert out.strip().endswith("False")
 

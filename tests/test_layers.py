@@ -1,6 +1,6 @@
 """The package's dependencies run one way (README, "Layout"):
 
-    format <- ops <- runtime <- (integrations, distributed) <- (sim, pytest_plugin) <- bench <- (demo, selfcheck) <- soak <- cli
+    format <- ops <- runtime <- (integrations, distributed) <- (sim, pytest_plugin) <- bench <- (demo, selfcheck) <- soak <- fuzz <- cli
 
 A module may import its own subpackage and anything on a lower level, never a higher level and never a
 sibling on its own level. Every import counts, including the ones inside functions: a lazy upward
@@ -25,7 +25,8 @@ LEVELS = {
     "kvcanary.pytest_plugin": 4,
     "kvcanary.bench": 5,
     "kvcanary.soak": 7,
-    "kvcanary.cli": 8,
+    "kvcanary.fuzz": 8,
+    "kvcanary.cli": 9,
     "kvcanary.demo": 6,
     "kvcanary.selfcheck": 6,
 }

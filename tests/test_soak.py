@@ -115,10 +115,10 @@ def test_failed_requests_alike_in_both_runs_are_engine_failures(monkeypatch, wit
     that differs between the runs is the canary's business: a finding."""
     from kvcanary.soak import hf_run
 
-    def generate(model, w, device, canary, bug):
+    def generate(model, w, device, canary, bug, **kwargs):
         return {"req_0": [1, 2]}, (with_canary if canary else ["req_1: boom"]), _Handle()
 
-    monkeypatch.setattr(hf_run, "_generate", generate)
+    monkeypatch.setattr(hf_run, "generate", generate)
     monkeypatch.setattr(hf_run, "tiny_model", lambda kind, device: None)
     out = hf_run.run_hf_workload(make_hf_workload(3))
     assert bool(out.findings) == finding and bool(out.engine_failures) == (not finding)

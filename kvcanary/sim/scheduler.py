@@ -83,6 +83,14 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.retractions += 1
 
+    def preempt(self) -> bool:
+        """Retract the most recently admitted decoding request now, as memory pressure would (kvcanary fuzz
+        forces preemptions with it); False when fewer than two requests decode."""
+        if len(self.running) < 2:
+            return False
+        self._retract(self.running[-1])
+        return True
+
     # -- 1. decode ------------------------------------------------------------------------------
     def schedule_decode(self) -> list[Work]:
         reqs = list(self.running)

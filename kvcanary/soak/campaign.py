@@ -29,8 +29,8 @@ def check_engine(engine: str) -> None:
         raise ValueError(f"kv-canary: soak engine must be one of {list(ENGINES)}, got {engine!r}")
 
 
-def check_bug(engine: str, bug: str | None) -> None:
-    """ValueError unless ``bug`` names a planted bug of ``engine``'s registry."""
+def check_bug(engine: str, bug: str | None, command: str = "soak") -> None:
+    """ValueError unless ``bug`` names a planted bug of ``engine``'s registry (``command`` names the caller)."""
     if bug is None:
         return
     if engine == "transformers":
@@ -38,7 +38,7 @@ def check_bug(engine: str, bug: str | None) -> None:
     else:
         from kvcanary.sim.bugs import BUGS
     if bug not in BUGS:
-        raise ValueError(f"kv-canary: soak bug for engine {engine!r} must be one of {sorted(BUGS)}, got {bug!r}")
+        raise ValueError(f"kv-canary: {command} bug for engine {engine!r} must be one of {sorted(BUGS)}, got {bug!r}")
 
 
 def describe(engine: str, seed: int) -> dict:

@@ -47,7 +47,12 @@ class Outcome:
     note: str = ""
 
 
-def _generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None):
+def generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None, *, shims: tuple = (),
+             overrides: dict | None = None):
+    """Run ``w`` on ``model`` once; returns (tokens by request id, failed requests' errors, the handle or None).
+
+    ``shims``: more functions to run on each batch processor (kvcanary.fuzz's arrival schedule);
+    ``overrides``: ``ContinuousBatchingConfig`` keywords that replace the workload's (e.g. scheduler_type)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -61,8 +66,8 @@ def _generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None):
         sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     gen = GenerationConfig(max_new_tokens=w.max_new_tokens, eos_token_id=-1,
                            num_return_sequences=w.num_return_sequences, **sampling)
-    cbc = ContinuousBatchingConfig(**engine_config(w, device))
-    undo_shims = wrap_processors(model, processor_shims(w, device, reserve_padding=not canary))
+    cbc = ContinuousBatchingConfig(**{**engine_config(w, device), **(overrides or {})})
+    undo_shims = wrap_processors(model, processor_shims(w, device, reserve_padding=not canary) + list(shims))
     undo_bug = plant(model, bug) if bug else None
     handle = attach_with(model, mode="log", **dict(w.canary_options)) if canary else None
     try:
@@ -85,8 +90,8 @@ def run_hf_workload(w: HfWorkload, device: str = "cpu", bug: str | None = None) 
     result = Outcome(seed=w.seed, features=list(w.features))
     model = tiny_model(w.model, device)
     try:
-        base, base_errors, _ = _generate(model, w, device, canary=False, bug=None)
-        tokens, errors, handle = _generate(model, w, device, canary=True, bug=bug)
+        base, base_errors, _ = generate(model, w, device, canary=False, bug=None)
+        tokens, errors, handle = generate(model, w, device, canary=True, bug=bug)
     except Exception as e:  # a workload the engine or the adapter cannot run is a finding, not a crash
         result.findings.append(f"error: {type(e).__name__}: {e}")
         result.seconds = round(time.perf_counter() - t0, 3)

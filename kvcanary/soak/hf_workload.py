@@ -66,6 +66,17 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def blocks_per_request(prompts, max_new: int, n: int, block_size: int, hybrid: bool) -> list[int]:
+    """Blocks each prompt needs with its ``n - 1`` forks to generate ``max_new`` tokens (the pool's unit)."""
+    bs = block_size
+    per_request = [_blocks(len(p) + max_new, bs) + (n - 1) * (1 + _blocks(max_new, bs)) for p in prompts]
+    if hybrid:
+        # the sliding layer's group takes its blocks from the same pool: up to the window's, per sequence
+        per_request = [b + n * min(_blocks(len(p) + max_new, bs), _blocks(SLIDING_WINDOW, bs) + 1)
+                       for b, p in zip(per_request, prompts)]
+    return per_request
+
+
 def make_hf_workload(seed: int) -> HfWorkload:
     """The transformers workload of ``seed`` (see the module docstring for what it may contain)."""
     rng = random.Random(f"kvcanary-soak-hf-{seed}")
@@ -111,11 +122,7 @@ def make_hf_workload(seed: int) -> HfWorkload:
     if budget < longest:
         features.append("chunked-prefill")
     # Blocks: every request and its forks at once (plenty), or little more than the largest one needs.
-    per_request = [_blocks(len(p) + max_new, bs) + (n - 1) * (1 + _blocks(max_new, bs)) for p in prompts]
-    if hybrid:
-        # the sliding layer's group takes its blocks from the same pool: up to the window's, per sequence
-        per_request = [b + n * min(_blocks(len(p) + max_new, bs), _blocks(SLIDING_WINDOW, bs) + 1)
-                       for b, p in zip(per_request, prompts)]
+    per_request = blocks_per_request(prompts, max_new, n, bs, hybrid)
     offload = 0
     if tight:
         features.append("tight-pool")
