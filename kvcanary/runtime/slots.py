@@ -1,0 +1,210 @@
+"""Reserved, poisoned and non-finite slots: three checks beside the record ops (docs/slots.md).
+
+The verify op skips slot 0 (SPEC 4.4: the padding slot), so a live token whose table cell is 0
+reads the padding slot's KV unseen, and a chain check whose predecessor cell is 0 is skipped too.
+Records say nothing about KV that is not finite, and a slot freed but never reused still holds a
+matching record and intact bytes, so a read of it after its free passes. ``SlotChecks`` adds:
+
+- reserved slots (``reserved_check``): at HEAD, every prefix entry of the plan (and an adapter's own
+  read entries, ``check_entries``) and every live token's write slot is tested against a mask of
+  slot 0 and ``PoolSpec.reserved_slots``: ``reserved_slot_read`` / ``reserved_slot_write``;
+- non-finite KV (``nonfinite_check``): at TAIL, the bytes each live token wrote into every floating
+  real-KV source are tested for NaN/Inf (an exponent of all ones, read on integer views, so any
+  IEEE width works): one ``nonfinite_kv`` row per forward, for its first such token and source;
+- poison on free (``poison_on_free``): ``poison_slots`` fills freed slots' bytes in every real-KV
+  source of the full group with ``POISON_BYTE``, NaN in every float format; a later read fails its
+  real-KV check at TAIL, and the report recognises the pattern (``Violation.poisoned``).
+
+Findings are violation rows appended to the canary's ring, on the stream HEAD and TAIL append to,
+from static buffers only (no host sync on an accelerator), so they are drained, logged, counted
+and raised with every other violation. Row layouts are in docs/slots.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.format import FailReason, LaunchTag
+from kvcanary.ops.torch_ops import _push
+from kvcanary.runtime.checks import slots_tensor
+from kvcanary.runtime.report import SLOT_REASONS  # noqa: F401  (the three reasons' bits, for Monitor)
+
+POISON_BYTE = 0xFF  # every byte: NaN in fp8 to fp64, and no real KV is all ones
+READ, WRITE, NONFINITE = (int(FailReason.RESERVED_SLOT_READ), int(FailReason.RESERVED_SLOT_WRITE),
+                          int(FailReason.NONFINITE_KV))
+# exponent bits of each float width, read on a same-width integer view (bfloat16 is told apart below)
+_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
+             torch.float64: 0x7FF0000000000000}
+_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class SlotChecks:
+    """The three checks of one ``Canary`` (``canary.slots``); each is off when its config field is."""
+
+    def __init__(self, canary):
+        self.c = canary
+        cfg, pool, g = canary.config, canary.pool, canary.groups[0]
+        self.reserved = None
+        if cfg.reserved_check:
+            self.reserved = torch.zeros(pool.num_slots, dtype=torch.bool, device=canary.device)
+            self.reserved[[0, *pool.reserved_slots]] = True
+        # (kv, index, source) of the full group's sources whose dtype is a float format
+        self.float_sources = [(kv, i, s) for kv in ("k", "v") for i, s in enumerate(g.sources[kv])
+                              if s.tensor.dtype in _EXPONENT] if cfg.nonfinite_check else []
+        if self.float_sources:
+            self._tags = torch.tensor([g.tag("tail", kv) for kv, _, _ in self.float_sources], device=canary.device)
+            self._index = torch.tensor([i for _, i, _ in self.float_sources], device=canary.device)
+        self.poison_on = cfg.poison_on_free
+        self.poisoned_count = 0  # slots poisoned so far (stats)
+
+    # -- HEAD: reserved slots ------------------------------------------------------------------------
+    def before(self) -> None:
+        """The plan's prefix entries and the live tokens' write slots against the reserved mask (after the
+        launcher's ``before``, on its side stream: the plan and staged inputs are ready there)."""
+        if self.reserved is None:
+            return
+        c = self.c
+        with c.launcher.side():
+            g = c.groups[0]
+            self.check_entries(g.plan.entries, g.tag("head", "k"))
+            loc, x = c.launcher.inputs.loc[0], c.launcher.inputs
+            n = self._live_tokens(loc)
+            if not n:
+                return
+            slot = loc[:n].long()
+            live = torch.arange(n, device=slot.device) < g.plan.write_offsets[c.launcher.key[0]]
+            hit = live & self._is_reserved(slot)
+            minus = torch.full_like(slot, -1)
+            rows = torch.stack([torch.full_like(slot, g.tag("head", "k")), slot, x.positions[:n].long(),
+                                x.input_ids[:n].long(), minus, self._request_ids(n, slot.device), minus,
+                                torch.where(hit, WRITE, 0)], 1)
+            _push(c.ring, rows, hit)
+
+    def check_entries(self, entries, launch_tag: int) -> None:
+        """Report entries (read slots) that name a reserved slot: the verify op skips slot 0 silently. An
+        adapter that verifies read entries of its own (new tokens' read cells) calls it after that verify."""
+        if self.reserved is None:
+            return
+        n = entries.capacity
+        if entries.slot.device.type == "cpu":  # (the count is free to read there)
+            n = min(n, max(0, int(entries.count[0])))
+            if not n:
+                return
+        slot = entries.slot[:n]
+        hit = (torch.arange(n, device=slot.device) < entries.count) & (entries.enable != 0) & self._is_reserved(slot)
+        zero, minus = torch.zeros_like(slot), torch.full_like(slot, -1)
+        rows = torch.stack([torch.full_like(slot, launch_tag), slot, entries.position[:n], minus,
+                            entries.expected_token[:n], entries.prev[:n], zero, torch.where(hit, READ, 0)], 1)
+        _push(self.c.ring, rows, hit)
+
+    def _is_reserved(self, slot: torch.Tensor) -> torch.Tensor:
+        mask = self.reserved
+        inside = (slot >= 0) & (slot < mask.shape[0])
+        return inside & mask[slot.clamp(0, mask.shape[0] - 1)]
+
+    def _live_tokens(self, loc: torch.Tensor) -> int:
+        """Tokens to look at: all of them on an accelerator (masked on the device), the live ones on the CPU."""
+        c = self.c
+        if loc.device.type != "cpu":
+            return loc.shape[0]
+        return min(loc.shape[0], int(c.groups[0].plan.write_offsets[c.launcher.key[0]]))
+
+    def _request_ids(self, n: int, device) -> torch.Tensor:
+        """Each of the first ``n`` tokens' request id (-1 without ids)."""
+        c = self.c
+        ids = c.launcher.inputs.writer_ids
+        offs = c.groups[0].plan.write_offsets[1:c.launcher.key[0] + 1]
+        if ids is None or offs.shape[0] == 0:
+            return torch.full((n,), -1, dtype=torch.int64, device=device)
+        req = torch.searchsorted(offs, torch.arange(n, device=device), right=True).clamp(max=offs.shape[0] - 1)
+        return ids[req].long()
+
+    # -- TAIL: non-finite KV -------------------------------------------------------------------------
+    def after(self) -> None:
+        """The first live token (and source) of the forward whose written KV is NaN or Inf, if any."""
+        if not self.float_sources:
+            return
+        c = self.c
+        with c.launcher.side():
+            loc, x = c.launcher.inputs.loc[0], c.launcher.inputs
+            n = self._live_tokens(loc)
+            if not n:
+                return
+            slot = loc[:n].long()
+            live = ((torch.arange(n, device=slot.device) < c.groups[0].plan.write_offsets[c.launcher.key[0]])
+                    & (slot >= 1) & (slot < c.pool.num_slots))
+            bad = torch.stack([live & ~_finite(src, slot) for _, _, src in self.float_sources], 1)  # [n, S]
+            flat = bad.view(-1)
+            first = flat.to(torch.int8).argmax()  # the first token, then its first source
+            t, s = first // bad.shape[1], first % bad.shape[1]
+            found = flat.any().view(1)
+            row = torch.stack([self._tags[s], slot[t], x.positions[:n].long()[t], x.input_ids[:n].long()[t],
+                               torch.full_like(t, -1), self._request_ids(n, slot.device)[t], self._index[s],
+                               torch.where(found[0], NONFINITE, 0)]).view(1, -1)
+            _push(c.ring, row, found)
+
+    # -- poison on free ------------------------------------------------------------------------------
+    def poison(self, slots) -> int:
+        """Fill ``slots``' KV in every real-KV source of the full group with ``POISON_BYTE``; reserved slots
+        are left alone. Returns how many slots were poisoned (0 when ``poison_on_free`` is off)."""
+        c = self.c
+        if not self.poison_on or not c.enabled:
+            return 0
+        slots = slots if isinstance(slots, torch.Tensor) else torch.as_tensor(slots, dtype=torch.int64)
+        slots = slots_tensor("poison_slots", "slots", slots, c.pool.num_slots, c.device)
+        if self.reserved is not None:
+            slots = slots[~self.reserved[slots]]
+        else:
+            slots = slots[slots != 0]
+        if not slots.shape[0]:
+            return 0
+        c.launcher.join()  # after TAIL's reads of these slots' bytes (the previous step's hash)
+        g = c.groups[0]
+        for src in (*g.sources["k"], *g.sources["v"]):
+            rows, cols = _byte_cells(src, slots)
+            src.byte_rows()[rows, cols] = POISON_BYTE
+        self.poisoned_count += int(slots.shape[0])
+        return int(slots.shape[0])
+
+    def is_poisoned(self, slot: int) -> bool:
+        """Whether ``slot``'s bytes are the poison pattern in a real-KV source of the full group (reports only)."""
+        g = self.c.groups[0]
+        for src in (*g.sources["k"], *g.sources["v"]):
+            if 0 < slot < src.num_slots:
+                rows, cols = _byte_cells(src, torch.tensor([slot], device=src.tensor.device))
+                if bool((src.byte_rows()[rows, cols] == POISON_BYTE).all()):
+                    return True
+        return False
+
+    # -- reports -------------------------------------------------------------------------------------
+    def attribution(self, row: list[int], step: int, monitor) -> dict:
+        """What a report adds to a row of these checks (``Monitor._decode``)."""
+        bits = row[7]
+        if bits & READ:
+            return monitor._reader(row, step, "full", "k", "head")
+        out = {"writer_request": row[5] if row[5] >= 0 else None, "writer_step": step}
+        if bits & NONFINITE:
+            out["layer"] = row[6]
+            out["poisoned"] = self.is_poisoned(row[1])
+        return out
+
+    def stats(self) -> dict:
+        return {"poisoned_slots": self.poisoned_count}
+
+
+def _byte_cells(src, slots: torch.Tensor):
+    """(rows, cols) index tensors of ``slots``' bytes in ``src.byte_rows()``: [n, 1] and [n, nbpt]."""
+    nbpt = src.num_bytes_per_token
+    rows = torch.div(slots, src.page_size, rounding_mode="floor")
+    cols = (slots % src.page_size) * nbpt
+    return rows[:, None], cols[:, None] + torch.arange(nbpt, device=slots.device)
+
+
+def _finite(src, slot: torch.Tensor) -> torch.Tensor:
+    """bool [n]: every element of each slot's KV in ``src`` is finite (a slot outside it counts as finite)."""
+    inside = slot < src.num_slots
+    rows, cols = _byte_cells(src, torch.where(inside, slot, 0))
+    dtype = src.tensor.dtype
+    exp = _EXPONENT[dtype]
+    words = src.byte_rows()[rows, cols].view(_INT_VIEW[dtype.itemsize])
+    return ~((words & exp) == exp).any(1) | ~inside
