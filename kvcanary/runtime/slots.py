@@ -12,7 +12,7 @@ matching record and intact bytes, so a read of it after its free passes. ``SlotC
   real-KV source are tested for NaN/Inf (an exponent of all ones, read on integer views, so any
   IEEE width works): one ``nonfinite_kv`` row per forward, for its first such token and source;
 - poison on free (``poison_on_free``): ``poison_slots`` fills freed slots' bytes in every real-KV
-  source of the full group with ``POISON_BYTE``, NaN in every float format; a later read fails its
+  source of the full group with ``POISON``, NaN in every float format; a later read fails its
   real-KV check at TAIL, and the report recognises the pattern (``Violation.poisoned``).
 
 Findings are violation rows appended to the canary's ring, on the stream HEAD and TAIL append to,
@@ -29,7 +29,11 @@ from kvcanary.ops.torch_ops import _push
 from kvcanary.runtime.checks import slots_tensor
 from kvcanary.runtime.report import SLOT_REASONS  # noqa: F401  (the three reasons' bits, for Monitor)
 
-POISON_BYTE = 0xFF  # every byte: NaN in fp8 to fp64, and no real KV is all ones
+# The poison: little-endian 16-bit words 0x7FF5, a NaN in float16, bfloat16, float32 and float64 alike (each
+# width's exponent bits all ones, a non-zero mantissa), with a payload no arithmetic produces: a computed NaN
+# is 0x7FC0... or carries its inputs' payload (CPU float32 NaNs may come out as all ones), so the pattern
+# tells a freed slot from a NaN the model made.
+POISON = (0xF5, 0x7F)  # (even bytes, odd bytes)
 READ, WRITE, NONFINITE = (int(FailReason.RESERVED_SLOT_READ), int(FailReason.RESERVED_SLOT_WRITE),
                           int(FailReason.NONFINITE_KV))
 # exponent bits of each float width, read on a same-width integer view (bfloat16 is told apart below)
@@ -145,7 +149,7 @@ class SlotChecks:
 
     # -- poison on free ------------------------------------------------------------------------------
     def poison(self, slots) -> int:
-        """Fill ``slots``' KV in every real-KV source of the full group with ``POISON_BYTE``; reserved slots
+        """Fill ``slots``' KV in every real-KV source of the full group with ``POISON``; reserved slots
         are left alone. Returns how many slots were poisoned (0 when ``poison_on_free`` is off)."""
         c = self.c
         if not self.poison_on or not c.enabled:
@@ -162,7 +166,7 @@ class SlotChecks:
         g = c.groups[0]
         for src in (*g.sources["k"], *g.sources["v"]):
             rows, cols = _byte_cells(src, slots)
-            src.byte_rows()[rows, cols] = POISON_BYTE
+            src.byte_rows()[rows, cols] = _pattern(cols)
         self.poisoned_count += int(slots.shape[0])
         return int(slots.shape[0])
 
@@ -172,7 +176,7 @@ class SlotChecks:
         for src in (*g.sources["k"], *g.sources["v"]):
             if 0 < slot < src.num_slots:
                 rows, cols = _byte_cells(src, torch.tensor([slot], device=src.tensor.device))
-                if bool((src.byte_rows()[rows, cols] == POISON_BYTE).all()):
+                if bool((src.byte_rows()[rows, cols] == _pattern(cols)).all()):
                     return True
         return False
 
@@ -198,6 +202,11 @@ def _byte_cells(src, slots: torch.Tensor):
     rows = torch.div(slots, src.page_size, rounding_mode="floor")
     cols = (slots % src.page_size) * nbpt
     return rows[:, None], cols[:, None] + torch.arange(nbpt, device=slots.device)
+
+
+def _pattern(cols: torch.Tensor) -> torch.Tensor:
+    """The poison's bytes at byte columns ``cols`` (uint8, their shape)."""
+    return torch.where(cols % 2 == 0, POISON[0], POISON[1]).to(torch.uint8)
 
 
 def _finite(src, slot: torch.Tensor) -> torch.Tensor:
