@@ -115,8 +115,7 @@ class Canary(RecordMoves):
         self.monitor = Monitor(self, on_violation)
         self.launcher = ForwardLauncher(self)
         self.monitor.observer.graphs = self.launcher.graphs
-        # reserved-slot, non-finite KV and poison checks beside the record ops (runtime/slots.py)
-        self.slots = SlotChecks(self)
+        self.slots = SlotChecks(self)  # reserved-slot, non-finite KV and poison checks (runtime/slots.py)
         # Fault injection (a self-test, docs/fault_injection.md): None unless an inject_*_prob is above 0.
         self.injector = Injector(self) if cfg.injecting else None
         # True when the engine calls records_ready() before reading canary records after before_forward:
@@ -240,7 +239,7 @@ class Canary(RecordMoves):
         self.launcher.join()
 
     def device_before(self, batch: ForwardBatch) -> None:
-        """Plan, HEAD verify, HEAD write, reserved-slot check: static buffers only, no sync (CUDA-graph capturable)."""
+        """Plan, HEAD verify and write, reserved slots: static buffers only, no sync (CUDA-graph capturable)."""
         self.launcher.before(batch)
         self.slots.before()
 
@@ -350,11 +349,8 @@ class Canary(RecordMoves):
         return self.injector.perturb_next_tokens(request_ids, tokens, positions)
 
     def poison_slots(self, slots) -> int:
-        """The engine freed ``slots`` (full-pool slots, a list or 1-D int tensor): with ``poison_on_free``
-        fill their KV in every real-KV source of the full group with a NaN pattern, so a later read of them
-        fails its real-KV check and is reported as a read of a freed slot (docs/slots.md). Call it only for
-        slots nothing reads any more and no copy still reads (after an offload's copy landed), before they
-        are handed out again; reserved slots are skipped. Returns the slots poisoned (0 when off)."""
+        """The engine freed ``slots`` (list or 1-D int tensor), no copy reads them and none was handed out again:
+        with ``poison_on_free`` their KV becomes a NaN pattern (docs/slots.md). Returns the slots poisoned."""
         return self.slots.poison(slots)
 
     # -- reporting -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcanary.format import FailReason, LaunchTag
+from kvcanary.format import VIOLATION_COUNT_LIMIT, FailReason
 from kvcanary.ops.torch_ops import _push
 from kvcanary.runtime.checks import slots_tensor
 from kvcanary.runtime.report import SLOT_REASONS  # noqa: F401  (the three reasons' bits, for Monitor)
@@ -82,7 +82,7 @@ class SlotChecks:
         with c.launcher.side():
             g = c.groups[0]
             loc, x = c.launcher.inputs.loc[0], c.launcher.inputs
-            if self._cpu:  # (the common case in microseconds: nothing reserved among the reads and writes)
+            if self._host():  # (the common case in microseconds: nothing reserved among the reads and writes)
                 written = int(self._offs_np[c.launcher.key[0]])
                 read = self._slot_np[:max(0, min(int(self._count_np[0]), self._slot_np.shape[0]))]
                 if not self._any_reserved(read) and not self._any_reserved(loc.numpy()[:written]):
@@ -98,7 +98,7 @@ class SlotChecks:
             rows = torch.stack([torch.full_like(slot, g.tag("head", "k")), slot, x.positions[:n].long(),
                                 x.input_ids[:n].long(), minus, self._request_ids(n, slot.device), minus,
                                 torch.where(hit, WRITE, 0)], 1)
-            _push(c.ring, rows, hit)
+            self._push(rows, hit)
 
     def check_entries(self, entries, launch_tag: int) -> None:
         """Report entries (read slots) that name a reserved slot: the verify op skips slot 0 silently. An
@@ -106,7 +106,7 @@ class SlotChecks:
         if self.reserved is None:
             return
         n = entries.capacity
-        if entries.slot.device.type == "cpu":  # (the count is free to read there)
+        if self._host():  # (the count is free to read there)
             n = min(n, max(0, int(entries.count[0])))
             if not n or not self._any_reserved(entries.slot[:n].numpy()):
                 return
@@ -115,7 +115,27 @@ class SlotChecks:
         zero, minus = torch.zeros_like(slot), torch.full_like(slot, -1)
         rows = torch.stack([torch.full_like(slot, launch_tag), slot, entries.position[:n], minus,
                             entries.expected_token[:n], entries.prev[:n], zero, torch.where(hit, READ, 0)], 1)
-        _push(self.c.ring, rows, hit)
+        self._push(rows, hit)
+
+    def _host(self) -> bool:
+        """Whether values may be read on the host: the CPU, outside a recorded step (an adapter's captured step
+        replays tensor ops only, ``Canary.use_graphs(host_ops=False)``), where the device path runs instead."""
+        return self._cpu and self.c.launcher.host_ops
+
+    def _push(self, rows: torch.Tensor, flag: torch.Tensor) -> None:
+        """Append ``rows[flag]`` to the ring (``ops.torch_ops._push``; where values stay on the device, a
+        static-size twin: the ring's capacity of candidate cells, no host read)."""
+        ring = self.c.ring
+        if self._host() or not self._cpu:  # (torch_ops' push reads no value off the CPU)
+            _push(ring, rows, flag)
+            return
+        cum = torch.cumsum(flag.long(), 0)
+        total, base = cum[-1:], ring.write_index.long()
+        m = torch.arange(ring.capacity, device=cum.device) - base  # ring row k takes flagged row m = k - base
+        take = (m >= 0) & (m < total)
+        src = torch.searchsorted(cum, m + 1).clamp(0, rows.shape[0] - 1)
+        ring.rows.copy_(torch.where(take[:, None], rows[src], ring.rows))
+        ring.write_index.copy_((base + total).clamp(max=VIOLATION_COUNT_LIMIT))
 
     def _any_reserved(self, slot: torch.Tensor) -> bool:
         """CPU: whether any of ``slot`` is reserved (numpy on views: a tensor op costs tens of microseconds here)."""
@@ -130,7 +150,7 @@ class SlotChecks:
     def _live_tokens(self, loc: torch.Tensor) -> int:
         """Tokens to look at: all of them on an accelerator (masked on the device), the live ones on the CPU."""
         c = self.c
-        if loc.device.type != "cpu":
+        if not self._host():
             return loc.shape[0]
         return min(loc.shape[0], int(c.groups[0].plan.write_offsets[c.launcher.key[0]]))
 
@@ -152,7 +172,7 @@ class SlotChecks:
         c = self.c
         with c.launcher.side():
             loc, x = c.launcher.inputs.loc[0], c.launcher.inputs
-            if self._cpu:  # (the common case in microseconds: every written byte finite)
+            if self._host():  # (the common case in microseconds: every written byte finite)
                 live = loc.numpy()[:int(self._offs_np[c.launcher.key[0]])]
                 if all(_finite_np(src, rows, live) for (_, _, src), rows in zip(self.float_sources, self._rows_np)):
                     return
@@ -170,7 +190,7 @@ class SlotChecks:
             row = torch.stack([self._tags[s], slot[t], x.positions[:n].long()[t], x.input_ids[:n].long()[t],
                                torch.full_like(t, -1), self._request_ids(n, slot.device)[t], self._index[s],
                                torch.where(found[0], NONFINITE, 0)]).view(1, -1)
-            _push(c.ring, row, found)
+            self._push(row, found)
 
     # -- poison on free ------------------------------------------------------------------------------
     def poison(self, slots) -> int:
