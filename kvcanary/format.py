@@ -65,6 +65,10 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN = 8
     WRITE_POSITION = 16
     VERIFY_TOKEN = 32
+    # Project extensions: runtime slot checks (kvcanary/runtime/slots.py, docs/slots.md), never set by the ops.
+    RESERVED_SLOT_READ = 64
+    RESERVED_SLOT_WRITE = 128
+    NONFINITE_KV = 256
 
 
 def reason_label(bits: int) -> str:

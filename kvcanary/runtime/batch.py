@@ -56,12 +56,15 @@ class PoolSpec:
         k_sources, v_sources: where slots' K / V bytes live (``RealKvSource``, up to 4 each),
             e.g. layer 0's K cache; empty = no real-KV hash for that buffer.
         swa: the optional sliding-window group.
+        reserved_slots: slots besides slot 0 that no live token may map to (the engine's write-trash or
+            padding slots): a live read or write there is reported (``CanaryConfig.reserved_check``).
     """
 
     num_slots: int
     k_sources: tuple[RealKvSource, ...] = ()
     v_sources: tuple[RealKvSource, ...] = ()
     swa: SwaSpec | None = None
+    reserved_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("PoolSpec", "num_slots", self.num_slots, 2)
@@ -71,6 +74,12 @@ class PoolSpec:
                 raise TypeError(f"kv-canary: PoolSpec {name} must be a tuple of RealKvSource, got "
                                 f"{type(value).__name__}")
             object.__setattr__(self, name, tuple(value))
+        reserved = self.reserved_slots
+        if not isinstance(reserved, (tuple, list)) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < self.num_slots for x in reserved):
+            raise ValueError(f"kv-canary: PoolSpec reserved_slots must be a tuple of ints in [0, num_slots = "
+                             f"{self.num_slots}), got {reserved!r}")
+        object.__setattr__(self, "reserved_slots", tuple(reserved))
         if self.swa is not None and not isinstance(self.swa, SwaSpec):
             raise TypeError(f"kv-canary: PoolSpec swa must be a SwaSpec or None, got {type(self.swa).__name__}")
 

@@ -28,6 +28,7 @@ from kvcanary.runtime.launch import ForwardLauncher, check_batch
 from kvcanary.runtime.monitor import Monitor
 from kvcanary.runtime.moves import RecordMoves
 from kvcanary.runtime.report import Violation, memory_bytes
+from kvcanary.runtime.slots import SlotChecks
 
 SweepProvider = Callable[[], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
 
@@ -120,6 +121,7 @@ class Canary(RecordMoves):
         self.monitor = Monitor(self, on_violation, on_abort)
         self.launcher = ForwardLauncher(self)
         self.monitor.observer.graphs = self.launcher.graphs
+        self.slots = SlotChecks(self)  # reserved-slot, non-finite KV and poison checks (runtime/slots.py)
         # Fault injection (a self-test, docs/fault_injection.md): None unless an inject_*_prob is above 0.
         self.injector = Injector(self) if cfg.injecting else None
         # True when the engine calls records_ready() before reading canary records after before_forward:
@@ -243,12 +245,14 @@ class Canary(RecordMoves):
         self.launcher.join()
 
     def device_before(self, batch: ForwardBatch) -> None:
-        """Plan, HEAD verify, HEAD write: static buffers only, no sync (CUDA-graph capturable)."""
+        """Plan, HEAD verify and write, reserved slots: static buffers only, no sync (CUDA-graph capturable)."""
         self.launcher.before(batch)
+        self.slots.before()
 
     def device_after(self, batch: ForwardBatch) -> None:
-        """TAIL verify (with real-KV hash) and TAIL write; advances the device step."""
+        """TAIL verify (with real-KV hash) and TAIL write, non-finite KV check; advances the device step."""
         self.launcher.after(batch)
+        self.slots.after()
 
     def host_after(self, batch: ForwardBatch) -> None:
         """Periodic sweep, then close the step: snapshot for the one-step-late drain, health, stats. The
@@ -288,6 +292,7 @@ class Canary(RecordMoves):
         launcher.defer_tail = self.monitor.observer.graphs is launcher.graphs  # (one graph with the snapshot)
         try:
             launcher.after(batch)
+            self.slots.after()
         finally:
             launcher.defer_tail = False
         t1 = time.perf_counter()
@@ -348,6 +353,11 @@ class Canary(RecordMoves):
         if self.injector is None:
             return tokens
         return self.injector.perturb_next_tokens(request_ids, tokens, positions)
+
+    def poison_slots(self, slots) -> int:
+        """The engine freed ``slots`` (list or 1-D int tensor), no copy reads them and none was handed out again:
+        with ``poison_on_free`` their KV becomes a NaN pattern (docs/slots.md). Returns the slots poisoned."""
+        return self.slots.poison(slots)
 
     # -- reporting -------------------------------------------------------------------------------
     @property

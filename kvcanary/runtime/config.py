@@ -91,6 +91,9 @@ class CanaryConfig:
         inject_group: address space the KV-byte flips target: "full" | "swa".
         overlap: on CUDA, run verify and write launches on a side stream beside the forward (same results).
         launch_graphs: with overlap, replay each batch shape's verify and write launches from a CUDA graph (not faster on H200).
+        reserved_check: report a live token whose table cell or write slot is slot 0 or a ``PoolSpec.reserved_slots`` slot (the ops skip slot 0 silently).
+        nonfinite_check: report NaN/Inf in the KV a forward wrote (floating real-KV sources, at TAIL).
+        poison_on_free: debug: ``Canary.poison_slots`` fills freed slots' KV with a NaN pattern, so a read of a freed slot fails its real-KV check.
         check_before_forward: read what HEAD found before the engine's forward runs (a device sync per forward on CUDA), so a bad read is reported, in mode "raise" raised, before the forward can fail on it.
     """
 
@@ -122,6 +125,9 @@ class CanaryConfig:
     overlap: bool = True
     launch_graphs: bool = False
     check_before_forward: bool = False
+    reserved_check: bool = True
+    nonfinite_check: bool = True
+    poison_on_free: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -20,6 +20,7 @@ from kvcanary.runtime.abort import Aborts
 from kvcanary.runtime.batch import batch_lists, verified_cells
 from kvcanary.runtime.observer import NUM_SLOTS, HostObserver, Observation
 from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation
+from kvcanary.runtime.slots import SLOT_REASONS
 
 log = logging.getLogger("kvcanary")
 # Batches remembered for reader attribution of late observations: a step's observation is drained at
@@ -156,7 +157,11 @@ class Monitor:
             return Violation.from_row(row, step)
         phase, kv, group = tag.name.lower().split("_")
         try:
+            if row[7] & SLOT_REASONS:  # the slot checks' rows (runtime/slots.py) have layouts of their own
+                return Violation.from_row(row, step, **self.canary.slots.attribution(row, step, self))
             attribution = self._writer(row, phase, kv, group)
+            if row[7] & FailReason.VERIFY_REAL_KV_HASH and group == "full" and self.canary.slots.is_poisoned(row[1]):
+                attribution["poisoned"] = True
             if phase != "sweep" and not (row[7] & 24):
                 attribution.update(self._reader(row, step, group, kv, phase))
             elif phase != "sweep":
@@ -315,6 +320,7 @@ class Monitor:
             # write entries whose slot already held the same record (ops.accept_rewrites), one step late
             "idempotent_rewrites": 0 if obs is None else obs.values["rewrites"][0],
             **self.aborts.stats(),
+            **self.canary.slots.stats(),
         }
 
     def stats_line(self) -> str:

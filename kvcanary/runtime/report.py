@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from kvcanary.format import FailReason, LaunchTag, ViolationField as F, reason_label, to_signed, to_unsigned
 
 WRITE_REASONS = int(FailReason.WRITE_TOKEN | FailReason.WRITE_POSITION)
+# the slot checks' reasons (runtime/slots.py): rows with layouts of their own (docs/slots.md)
+SLOT_REASONS = int(FailReason.RESERVED_SLOT_READ | FailReason.RESERVED_SLOT_WRITE | FailReason.NONFINITE_KV)
 # Expected token of a position the engine's token history does not cover (an adapter sets it when a
 # request's history is shorter than its positions): never equal to a stored token, so it is reported.
 MISSING_TOKEN = -2
@@ -23,7 +25,9 @@ class Violation:
     the slot's record. ``writer_token`` / ``writer_position`` are set when that record was
     rewritten after the check read it (a TAIL check before the same step's TAIL write): the
     writer then put that token and position there. ``slot_position`` (write-time rows) is the
-    position whose slot the writing request's table says the written slot is.
+    position whose slot the writing request's table says the written slot is. ``layer`` (a
+    ``nonfinite_kv`` row) is the index of the real-KV source whose bytes were not finite, in
+    ``PoolSpec`` order; ``poisoned``: the slot's KV is the poison pattern of a freed slot.
     """
 
     step: int
@@ -43,6 +47,8 @@ class Violation:
     writer_token: int | None = None
     writer_position: int | None = None
     slot_position: int | None = None
+    layer: int | None = None
+    poisoned: bool = False
 
     @classmethod
     def from_row(cls, row: list[int], step: int, **attribution) -> Violation:
@@ -80,12 +86,14 @@ class Violation:
     def never_written(self) -> bool:
         """A verify row whose record is empty: no write reached the slot (a written record's
         prev hash is a hash output, never 0 in practice)."""
-        return (not self.is_write_check and self.stored_chain_hash == 0 and self.stored_token == 0
+        return (not self.is_write_check and not self.fail_reason & SLOT_REASONS and self.stored_chain_hash == 0 and self.stored_token == 0
                 and self.position == 0)
 
     def block(self) -> str:
         """A readable multi-line explanation."""
         lines = [f"KV canary violation at step {self.step} ({self.launch_tag}): {self.reason_label}"]
+        if self.fail_reason & SLOT_REASONS:
+            return "\n".join(lines + self._slot_lines())
         if self.is_write_check:
             lines += self._write_lines()
         elif self.never_written:
@@ -105,7 +113,8 @@ class Violation:
                              f"0x{self.expected_aux:016x} (the slot's predecessor in the reader's table "
                              "is not the one it was written after)")
             if self.fail_reason & FailReason.VERIFY_REAL_KV_HASH:
-                lines.append("  real KV: the slot's KV bytes changed since they were written")
+                lines.append("  real KV: the slot's KV bytes changed since they were written" + (
+                    ": they are the poison pattern of a freed slot (poison_on_free)" if self.poisoned else ""))
         if self.reader_request is not None:
             lines.append(f"  read by request {self.reader_request} at position {self.reader_position}")
         if self.writer_request is not None:
@@ -132,9 +141,34 @@ class Violation:
                          f"gives position {self.position - 1}) holds {held}, not position {self.position - 1}")
         return lines
 
+    def _slot_lines(self) -> list[str]:
+        """The readable lines of a slot-check row (runtime/slots.py; row layouts in docs/slots.md)."""
+        if self.fail_reason & FailReason.RESERVED_SLOT_READ:
+            who = "" if self.reader_request is None else f" of request {self.reader_request}"
+            return [f"  position {self.position}{who} is read from slot {self.slot}, a reserved slot (slot 0 or an "
+                    "engine trash/padding slot) that holds no live token's KV",
+                    "  -> a live token mapped to the padding/trash slot: a cleared or never-filled table cell, or a "
+                    "read index padded into the live range"]
+        who = "" if self.writer_request is None else f" of request {self.writer_request}"
+        if self.fail_reason & FailReason.RESERVED_SLOT_WRITE:
+            return [f"  the engine wrote token {self.stored_token} of position {self.position}{who} into slot "
+                    f"{self.slot}, a reserved slot (slot 0 or an engine trash/padding slot)",
+                    "  -> a live token's KV went where padding goes: its own slot is never written"]
+        kv = "V" if self.launch_tag.startswith("TAIL_V") else "K"
+        lines = [f"  the KV written for token {self.stored_token} at position {self.position}{who} into slot "
+                 f"{self.slot} at step {self.step} is not finite (NaN/Inf) in {kv} real-KV source {self.layer}"]
+        if self.poisoned:
+            return lines + ["  -> the slot still holds the poison of its free (poison_on_free): this forward's write "
+                            "missed that source (a partial write, a layer left out)"]
+        return lines + ["  -> the model produced NaN/Inf here (an overflow, uninitialised or poisoned input KV); "
+                        "every later token that reads it inherits it"]
+
     def _verdict(self) -> list[str]:
         if self.is_write_check:
             return []
+        if self.poisoned:
+            return ["  -> a read of a freed slot: the engine freed it while this request still maps it (a use after "
+                    "free)"]
         if self.never_written:
             return ["  -> the reader's table maps a slot no forward wrote: a missing KV write, or a wrong table or "
                     "read-index entry"]

@@ -132,6 +132,20 @@ _BUG_LIST = (
         "(SGLang PR #26982)",
         "HEAD verify_chain_hash+verify_position+verify_token in the next forward",
         lambda cfg: cfg.spec_tokens > 0 and cfg.page_size > 1, "spec, page_size > 1"),
+    Bug("nan_write", "H", "one layer's K of a decode token is written as NaN (an overflow in that layer)",
+        "the forward writes a NaN pattern into layer 1's K of the first decoding request's new token; the records "
+        "are right, and every later token that attends to it inherits the NaN",
+        "TAIL nonfinite_kv in the very forward, naming the layer's source, the request and the position"),
+    Bug("read_slot0", "C", "a rollback clears one table cell too many: a live prefix cell becomes slot 0",
+        "the cell of a decoding request's middle prefix position is zeroed (the padding slot) while the request "
+        "still reads it; the verify op skips slot 0 and the next position's chain check, whose predecessor is "
+        "0, so the record checks alone see nothing",
+        "HEAD reserved_slot_read in every forward that reads the cell"),
+    Bug("read_partial_tail", "E", "a decode's key length is taken from its allocated pages, not its length",
+        "seq_len is rounded up to the end of the last page: the forward reads the page's unused tail as live "
+        "(cells no token of the request wrote: the page's previous occupant's KV, or never-written slots)",
+        "HEAD verify_position (with chain/token: the tail's foreign or empty records), write_position",
+        lambda cfg: cfg.page_size > 1 and not cfg.spec_tokens, "page_size > 1, no spec"),
     Bug("wrong_input_ids", "B", "the decode input is read from the future-token map before the sampler wrote it",
         "with the overlap scheduler the decode input is the previous step's token, not the one just sampled",
         "HEAD write_token (write-input assert) in the very forward, then verify_token"),

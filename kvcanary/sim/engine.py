@@ -22,7 +22,7 @@ from kvcanary.sim.bugs import BugSwitch
 from kvcanary.sim.cache import CacheManager
 from kvcanary.sim.config import SimConfig
 from kvcanary.sim.kvpool import KvPool
-from kvcanary.sim.model import MockModel
+from kvcanary.sim.model import WORDS, MockModel
 from kvcanary.sim.offload import HostCache
 from kvcanary.sim.radix import RadixCache
 from kvcanary.sim.scheduler import Scheduler, Work
@@ -115,6 +115,9 @@ class SimEngine:
         graph_tokens = max(cfg.graph_sizes) * self.per_decode
         self.graph_loc = torch.zeros(graph_tokens, dtype=torch.int64)
         self.step_no = 0
+        self.nan_written = False  # (the planted nan_write fires once)
+        if self.canary.config.poison_on_free:
+            pool.freed = []  # the engine tells the canary which slots it frees (poison_slots, forward's end)
         self.refusal: tuple[int, SharedRowError] | None = None  # (the refused forward's step, the error)
 
     # -- running -------------------------------------------------------------------------------
@@ -181,6 +184,7 @@ class SimEngine:
             if bool((swa_loc != loc).any()) and self.bugs.hit("swa_no_translation"):
                 swa_loc = loc  # Planted: the SWA layer indexes its cache with full-pool slot ids.
         self.model.forward(loc, batch.input_ids, batch.positions, swa_loc)
+        self._nan_write(works)
         self.canary.after_forward(batch)
         if self.pool.window and self.canary.step % self.cfg.sweep_interval == 0:
             self.sweep_swa()
@@ -188,7 +192,17 @@ class SimEngine:
             # End of step: copies still in flight on the side streams land now.
             self.host.d2h.synchronize()
             self.host.h2d.synchronize()
+        if self.pool.freed:
+            # after the copies landed (an offload's D2H copy reads slots freed before it ran)
+            self.canary.poison_slots(self.pool.take_freed())
         return batch
+
+    def _nan_write(self, works: list[Work]) -> None:
+        decode = [w for w in works if w.kind != "prefill"]
+        if decode and not self.nan_written and self.bugs.hit("nan_write"):
+            # Planted: one layer's K of a decode token comes out NaN.
+            self.nan_written = True
+            self.model.k[-1].view(-1, WORDS)[decode[0].slots[0]] = 0x7FF8000000000000
 
     # -- the forward's description -------------------------------------------------------------
     def build_batch(self, works: list[Work]) -> ForwardBatch:
@@ -197,7 +211,7 @@ class SimEngine:
         for w in works:
             r = w.req
             rows.append(w.row)
-            prefix.append(w.start)
+            prefix.append(self._planted_prefix(w))
             extend.append(w.n)
             ids += w.input_ids
             pos += w.positions
@@ -229,6 +243,18 @@ class SimEngine:
         return ForwardBatch(t(rows), t(prefix), t(extend), t(ids), t(pos), t(loc), self.pool.table,
                             request_ids=t(rids), token_history=TokenHistory(t(hist), t(offsets)),
                             expected_input_ids=t(exp_ids), expected_positions=t(exp_pos), mode=mode)
+
+    def _planted_prefix(self, w: Work) -> int:
+        """``w.start``, unless a planted bug reports another prefix length or clears a cell the work reads."""
+        ps, end = self.pool.ps, w.start + w.n
+        if w.kind != "prefill" and w.start >= 4 and not self.pool.table[w.row, w.start // 2] == 0 and \
+                self.bugs.on("read_slot0") and self.bugs.first_step is None:
+            self.bugs.took_effect("read_slot0")  # Planted: a cleanup zeroes a live prefix cell.
+            self.pool.table[w.row, w.start // 2] = 0
+        if w.kind == "decode" and end % ps and -(-end // ps) * ps <= self.cfg.max_context and \
+                self.bugs.hit("read_partial_tail"):
+            return -(-end // ps) * ps - w.n  # Planted: the key length ends at the last page's end.
+        return w.start
 
     def _graph_pad(self, loc: list[int], bs: int) -> list[int]:
         """Pad a decode/verify batch to the next graph size through the static out_cache_loc buffer."""

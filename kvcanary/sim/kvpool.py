@@ -35,6 +35,8 @@ class KvPool:
         self.table = torch.zeros(cfg.num_rows, cfg.max_context, dtype=torch.int32)
         self.swa = PageAllocator(cfg.num_slots, 1, stack=True) if self.window else None
         self.full_to_swa = torch.zeros(cfg.num_slots, dtype=torch.int64) if self.window else None
+        # slots of the pages freed since the engine last took them (poison_on_free), else None
+        self.freed: list[int] | None = None
 
     # -- sizes ---------------------------------------------------------------------------------
     def reserved_end(self, kv_len: int, planted: bool = False) -> int:
@@ -110,6 +112,15 @@ class KvPool:
         if self.swa is not None:
             self.free_swa([s for p in pages for s in self.pages.page_slots(p)])
         self.pages.free(pages)
+        if self.freed is not None:
+            self.freed.extend(s for p in pages for s in self.pages.page_slots(p))
+
+    def take_freed(self) -> list[int]:
+        """The slots of pages freed since the last call that are still free (poison_on_free): a page freed and
+        handed out again in between belongs to its new owner."""
+        freed, self.freed = self.freed or [], [] if self.freed is not None else None
+        free = set(self.pages.free_list())
+        return [s for s in freed if self.pages.page_of(s) in free]
 
     def free_tail(self, slots: list[int], first_position: int) -> None:
         """Free the slots of positions >= first_position: pages past the position's page go back;

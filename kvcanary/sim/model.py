@@ -5,7 +5,9 @@ int64 (one token = ``WORDS`` words = 32 bytes, page-major like a paged KV cache)
 optional sliding-window layer has its own K/V cache indexed by SWA slots. A forward
 writes, for every token, words that depend only on (token, position, layer), so any
 slot whose bytes changed behind the engine's back is visible to the canary's real-KV
-fingerprint. These tensors are the canary's ``RealKvSource``s. Sampling is the
+fingerprint. These tensors are the canary's ``RealKvSource``s, seen as float64 (the words keep
+bit 62 clear, so every value is finite: the canary's non-finite KV check reads them as a model's
+KV; a NaN is a planted bug, ``nan_write``). Sampling is the
 token oracle of SPEC 5: the token at position p of request r is
 ``oracle_token(r, p, vocab)``.
 """
@@ -30,7 +32,7 @@ def kv_words(tokens: torch.Tensor, positions: torch.Tensor, tag: int) -> torch.T
     base = tokens.to(torch.int64) * m[0] + positions.to(torch.int64) * m[1] + (tag + 1) * m[2]
     w = base[:, None] + torch.arange(WORDS, dtype=torch.int64) * m[3]
     w = w ^ (w >> 29)
-    return w * m[0]
+    return (w * m[0]) & ~(1 << 62)  # (an exponent below all ones: finite as float64)
 
 
 class MockModel:
@@ -61,7 +63,9 @@ class MockModel:
 
     # -- real-KV sources for the canary --------------------------------------------------------
     def _source(self, t: torch.Tensor, page_size: int) -> RealKvSource:
-        return RealKvSource(t, page_size=page_size, num_bytes_per_token=WORDS * 8, read_bytes=WORDS * 8)
+        # (float64 views of the int64 words: the canary checks float KV for NaN/Inf)
+        return RealKvSource(t.view(torch.float64), page_size=page_size, num_bytes_per_token=WORDS * 8,
+                            read_bytes=WORDS * 8)
 
     def k_sources(self) -> tuple[RealKvSource, ...]:
         return tuple(self._source(t, self.page_size) for t in self.k)

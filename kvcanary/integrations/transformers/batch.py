@@ -338,6 +338,7 @@ class BatchBuilder(TokenRows):
             for kv in g.kvs:
                 ops.verify(buf=g.bufs["head", kv], entries=self.new_reads, ring=c.ring, counters=c.counters,
                            launch_tag=g.tag("head", kv), backend=c.config.backend)
+            c.slots.check_entries(self.new_reads, g.tag("head", "k"))  # (the verify skips slot 0: runtime/slots.py)
 
     def _arange(self, n: int) -> torch.Tensor:
         if self.iota.shape[0] < n:

@@ -22,6 +22,7 @@ import torch
 from kvcanary.format import oracle_token
 from kvcanary.integrations.transformers.abort import EngineAborts
 from kvcanary.integrations.transformers.batch import BatchBuilder
+from kvcanary.integrations.transformers.freed import FreedBlocks
 from kvcanary.integrations.transformers.graphs import StepGraphs
 from kvcanary.integrations.transformers.moves import KvMoves
 from kvcanary.integrations.transformers.layout import Patcher
@@ -71,6 +72,7 @@ class Session(KvMoves):
         self.step_syncs = io.compute_stream is not None and type(io).__name__ == "ContinuousBatchingIOs"
         self.patcher = Patcher()
         self._install()
+        self.freed = FreedBlocks.install(self)  # poison_on_free: the blocks the engine frees (freed.py)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_canary(self) -> Canary:
@@ -92,7 +94,9 @@ class Session(KvMoves):
         if lay.swa_group is not None:
             self.swa_table = torch.zeros(lay.num_slots, dtype=torch.int64, device=self.device)
             swa = SwaSpec(lay.num_slots, lay.window, self.swa_table, *lay.real_kv_sources(config.check_v, swa=True))
-        pool = PoolSpec(lay.num_slots, k_sources, v_sources, swa=swa)
+        # the engine's write trash takes padding tokens' KV: no live token may map there (runtime/slots.py)
+        pool = PoolSpec(lay.num_slots, k_sources, v_sources, swa=swa,
+                        reserved_slots=(lay.write_trash,) if 0 < lay.write_trash < lay.num_slots else ())
         canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
                         num_rows=2 * max_batch + 1, device=self.device, on_abort=self.aborts.request)
         canary.sweep_provider = self._sweep_triples
@@ -128,6 +132,8 @@ class Session(KvMoves):
 
         def step(model):
             self._join()
+            if self.freed is not None:
+                self._guarded(self.freed.poison)
             # the last fused step's position the compute stream now waits for (FusedSteps.join)
             joined = self.fused.joined if self.fused is not None and self.step_syncs else None
             # Late hooks (docs/transformers.md): the step's canary work runs once compute_batch (below) has

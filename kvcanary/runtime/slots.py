@@ -1,0 +1,274 @@
+"""Reserved, poisoned and non-finite slots: three checks beside the record ops (docs/slots.md).
+
+The verify op skips slot 0 (SPEC 4.4: the padding slot), so a live token whose table cell is 0
+reads the padding slot's KV unseen, and a chain check whose predecessor cell is 0 is skipped too.
+Records say nothing about KV that is not finite, and a slot freed but never reused still holds a
+matching record and intact bytes, so a read of it after its free passes. ``SlotChecks`` adds:
+
+- reserved slots (``reserved_check``): at HEAD, every prefix entry of the plan (and an adapter's own
+  read entries, ``check_entries``) and every live token's write slot is tested against a mask of
+  slot 0 and ``PoolSpec.reserved_slots``: ``reserved_slot_read`` / ``reserved_slot_write``;
+- non-finite KV (``nonfinite_check``): at TAIL, the bytes each live token wrote into every floating
+  real-KV source are tested for NaN/Inf (an exponent of all ones, read on integer views, so any
+  IEEE width works): one ``nonfinite_kv`` row per forward, for its first such token and source;
+- poison on free (``poison_on_free``): ``poison_slots`` fills freed slots' bytes in every real-KV
+  source of the full group with ``POISON``, NaN in every float format; a later read fails its
+  real-KV check at TAIL, and the report recognises the pattern (``Violation.poisoned``).
+
+Findings are violation rows appended to the canary's ring, on the stream HEAD and TAIL append to,
+from static buffers only (no host sync on an accelerator), so they are drained, logged, counted
+and raised with every other violation. Row layouts are in docs/slots.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvcanary.format import VIOLATION_COUNT_LIMIT, FailReason
+from kvcanary.ops.torch_ops import _push
+from kvcanary.runtime.checks import slots_tensor
+from kvcanary.runtime.report import SLOT_REASONS  # noqa: F401  (the three reasons' bits, for Monitor)
+
+# The poison: little-endian 16-bit words 0x7FF5, a NaN in float16, bfloat16, float32 and float64 alike (each
+# width's exponent bits all ones, a non-zero mantissa), with a payload no arithmetic produces: a computed NaN
+# is 0x7FC0... or carries its inputs' payload (CPU float32 NaNs may come out as all ones), so the pattern
+# tells a freed slot from a NaN the model made.
+POISON = (0xF5, 0x7F)  # (even bytes, odd bytes)
+READ, WRITE, NONFINITE = (int(FailReason.RESERVED_SLOT_READ), int(FailReason.RESERVED_SLOT_WRITE),
+                          int(FailReason.NONFINITE_KV))
+# exponent bits of each float width, read on a same-width integer view (bfloat16 is told apart below)
+_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
+             torch.float64: 0x7FF0000000000000}
+_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
+class SlotChecks:
+    """The three checks of one ``Canary`` (``canary.slots``); each is off when its config field is."""
+
+    def __init__(self, canary):
+        self.c = canary
+        cfg, pool, g = canary.config, canary.pool, canary.groups[0]
+        self.reserved = None
+        if cfg.reserved_check:
+            self.reserved = torch.zeros(pool.num_slots, dtype=torch.bool, device=canary.device)
+            self.reserved[[0, *pool.reserved_slots]] = True
+        # CPU: numpy views answer "anything to report?" in microseconds; the tensor path runs only when yes
+        self._cpu = canary.device.type == "cpu"
+        self._reserved_np = self.reserved.numpy() if self._cpu and self.reserved is not None else None
+        # (kv, index, source) of the full group's sources whose dtype is a float format
+        self.float_sources = [(kv, i, s) for kv in ("k", "v") for i, s in enumerate(g.sources[kv])
+                              if s.tensor.dtype in _EXPONENT] if cfg.nonfinite_check else []
+        if self.float_sources:
+            self._tags = torch.tensor([g.tag("tail", kv) for kv, _, _ in self.float_sources], device=canary.device)
+            self._index = torch.tensor([i for _, i, _ in self.float_sources], device=canary.device)
+        if self._cpu:  # (numpy views of the static buffers the checks read, made once)
+            self._offs_np, self._count_np = g.plan.write_offsets.numpy(), g.plan.entries.count.numpy()
+            self._slot_np = g.plan.entries.slot.numpy()
+            # each source's KV as [rows, page_size, words] of same-width ints: a slot's words are one gather
+            self._rows_np = [src.byte_rows().numpy().view(_NP_INT[src.tensor.dtype.itemsize]).reshape(
+                src.tensor.shape[0], src.page_size, -1) for _, _, src in self.float_sources]
+        self.poison_on = cfg.poison_on_free
+        self.poisoned_count = 0  # slots poisoned so far (stats)
+
+    # -- HEAD: reserved slots ------------------------------------------------------------------------
+    def before(self) -> None:
+        """The plan's prefix entries and the live tokens' write slots against the reserved mask (after the
+        launcher's ``before``, on its side stream: the plan and staged inputs are ready there)."""
+        if self.reserved is None:
+            return
+        c = self.c
+        with c.launcher.side():
+            g = c.groups[0]
+            loc, x = c.launcher.inputs.loc[0], c.launcher.inputs
+            if self._host():  # (the common case in microseconds: nothing reserved among the reads and writes)
+                written = int(self._offs_np[c.launcher.key[0]])
+                read = self._slot_np[:max(0, min(int(self._count_np[0]), self._slot_np.shape[0]))]
+                if not self._any_reserved(read) and not self._any_reserved(loc.numpy()[:written]):
+                    return
+            self.check_entries(g.plan.entries, g.tag("head", "k"))
+            n = self._live_tokens(loc)
+            if not n:
+                return
+            slot = loc[:n].long()
+            live = torch.arange(n, device=slot.device) < g.plan.write_offsets[c.launcher.key[0]]
+            hit = live & self._is_reserved(slot)
+            minus = torch.full_like(slot, -1)
+            rows = torch.stack([torch.full_like(slot, g.tag("head", "k")), slot, x.positions[:n].long(),
+                                x.input_ids[:n].long(), minus, self._request_ids(n, slot.device), minus,
+                                torch.where(hit, WRITE, 0)], 1)
+            self._push(rows, hit)
+
+    def check_entries(self, entries, launch_tag: int) -> None:
+        """Report entries (read slots) that name a reserved slot: the verify op skips slot 0 silently. An
+        adapter that verifies read entries of its own (new tokens' read cells) calls it after that verify."""
+        if self.reserved is None:
+            return
+        n = entries.capacity
+        if self._host():  # (the count is free to read there)
+            n = min(n, max(0, int(entries.count[0])))
+            if not n or not self._any_reserved(entries.slot[:n].numpy()):
+                return
+        slot = entries.slot[:n]
+        hit = (torch.arange(n, device=slot.device) < entries.count) & (entries.enable != 0) & self._is_reserved(slot)
+        zero, minus = torch.zeros_like(slot), torch.full_like(slot, -1)
+        rows = torch.stack([torch.full_like(slot, launch_tag), slot, entries.position[:n], minus,
+                            entries.expected_token[:n], entries.prev[:n], zero, torch.where(hit, READ, 0)], 1)
+        self._push(rows, hit)
+
+    def _host(self) -> bool:
+        """Whether values may be read on the host: the CPU, outside a recorded step (an adapter's captured step
+        replays tensor ops only, ``Canary.use_graphs(host_ops=False)``), where the device path runs instead."""
+        return self._cpu and self.c.launcher.host_ops
+
+    def _push(self, rows: torch.Tensor, flag: torch.Tensor) -> None:
+        """Append ``rows[flag]`` to the ring (``ops.torch_ops._push``; where values stay on the device, a
+        static-size twin: the ring's capacity of candidate cells, no host read)."""
+        ring = self.c.ring
+        if self._host() or not self._cpu:  # (torch_ops' push reads no value off the CPU)
+            _push(ring, rows, flag)
+            return
+        cum = torch.cumsum(flag.long(), 0)
+        total, base = cum[-1:], ring.write_index.long()
+        m = torch.arange(ring.capacity, device=cum.device) - base  # ring row k takes flagged row m = k - base
+        take = (m >= 0) & (m < total)
+        src = torch.searchsorted(cum, m + 1).clamp(0, rows.shape[0] - 1)
+        ring.rows.copy_(torch.where(take[:, None], rows[src], ring.rows))
+        ring.write_index.copy_((base + total).clamp(max=VIOLATION_COUNT_LIMIT))
+
+    def _any_reserved(self, slot: torch.Tensor) -> bool:
+        """CPU: whether any of ``slot`` is reserved (numpy on views: a tensor op costs tens of microseconds here)."""
+        mask, s = self._reserved_np, slot
+        return bool(mask[s[(s >= 0) & (s < mask.shape[0])]].any())
+
+    def _is_reserved(self, slot: torch.Tensor) -> torch.Tensor:
+        mask = self.reserved
+        inside = (slot >= 0) & (slot < mask.shape[0])
+        return inside & mask[slot.clamp(0, mask.shape[0] - 1)]
+
+    def _live_tokens(self, loc: torch.Tensor) -> int:
+        """Tokens to look at: all of them on an accelerator (masked on the device), the live ones on the CPU."""
+        c = self.c
+        if not self._host():
+            return loc.shape[0]
+        return min(loc.shape[0], int(c.groups[0].plan.write_offsets[c.launcher.key[0]]))
+
+    def _request_ids(self, n: int, device) -> torch.Tensor:
+        """Each of the first ``n`` tokens' request id (-1 without ids)."""
+        c = self.c
+        ids = c.launcher.inputs.writer_ids
+        offs = c.groups[0].plan.write_offsets[1:c.launcher.key[0] + 1]
+        if ids is None or offs.shape[0] == 0:
+            return torch.full((n,), -1, dtype=torch.int64, device=device)
+        req = torch.searchsorted(offs, torch.arange(n, device=device), right=True).clamp(max=offs.shape[0] - 1)
+        return ids[req].long()
+
+    # -- TAIL: non-finite KV -------------------------------------------------------------------------
+    def after(self) -> None:
+        """The first live token (and source) of the forward whose written KV is NaN or Inf, if any."""
+        if not self.float_sources:
+            return
+        c = self.c
+        with c.launcher.side():
+            loc, x = c.launcher.inputs.loc[0], c.launcher.inputs
+            if self._host():  # (the common case in microseconds: every written byte finite)
+                live = loc.numpy()[:int(self._offs_np[c.launcher.key[0]])]
+                if all(_finite_np(src, rows, live) for (_, _, src), rows in zip(self.float_sources, self._rows_np)):
+                    return
+            n = self._live_tokens(loc)
+            if not n:
+                return
+            slot = loc[:n].long()
+            live = ((torch.arange(n, device=slot.device) < c.groups[0].plan.write_offsets[c.launcher.key[0]])
+                    & (slot >= 1) & (slot < c.pool.num_slots))
+            bad = torch.stack([live & ~_finite(src, slot) for _, _, src in self.float_sources], 1)  # [n, S]
+            flat = bad.view(-1)
+            first = flat.to(torch.int8).argmax()  # the first token, then its first source
+            t, s = first // bad.shape[1], first % bad.shape[1]
+            found = flat.any().view(1)
+            row = torch.stack([self._tags[s], slot[t], x.positions[:n].long()[t], x.input_ids[:n].long()[t],
+                               torch.full_like(t, -1), self._request_ids(n, slot.device)[t], self._index[s],
+                               torch.where(found[0], NONFINITE, 0)]).view(1, -1)
+            self._push(row, found)
+
+    # -- poison on free ------------------------------------------------------------------------------
+    def poison(self, slots) -> int:
+        """Fill ``slots``' KV in every real-KV source of the full group with ``POISON``; reserved slots
+        are left alone. Returns how many slots were poisoned (0 when ``poison_on_free`` is off)."""
+        c = self.c
+        if not self.poison_on or not c.enabled:
+            return 0
+        slots = slots if isinstance(slots, torch.Tensor) else torch.as_tensor(slots, dtype=torch.int64)
+        slots = slots_tensor("poison_slots", "slots", slots, c.pool.num_slots, c.device)
+        if self.reserved is not None:
+            slots = slots[~self.reserved[slots]]
+        else:
+            slots = slots[slots != 0]
+        if not slots.shape[0]:
+            return 0
+        c.launcher.join()  # after TAIL's reads of these slots' bytes (the previous step's hash)
+        g = c.groups[0]
+        for src in (*g.sources["k"], *g.sources["v"]):
+            rows, cols = _byte_cells(src, slots)
+            src.byte_rows()[rows, cols] = _pattern(cols)
+        self.poisoned_count += int(slots.shape[0])
+        return int(slots.shape[0])
+
+    def is_poisoned(self, slot: int) -> bool:
+        """Whether ``slot``'s bytes are the poison pattern in a real-KV source of the full group (reports only)."""
+        g = self.c.groups[0]
+        for src in (*g.sources["k"], *g.sources["v"]):
+            if 0 < slot < src.num_slots:
+                rows, cols = _byte_cells(src, torch.tensor([slot], device=src.tensor.device))
+                if bool((src.byte_rows()[rows, cols] == _pattern(cols)).all()):
+                    return True
+        return False
+
+    # -- reports -------------------------------------------------------------------------------------
+    def attribution(self, row: list[int], step: int, monitor) -> dict:
+        """What a report adds to a row of these checks (``Monitor._decode``)."""
+        bits = row[7]
+        if bits & READ:
+            return monitor._reader(row, step, "full", "k", "head")
+        out = {"writer_request": row[5] if row[5] >= 0 else None, "writer_step": step}
+        if bits & NONFINITE:
+            out["layer"] = row[6]
+            out["poisoned"] = self.is_poisoned(row[1])
+        return out
+
+    def stats(self) -> dict:
+        return {"poisoned_slots": self.poisoned_count}
+
+
+def _byte_cells(src, slots: torch.Tensor):
+    """(rows, cols) index tensors of ``slots``' bytes in ``src.byte_rows()``: [n, 1] and [n, nbpt]."""
+    nbpt = src.num_bytes_per_token
+    rows = torch.div(slots, src.page_size, rounding_mode="floor")
+    cols = (slots % src.page_size) * nbpt
+    return rows[:, None], cols[:, None] + torch.arange(nbpt, device=slots.device)
+
+
+def _finite_np(src, rows, slot) -> bool:
+    """CPU: whether every element of ``slot``'s KV in ``src`` is finite (numpy on ``rows``, its words' view)."""
+    slot = slot[(slot >= 1) & (slot < src.num_slots)]
+    if not slot.shape[0]:
+        return True
+    exp = _EXPONENT[src.tensor.dtype]
+    words = rows[slot // src.page_size, slot % src.page_size]  # [n, words of one token]
+    return not bool(((words & exp) == exp).any())
+
+
+def _pattern(cols: torch.Tensor) -> torch.Tensor:
+    """The poison's bytes at byte columns ``cols`` (uint8, their shape)."""
+    return torch.where(cols % 2 == 0, POISON[0], POISON[1]).to(torch.uint8)
+
+
+def _finite(src, slot: torch.Tensor) -> torch.Tensor:
+    """bool [n]: every element of each slot's KV in ``src`` is finite (a slot outside it counts as finite)."""
+    inside = slot < src.num_slots
+    rows, cols = _byte_cells(src, torch.where(inside, slot, 0))
+    dtype = src.tensor.dtype
+    exp = _EXPONENT[dtype]
+    words = src.byte_rows()[rows, cols].view(_INT_VIEW[dtype.itemsize])
+    return ~((words & exp) == exp).any(1) | ~inside

@@ -1,0 +1,316 @@
+"""Reserved, poisoned and non-finite slots (runtime/slots.py): each check sees the bug it exists for, in a
+hand-driven canary, the simulated engine and transformers continuous batching, and clean runs report nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvcanary import Canary, CanaryConfig, ForwardBatch, PoolSpec, RealKvSource
+from kvcanary.runtime.slots import POISON
+from kvcanary.sim import MATRIX
+from kvcanary.sim.engine import SimEngine, default_canary_config, run_sim
+from kvcanary.sim.zoo import run_verdict
+
+logging.getLogger("kvcanary").setLevel(logging.ERROR)
+
+
+class Toy:
+    """One request on a pool of one-token pages, driven by hand (docs/runtime.md's example)."""
+
+    def __init__(self, dtype=torch.float32, reserved=(), **cfg):
+        self.k = torch.zeros(64, 16 // torch.tensor([], dtype=dtype).element_size() * 2, dtype=dtype)
+        nbpt = self.k.shape[1] * self.k.element_size()
+        pool = PoolSpec(64, (RealKvSource(self.k, page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt),),
+                        reserved_slots=reserved)
+        self.canary = Canary(pool, CanaryConfig(mode="log", **cfg), max_batch=2, max_tokens=16, max_context=16,
+                             num_rows=4)
+        self.table = torch.zeros(4, 16, dtype=torch.int64)
+
+    def forward(self, prefix, tokens, slots, corrupt=None):
+        n = len(tokens)
+        self.table[1, prefix:prefix + n] = torch.tensor(slots)
+        batch = ForwardBatch(torch.tensor([1]), torch.tensor([prefix]), torch.tensor([n]), torch.tensor(tokens),
+                             torch.arange(prefix, prefix + n), torch.tensor(slots), self.table,
+                             request_ids=torch.tensor([9]))
+        self.canary.before_forward(batch)
+        self.k[torch.tensor(slots)] = torch.arange(1, n * self.k.shape[1] + 1).view(n, -1).to(self.k.dtype)
+        if corrupt is not None:
+            corrupt(self)
+        self.canary.after_forward(batch)
+        return self.canary.flush()
+
+    def run(self, corrupt_at=None, corrupt=None, cells=None):
+        """Prefill 3 tokens, then 3 decodes; ``cells``: {column: slot} set before the last decode."""
+        self.forward(0, [11, 12, 13], [5, 6, 7])
+        self.canary.mark_ready()
+        for i, slot in enumerate((8, 9, 10)):
+            if cells and i == 2:
+                for col, s in cells.items():
+                    self.table[1, col] = s
+            self.forward(3 + i, [20 + i], [slot], corrupt if corrupt_at == i else None)
+        return self.canary.flush()
+
+
+def test_clean_toy_reports_nothing_with_every_slot_check_on():
+    toy = Toy(reserved=(63,), poison_on_free=True)
+    assert toy.run() == [] and toy.canary.stats()["violations"] == 0
+
+
+def test_a_live_read_of_slot0_is_reported_where_the_ops_alone_see_nothing():
+    vs = Toy().run(cells={1: 0})
+    assert [(v.reasons, v.slot, v.position, v.reader_request) for v in vs] == [(("reserved_slot_read",), 0, 1, 9)]
+    assert "a reserved slot" in vs[0].block() and "was never written" not in vs[0].block()
+    # the verify op skips slot 0, and the next position's chain check (its predecessor is 0)
+    assert Toy(reserved_check=False).run(cells={1: 0}) == []
+
+
+def test_a_live_read_of_an_engine_trash_slot_is_reported():
+    vs = Toy(reserved=(63,)).run(cells={1: 63})
+    assert (("reserved_slot_read",), 63, 1, 9) in [(v.reasons, v.slot, v.position, v.reader_request) for v in vs]
+
+
+def test_a_live_write_into_a_reserved_slot_is_reported():
+    toy = Toy(reserved=(63,))
+    toy.forward(0, [11, 12], [5, 6])
+    vs = toy.forward(2, [13], [63])
+    assert [(v.reasons, v.slot, v.position, v.stored_token, v.writer_request) for v in vs] == [
+        (("reserved_slot_write",), 63, 2, 13, 9)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nonfinite_kv_at_write_names_the_first_writer(dtype, value):
+    def corrupt(toy):
+        toy.k[9, 1] = value
+    vs = Toy(dtype).run(corrupt_at=1, corrupt=corrupt)
+    assert [(v.reasons, v.launch_tag, v.slot, v.position, v.stored_token, v.writer_request, v.layer, v.step)
+            for v in vs] == [(("nonfinite_kv",), "TAIL_K_FULL", 9, 4, 21, 9, 0, 3)]
+    assert "is not finite (NaN/Inf) in K real-KV source 0" in vs[0].block()
+    assert Toy(dtype, nonfinite_check=False).run(corrupt_at=1, corrupt=corrupt) == []
+
+
+def test_nonfinite_check_skips_integer_sources():
+    toy = Toy(torch.int32)
+    assert toy.canary.slots.float_sources == []
+    assert toy.run(corrupt_at=1, corrupt=lambda t: t.k.__setitem__((9, 1), -1)) == []
+
+
+def test_poisoned_slot_read_is_reported_as_a_use_after_free():
+    toy = Toy(poison_on_free=True)
+    toy.forward(0, [11, 12, 13], [5, 6, 7])
+    assert toy.canary.poison_slots([6, 0]) == 1  # (slot 0 is reserved: left alone)
+    assert toy.k[6].view(torch.uint8).view(-1, 2).tolist() == [list(POISON)] * 16 and bool((toy.k[0] == 0).all())
+    assert bool(toy.k[6].isnan().all())
+    vs = toy.forward(3, [14], [8])  # the request still maps slot 6: a read of a freed slot
+    assert [(v.launch_tag, v.reasons, v.slot, v.poisoned) for v in vs] == [
+        ("TAIL_K_FULL", ("verify_real_kv_hash",), 6, True)]
+    assert "poison pattern of a freed slot" in vs[0].block() and "use after free" in vs[0].block()
+    assert toy.canary.stats()["poisoned_slots"] == 1
+
+
+def test_a_freed_slot_rewritten_after_reuse_is_clean():
+    toy = Toy(poison_on_free=True)
+    toy.forward(0, [11, 12], [5, 6])
+    toy.canary.poison_slots(torch.tensor([7, 8]))
+    assert toy.forward(2, [13, 14], [7, 8]) == [] and toy.forward(4, [15], [9]) == []
+
+
+def test_poison_is_off_by_default_and_bad_slots_change_nothing():
+    toy = Toy()
+    assert toy.canary.poison_slots([5]) == 0 and bool((toy.k == 0).all())
+    toy = Toy(poison_on_free=True)
+    with pytest.raises(ValueError, match="poison_slots slots must be slots in"):
+        toy.canary.poison_slots([5, 64])
+    assert bool((toy.k == 0).all())
+
+
+def test_pool_spec_refuses_bad_reserved_slots():
+    with pytest.raises(ValueError, match="reserved_slots must be a tuple of ints in"):
+        PoolSpec(8, reserved_slots=(8,))
+    with pytest.raises(ValueError, match="reserved_slots"):
+        PoolSpec(8, reserved_slots=(True,))
+
+
+# -- the simulated engine ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["base", "spec-paged-swa"])
+def test_sim_read_slot0_is_reported_where_the_ops_alone_see_nothing(name):
+    cfg = MATRIX[name].replace(bug="read_slot0")
+    r = run_sim(cfg, stop_after=1)
+    assert run_verdict(r) == "detected" and r.reasons == ["reserved_slot_read"]
+    assert r.first_detected_step == r.planted_step
+    off = run_sim(cfg, default_canary_config(cfg).replace(reserved_check=False))
+    assert off.planted_step is not None and off.violations == 0
+
+
+def test_sim_nan_write_names_layer_request_position_and_step():
+    cfg = MATRIX["base"].replace(bug="nan_write")
+    e = SimEngine(cfg)
+    r = e.run(stop_after=1)
+    v = e.canary.violations[0]
+    assert r.reasons == ["nonfinite_kv"] and v.step == r.planted_step and v.layer == 1
+    assert v.writer_request is not None and v.position > 0 and v.launch_tag == "TAIL_K_FULL"
+    off = run_sim(cfg, default_canary_config(cfg).replace(nonfinite_check=False))
+    assert off.planted_step is not None and off.violations == 0
+
+
+def test_sim_read_of_a_partial_page_tail_is_reported():
+    e = SimEngine(MATRIX["paged"].replace(bug="read_partial_tail"))
+    r = e.run(stop_after=0)
+    assert run_verdict(r) == "detected" and r.first_detected_step == r.planted_step
+    first = [v for v in e.canary.violations if v.step == r.planted_step]
+    # the tail's cells hold no record of this request: positions past the request's length fail
+    assert any(v.launch_tag == "HEAD_K_FULL" and "verify_position" in v.reasons for v in first)
+    assert any("write_position" in v.reasons for v in first)
+
+
+def test_sim_free_while_cached_reads_poison():
+    cfg = MATRIX["base"].replace(bug="free_while_cached")
+    e = SimEngine(cfg, default_canary_config(cfg).replace(poison_on_free=True))
+    e.run(stop_after=2)
+    poisoned = [v for v in e.canary.violations if v.poisoned]
+    assert poisoned and "use after free" in poisoned[0].block()
+    e = SimEngine(cfg)
+    e.run(stop_after=2)
+    assert e.canary.violations and not any(v.poisoned for v in e.canary.violations)
+
+
+@pytest.mark.parametrize("name", ["paged", "spec-paged-swa", "pressure-offload"])
+def test_sim_clean_with_poison_on_free_reports_nothing(name):
+    cfg = MATRIX[name]
+    e = SimEngine(cfg, default_canary_config(cfg).replace(poison_on_free=True))
+    r = e.run()
+    assert r.violations == 0 and r.refused is None and r.finished > 0
+    assert e.canary.stats()["poisoned_slots"] > 0
+
+
+# -- transformers continuous batching ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama():
+    pytest.importorskip("transformers")
+    from kvcanary.demo import build_tiny_model
+
+    return build_tiny_model("cpu")
+
+
+def planted(model, planter):
+    """Plant a test-local engine bug on every batch processor (``bugs.on_new_processors``); returns the undo."""
+    from kvcanary.integrations.transformers.bugs import on_new_processors
+    from kvcanary.integrations.transformers.layouts import layout_of
+
+    state = {"fired": False, "warming_up": False}
+
+    def plant(bp):
+        planter(bp, layout_of(bp.cache), state)
+        warmup = getattr(bp, "warmup", None)  # (its fake requests come before any real one: not planted there)
+        if warmup is not None:
+            def quiet_warmup(*args, **kwargs):
+                state["warming_up"] = True
+                try:
+                    return warmup(*args, **kwargs)
+                finally:
+                    state["warming_up"] = False
+
+            bp.warmup = quiet_warmup
+
+    return on_new_processors(model, plant, "_test_slots_bug")
+
+
+def _once(state) -> bool:
+    if state["fired"] or state["warming_up"]:
+        return False
+    state["fired"] = True
+    return True
+
+
+def read_slot0(bp, lay, state):
+    cm = lay.full_allocator()
+    orig = cm.get_read_indices
+
+    def get_read_indices(request_id, past_length, query_length):
+        out = orig(request_id, past_length, query_length)
+        if past_length >= 3 and _once(state):
+            out[1] = 0  # the read trash: position 1 is read from slot 0
+        return out
+
+    cm.get_read_indices = get_read_indices
+
+
+def nan_write(bp, lay, state):
+    cm = lay.full_allocator()
+    orig = cm.update
+
+    def update(key_states, value_states, layer_idx, read_index, write_index):
+        state["layer0"] = state.get("layer0", 0) + (layer_idx == 0)
+        if layer_idx == 0 and state["layer0"] == 4 and _once(state):
+            key_states = key_states.clone()
+            key_states[0, 0, 0] = float("nan")  # the first layer's K of the fourth forward's first token
+        return orig(key_states, value_states, layer_idx, read_index, write_index)
+
+    cm.update = update
+
+
+def use_after_free(bp, lay, state):
+    orig, cache = bp.update_batch, bp.cache
+
+    def update_batch():
+        orig()
+        for table in lay.block_table(lay.full_group).values():
+            if len(table) >= 2 and not bp.scheduler.waiting_requests and _once(state):
+                block = table[0]
+                cache.pool.free_blocks(lay.full_group, [block])  # freed, still mapped by the request
+                # (last in the free order: nobody is handed it soon, so records alone would match). In the tiny
+                # cache a sector holds one block: the free block's sector goes back, and the pool takes the last
+                # free sector first.
+                pool = cache.pool
+                pool.try_to_free_sectors()
+                trees = pool._free_blocks[lay.full_group]
+                root = block // trees.elems_per_tree
+                if root in pool.free_sectors:
+                    pool.free_sectors.remove(root)
+                    pool.free_sectors.insert(0, root)
+                return
+
+    bp.update_batch = update_batch
+
+
+def run(model, planter=None, **options):
+    from kvcanary.demo import run_workload
+
+    undo = planted(model, planter) if planter is not None else None
+    try:
+        return run_workload(model, num_return_sequences=1, max_new_tokens=8, **options)
+    finally:
+        if undo is not None:
+            undo()
+
+
+def test_transformers_clean_with_every_slot_check_and_poison(llama):
+    r = run(llama, poison_on_free=True)
+    assert r.violations == [] and r.stats["poisoned_slots"] > 0
+
+
+def test_transformers_read_of_slot0_is_reported(llama):
+    r = run(llama, read_slot0)
+    first = r.violations[0]
+    assert first.reasons == ("reserved_slot_read",) and first.slot == 0 and first.position == 1
+    assert first.reader_request is not None
+    assert run(llama, read_slot0, reserved_check=False).violations == []
+
+
+def test_transformers_nan_write_is_reported_with_its_writer(llama):
+    r = run(llama, nan_write)
+    first = r.violations[0]
+    assert first.reasons == ("nonfinite_kv",) and first.launch_tag == "TAIL_K_FULL" and first.layer == 0
+    assert first.writer_request is not None and not first.poisoned
+
+
+def test_transformers_read_of_a_freed_block_reads_poison(llama):
+    r = run(llama, use_after_free, poison_on_free=True)
+    poisoned = [v for v in r.violations if v.poisoned]
+    assert poisoned and poisoned[0].reasons == ("verify_real_kv_hash",) and poisoned[0].reader_request is not None
+    assert r.violations[0].step == poisoned[0].step  # the first report of the run is the poisoned read
+    # without poison the freed block still holds its records and bytes: the read passes unseen
+    assert run(llama, use_after_free).violations == []
