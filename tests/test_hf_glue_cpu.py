@@ -1,5 +1,5 @@
-"""The adapter's host read table as one numba loop (integrations/hf_glue_cpu.py) writes what the numpy
-path of ``BatchBuilder._fill_host`` writes, cell for cell, and refuses what would write outside the table."""
+"""The adapter's host read table as one numba loop (runtime/step/kernels_cpu.py) writes what the numpy
+path of ``StepTables._fill_host`` writes, cell for cell, and refuses what would write outside the table."""
 
 from types import SimpleNamespace
 
@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("numba")
 
-from kvcanary.integrations.transformers import glue_cpu as hf_glue_cpu  # noqa: E402
-from kvcanary.integrations.transformers.batch import BatchBuilder  # noqa: E402
+from kvcanary.runtime.step import kernels_cpu as hf_glue_cpu  # noqa: E402
+from kvcanary.runtime.step.tables import StepTables  # noqa: E402
 
 NUM_ROWS, NUM_SLOTS = 9, 500
 
@@ -23,9 +23,9 @@ def host_table(kernel, seed: int, bs: int, width: int, short: int, read_dtype) -
     extend = rng.integers(1, 5, bs).astype(np.int64)
     total = int((prefix + extend).sum())
     read = rng.integers(0, NUM_SLOTS, total + 64).astype(read_dtype)
-    b = BatchBuilder.__new__(BatchBuilder)
+    b = StepTables.__new__(StepTables)
     b.warned_read_size, b.host_table = False, kernel
-    b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, num_slots=NUM_SLOTS))
+    b.group, b.num_slots = 0, NUM_SLOTS
     out = np.full((NUM_ROWS, width), -5, dtype=np.int64)
     views = SimpleNamespace(rows=rows, prefix=prefix, extend=extend, rtt=out, read=read)
     b._fill_host(views, SimpleNamespace(true_read_sizes=[total - short]), total)

@@ -84,14 +84,14 @@ class BlockLayout(EngineLayout):
         orig_copy, orig_offload, orig_restore = cache.copy_cache, om._offload_to_cpu, om.restore_scheduled_requests
 
         def copy_cache(src, dst):
-            session._join()
+            session.runner.join()
             orig_copy(src, dst)
             # (one block space for every group: a block id names its slots whatever its group)
             session._guarded(session._on_copy, self.blocks_to_slots(src, dev), self.blocks_to_slots(dst, dev),
                              len(src))
 
         def offload_to_cpu(victims):
-            session._join()
+            session.runner.join()
             # (before the engine's offload: it frees the victims' blocks, and their tables with them)
             blocks = {st.request_id: self.request_blocks(st.request_id) for st in victims}
             done = orig_offload(victims)
@@ -105,7 +105,7 @@ class BlockLayout(EngineLayout):
                 rid = fs.state.request_id
                 if fs.state.is_cpu_offloaded and rid in session.saved:
                     counts[rid] = list(om._request_id_to_group_block_counts.get(rid, []))
-            session._join()
+            session.runner.join()
             orig_restore(requests_in_batch)
             if counts:
                 cms = cache.group_cache_managers

@@ -103,7 +103,7 @@ class SectorLayout(EngineLayout):
         index = self._index()
 
         def perform_cache_copy(copy_src_and_dst):
-            session._join()
+            session.runner.join()
             orig_copy(copy_src_and_dst)
             pairs = [(index[name], src, dst) for name, (src, dst) in copy_src_and_dst.items() if len(src)]
             if pairs:
@@ -111,7 +111,7 @@ class SectorLayout(EngineLayout):
                                  self.group_slots([(g, d) for g, _, d in pairs], dev), sum(len(s) for _, s, _ in pairs))
 
         def offload_to_cpu(victims, victim_block_tables):
-            session._join()
+            session.runner.join()
             done = orig_offload(victims, victim_block_tables)
             # (the engine freed the victims' blocks before this call: their tables come as an argument)
             slots = {rid: self.group_slots([(index[n], bl) for n, bl in victim_block_tables[rid].items()], dev)
@@ -125,7 +125,7 @@ class SectorLayout(EngineLayout):
                 rid = fs.state.request_id
                 if fs.state.is_cpu_offloaded and rid in session.saved:
                     counts[rid] = {n: len(ids) for n, ids in om._request_id_to_cpu_blocks.get(rid, {}).items()}
-            session._join()
+            session.runner.join()
             orig_restore(requests_in_batch)
             if counts:
                 allocs = cache.cache_allocators

@@ -16,7 +16,7 @@ from operator import add, attrgetter, getitem, sub
 
 import numpy as np
 
-from kvcanary.integrations.transformers.staging import HostStep
+from kvcanary.runtime.engine import HostStep
 from kvcanary.runtime.report import MISSING_TOKEN
 
 __all__ = ["TokenRows", "NAME", "QUERY", "STATE", "STATE_ID", "STATE_OFFSET"]

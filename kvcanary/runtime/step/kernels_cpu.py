@@ -1,10 +1,10 @@
-"""The transformers adapter's host index work on the CPU as compiled loops (numba), for the numba backend.
+"""The step runner's host index work on the CPU as compiled loops (numba), for the numba backend.
 
 An eager CPU step fills the batch's read table from the engine's read index on the host
-(``BatchBuilder._fill_host``) with ``kvcanary.ops.read_table``'s compiled loop (``read_table`` here:
+(``StepTables._fill_host``) with ``kvcanary.ops.read_table``'s compiled loop (``read_table`` here:
 ``ops/read_table_ops.compiled_loop``, unvalidated; rows and the clamp are bounds-checked inside the loop).
 
-``new_reads_match`` is the shortcut of the new tokens' read check (``BatchBuilder.verify_new_reads``): do
+``new_reads_match`` is the shortcut of the new tokens' read check (``StepTables.verify_new_reads``): do
 the read table's cells of the new tokens hold their write slots? 1 yes, 0 no, -1 where an index is out
 of range or the lengths differ (the numpy expression then decides, as before: it wraps negative
 indices and raises on others).
