@@ -5,7 +5,7 @@ captured or fused.
 - ``tables``: the step's ``ForwardBatch``, its read table and the new tokens' read check;
 - ``staging``: the host part's pinned buffers and their copies;
 - ``graphs``, ``fused``: captured steps (a graph per batch shape) and fused steady decode steps;
-- ``kernels``, ``kernels_cpu``: the index work as Triton kernels and numba loops.
+- ``kernels``: the index work as Triton kernels (its numba loops: ``ops/read_table_ops.py``).
 """
 
 from kvcanary.runtime.step.runner import StepRunner

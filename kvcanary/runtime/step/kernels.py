@@ -18,7 +18,7 @@ one kernel, with the same results cell for cell:
 
 The tensor-op versions (the read table's: the op's torch body) run from ``tables.py`` (the torch backend, and
 the check these are held to: tests/test_hf_glue.py); the CPU's eager steps use the op's numpy body there, or its
-numba loop (``kernels_cpu.py``).
+numba loops (``ops/read_table_ops.py``: ``compiled_loop``, ``compiled_new_reads_match``).
 ``IndexKernels`` runs each kernel as the runner calls it: on its first eager call also the tensor ops,
 compared on the host, and the tensor ops from then on, with a warning, where the kernel fails to compile
 or launch or gives other cells. The kernels are an optimisation, never a new way to fail or to report.

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvcanary import ops
-from kvcanary.ops.read_table_ops import numpy_read_table, torch_read_table
+from kvcanary.ops.read_table_ops import compiled_loop, compiled_new_reads_match, numpy_read_table, torch_read_table
 from kvcanary.ops.types import NO_LIMIT
 from kvcanary.runtime.batch import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.runtime.engine import HostStep
@@ -67,10 +67,8 @@ class StepTables:
             from kvcanary.runtime.step import kernels  # (imports Triton)
 
             self.glue = kernels.IndexKernels()
-        elif backend == "numba":
-            from kvcanary.runtime.step import kernels_cpu  # (imports numba)
-
-            self.host_table, self.new_reads_match = kernels_cpu.read_table, kernels_cpu.new_reads_match
+        elif backend == "numba":  # (compiled on first use: numba imports then)
+            self.host_table, self.new_reads_match = compiled_loop(), compiled_new_reads_match()
 
     def build(self) -> ForwardBatch:
         """This step's batch, its device work issued eagerly."""
