@@ -5,8 +5,8 @@ runtime's step runner, ``kvcanary.runtime.step``, which ``batch.BatchBuilder`` f
 
 - ``handle``: ``attach``, its handle and ``detach``; the private step-path toggles (``tuned``);
 - ``session``: one canary and step runner per batch processor, and the hooks that feed them;
-- ``batch``, ``tokens``: the engine source: each step's host part from the batch the engine prepared, its
-  inputs, each request's row and token history;
+- ``batch``: the engine source: each step's host part from the batch the engine prepared, its inputs, each
+  request's row and token history;
 - ``layout``, ``layouts``, ``cache_blocks``, ``cache_sectors``: the paged cache's layout, one class per
   cache generation (5.17; 5.18 and later);
 - ``moves``: KV moves between steps (fork copies, offload and restore, sweeps).
