@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcanary.integrations.transformers.graphs import STEADY_SIGHTINGS  # noqa: E402
-from kvcanary.integrations.transformers.staging import STAGING_TURNS  # noqa: E402
+from kvcanary.runtime.step.graphs import STEADY_SIGHTINGS  # noqa: E402
+from kvcanary.runtime.step.staging import STAGING_TURNS  # noqa: E402
 
 # Each round attaches anew, and a new attach captures a steady decode shape's graphs on its first steps
 # (an eager step and a per-shape capture, then one capture per staging turn once the shape is steady):

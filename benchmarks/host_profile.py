@@ -22,6 +22,7 @@ that enqueue them.
 from __future__ import annotations
 
 import cProfile
+import dataclasses
 import io
 import os
 import pstats
@@ -42,12 +43,13 @@ class _NoKernels:
 
 
 _TIMED = {
-    "kvcanary.integrations.transformers.session:Session": ("_before", "_after", "_before_update", "_after_update",
-                                                 "_engine_stream", "_late_step", "_join"),
+    "kvcanary.integrations.transformers.session:Session": ("_before", "_after", "_before_update", "_after_update"),
+    "kvcanary.runtime.step.runner:StepRunner": ("before", "after", "engine_stream", "late_step", "join"),
+    "kvcanary.runtime.step.tables:StepTables": ("build", "fill_read_table", "verify_new_reads"),
     "kvcanary.integrations.transformers.batch:BatchBuilder": ("host_part", "_rows", "_token_cells", "forget_finished", "_steady"),
-    "kvcanary.integrations.transformers.staging:Staging": ("send", "copied"),
-    "kvcanary.integrations.transformers.graphs:StepGraphs": ("before", "_run"),
-    "kvcanary.integrations.transformers.fused:FusedSteps": ("step", "repeat", "_launch", "_capture", "_replay", "usable", "join"),
+    "kvcanary.runtime.step.staging:Staging": ("send", "copied"),
+    "kvcanary.runtime.step.graphs:StepGraphs": ("before", "_run"),
+    "kvcanary.runtime.step.fused:FusedSteps": ("step", "repeat", "_launch", "_capture", "_replay", "usable", "join"),
     "kvcanary.runtime.canary:Canary": ("host_before", "after_forward", "device_after", "host_after",
                                        "replayed_step", "check_replayed"),
     "kvcanary.runtime.launch:ForwardLauncher": ("join", "side"),
@@ -224,11 +226,11 @@ def use_stand_in_graphs() -> None:
     paths per steady step, counted on any machine (each replay counts as one call). Needs the Triton backend
     under the interpreter (``--canary-option backend=triton``, TRITON_INTERPRET=1): the stand-in records
     Triton launches and torch ops, not numba calls."""
-    from kvcanary.integrations.transformers import graphs as hf_graph
+    from kvcanary.runtime.step import graphs as hf_graph
     from kvcanary.runtime.graphs import DispatchGraph
 
-    orig = hf_session.Session._step_graphs
-    hf_session.Session._step_graphs = lambda self, graph_type=None: orig(self, DispatchGraph)
+    orig = hf_session.Session._step_runner
+    hf_session.Session._step_runner = lambda self, graph_type=None: orig(self, DispatchGraph)
     hf_graph.STEADY_SIGHTINGS = 2  # (a short CPU run reaches the fused steps soon)
 
 
@@ -246,7 +248,11 @@ def main(argv: list[str]) -> None:
         _install_counter()
     argv = [a for a in argv if a not in flags]
     if eager:
-        hf_session.Session._step_graphs = lambda self, graph_type=None: None
+        from kvcanary.runtime.engine import StepOptions
+        from kvcanary.runtime.step import StepRunner
+
+        hf_session.Session._step_runner = lambda self, graph_type=None: StepRunner(
+            self.canary, self.builder, dataclasses.replace(StepOptions.of(self.handle.options), step_graphs=False))
     if stand_in:
         use_stand_in_graphs()
     if stub:

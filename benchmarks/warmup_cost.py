@@ -39,7 +39,7 @@ from kvcanary.bench.workload import Workload, build_model  # noqa: E402
 
 def _timed_captures(stats: dict):
     """Count and time every canary capture: the modules that capture call ``capture`` by name."""
-    from kvcanary.integrations.transformers import fused as hf_fused, graphs as hf_graph
+    from kvcanary.runtime.step import fused as hf_fused, graphs as hf_graph
     from kvcanary.runtime import graphs
 
     orig = graphs.capture

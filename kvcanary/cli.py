@@ -127,7 +127,7 @@ def _recall(args: argparse.Namespace) -> int:
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    from kvcanary.integrations.transformers.bugs import BUGS
+    from kvcanary.sim.hf_bugs import BUGS
 
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--bug", default="early-free", choices=sorted(BUGS),
@@ -336,7 +336,7 @@ def _soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", type=int, default=None, metavar="SEED",
                    help="run the one workload of this seed and print what it is and what it found")
     p.add_argument("--bug", default=None, metavar="NAME",
-                   help="plant this engine bug into every canary run (transformers.bugs or sim.bugs names): a campaign "
+                   help="plant this engine bug into every canary run (sim.hf_bugs or sim.bugs names): a campaign "
                         "that must fail")
     _campaign_output_args(p)
 

@@ -75,7 +75,7 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
                  **options) -> RunResult:
     """Run the demo workload once on continuous batching, optionally with the canary and a planted bug."""
     from transformers import GenerationConfig
-    from kvcanary.integrations.transformers.bugs import plant
+    from kvcanary.sim.hf_bugs import plant
     from kvcanary.integrations.transformers.layout import cb_config
     from kvcanary.integrations.transformers import attach_with
 
@@ -128,7 +128,7 @@ def most_telling(violations: list) -> list:
 
 def run_demo(device: str = "cpu", bug: str = DEFAULT_BUG, model_path: str | None = None) -> dict:
     """Clean run, then the same workload with ``bug`` planted; returns the summary the CLI prints."""
-    from kvcanary.integrations.transformers.bugs import BUGS
+    from kvcanary.sim.hf_bugs import BUGS
 
     if bug not in BUGS:
         raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {bug!r}")

@@ -236,7 +236,7 @@ def generate(model, bug=None, canary=True):
 
     from kvcanary.demo import demo_prompts
     from kvcanary.integrations.transformers import attach
-    from kvcanary.integrations.transformers.bugs import plant
+    from kvcanary.sim.hf_bugs import plant
     from kvcanary.integrations.transformers.layout import cb_config
 
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)

@@ -16,7 +16,7 @@ from kvcanary import cli  # noqa: E402
 from kvcanary.bench import suite as bench_suite  # noqa: E402
 from kvcanary.bench.engine import build_model, canary_config  # noqa: E402
 from kvcanary.integrations.transformers.layout import sdpa_name  # noqa: E402
-from kvcanary.integrations.transformers.varlen_attention import use, varlen  # noqa: E402
+from kvcanary.bench.varlen_attention import use, varlen  # noqa: E402
 
 
 def _generate(switch) -> dict:
@@ -315,7 +315,8 @@ def test_warmup_cost_pairs_whole_generations_and_profiles_the_mixed_steps(tmp_pa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import warmup_cost
 
-    from kvcanary.integrations.transformers import fused as hf_fused, graphs as hf_graph, session as hf_session
+    from kvcanary.integrations.transformers import session as hf_session
+    from kvcanary.runtime.step import fused as hf_fused, graphs as hf_graph
     from kvcanary.runtime import graphs
 
     hooks = {n: getattr(hf_session.Session, n) for n in ("_before", "_after", "_before_update", "_after_update")}
@@ -341,7 +342,7 @@ def test_warmup_cost_pairs_whole_generations_and_profiles_the_mixed_steps(tmp_pa
     err = capsys.readouterr().err
     assert err.count("  step ") == 3 and "canary host" in err
     # (at most the 2 asked for: this tiny generation prefills in one or two chunks)
-    assert re.search(r"cProfile over [12] mixed steps", err) and "_before_forward" in err
+    assert re.search(r"cProfile over [12] mixed steps", err) and "runner.py" in err
 
 
 def test_engine_bench_stagger_measures_the_shrinking_batch_steps(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The compiled yes-or-no pass of the CPU's value checks (runtime/checks_fast.py) says yes exactly where
+"""The compiled yes-or-no pass of the CPU's value checks (runtime/checks.py, ``batch_ok``) says yes exactly where
 every Python check of ``check_batch_values`` passes: on a valid batch and on each kind of bad value."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from kvcanary.runtime import checks, checks_fast  # noqa: E402
+from kvcanary.runtime import checks  # noqa: E402
 from kvcanary.runtime.batch import ForwardBatch, TokenAppend, TokenHistory  # noqa: E402
 
 NUM_ROWS, NUM_SLOTS, MAX_CONTEXT = 8, 100, 32
@@ -27,15 +27,15 @@ def batch(rows=(3, 5, 0), prefix=(4, 0, 0), extend=(1, 2, 1), loc=(7, 8, 9, -1),
 
 
 def python_checks_pass(b) -> bool:
-    ok = checks_fast.batch_ok
-    checks_fast.batch_ok = lambda *a: False  # (the Python checks alone)
+    ok = checks.batch_ok
+    checks.batch_ok = lambda *a: False  # (the Python checks alone)
     try:
         checks.check_batch_values(b, **LIMITS)
         return True
     except ValueError:
         return False
     finally:
-        checks_fast.batch_ok = ok
+        checks.batch_ok = ok
 
 
 CASES = {
@@ -69,7 +69,7 @@ CASES = {
 def test_the_compiled_pass_says_yes_exactly_where_the_python_checks_pass(case):
     b = batch(**CASES[case])
     expected = python_checks_pass(b)
-    assert checks_fast.batch_ok(b, **LIMITS) == expected
+    assert checks.batch_ok(b, **LIMITS) == expected
     assert expected == (case in ("valid", "as wide as the table", "no write is fine", "valid length at the context",
                                  "no cells", "padding slot past the pool"))
     if not expected:  # the checks still raise their own error with the pass in front of them
@@ -78,12 +78,12 @@ def test_the_compiled_pass_says_yes_exactly_where_the_python_checks_pass(case):
 
 
 def test_batches_it_does_not_judge_go_to_the_python_checks():
-    assert not checks_fast.batch_ok(batch(dtype=torch.int32), **LIMITS)  # other dtypes
+    assert not checks.batch_ok(batch(dtype=torch.int32), **LIMITS)  # other dtypes
     b = batch()
     b.token_history = TokenHistory(flat=t([1, 2, 3]), offsets=t([0, 1, 2, 3]))
-    assert not checks_fast.batch_ok(b, **LIMITS)  # a whole history per forward
+    assert not checks.batch_ok(b, **LIMITS)  # a whole history per forward
     b.token_history = None
-    assert not checks_fast.batch_ok(b, **LIMITS)
+    assert not checks.batch_ok(b, **LIMITS)
     checks.check_batch_values(batch(dtype=torch.int32), **LIMITS)  # (valid: the Python checks pass it)
 
 
@@ -108,7 +108,7 @@ def test_the_compiled_pass_agrees_with_the_python_checks_on_random_batches():
         b = batch(rows=rows, prefix=prefix, extend=extend, loc=locs, cells=(cell_rows, cell_cols), valid=valid)
         passed = python_checks_pass(b)
         outcomes.add(passed)
-        assert checks_fast.batch_ok(b, **LIMITS) == passed
+        assert checks.batch_ok(b, **LIMITS) == passed
 
     outcomes = set()
     check()

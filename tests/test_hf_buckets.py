@@ -8,8 +8,9 @@ import torch
 pytest.importorskip("transformers")
 triton = pytest.importorskip("triton")
 
-from kvcanary.integrations.transformers.batch import BatchBuilder, bucket  # noqa: E402
-from kvcanary.integrations.transformers.graphs import StepGraphs  # noqa: E402
+from kvcanary.integrations.transformers.batch import BatchBuilder
+from kvcanary.runtime.step.tables import StepTables, bucket  # noqa: E402
+from kvcanary.runtime.step.graphs import StepGraphs  # noqa: E402
 from kvcanary.demo import run_workload  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
@@ -47,8 +48,8 @@ def staggered(monkeypatch):
 
 @pytest.mark.parametrize("bug", [None, "wrong-read-index", "never-written"])
 def test_a_changing_batch_padded_to_its_bucket_reports_what_eager_steps_report(llama, monkeypatch, staggered, bug):
-    verify = BatchBuilder.verify_new_reads  # (the eager CPU path's shortcut off: compare like with like)
-    monkeypatch.setattr(BatchBuilder, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
+    verify = StepTables.verify_new_reads  # (the eager CPU path's shortcut off: compare like with like)
+    monkeypatch.setattr(StepTables, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
     pads = []
     host_part = BatchBuilder.host_part
 
@@ -87,9 +88,9 @@ def test_padding_follows_the_option_and_the_engine_s_batch_cap(llama, monkeypatc
     made = []
     init = StepGraphs.__init__
 
-    def keep(self, session, graph_type=None):
-        init(self, session, graph_type)
-        made.append(session.builder.pad_cap)
+    def keep(self, runner, graph_type=None):
+        init(self, runner, graph_type)
+        made.append(runner.source.pad_cap)
 
     monkeypatch.setattr(StepGraphs, "__init__", keep)
     kw = dict(prompts=staggered_prompts(llama.config.vocab_size)[:2], max_new_tokens=3, num_return_sequences=1)
@@ -103,7 +104,7 @@ def test_the_cpu_stages_in_one_buffer_unless_step_graphs_replay(llama, monkeypat
     # the CPU reads each step's observation when the step closes: one staging buffer serves (a reused batch
     # then serves every step of its shape); the graphs' CPU stand-in keeps every turn, as CUDA does
     from kvcanary.integrations.transformers import session as hf_session
-    from kvcanary.integrations.transformers.staging import STAGING_TURNS
+    from kvcanary.runtime.step.staging import STAGING_TURNS
 
     depths = []
     init = hf_session.Session.__init__

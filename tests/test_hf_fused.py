@@ -1,4 +1,4 @@
-"""A fused steady step's CUDA calls (integrations/hf_fused.py), on the CPU with recorded stand-ins.
+"""A fused steady step's CUDA calls (runtime/step/fused.py), on the CPU with recorded stand-ins.
 
 The step's end and its staged values' turn are known through the snapshot slot's event (``SlotFence``):
 the step records no event of its own, the engine's streams join the slot's event, and the turn's next
@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcanary.integrations.transformers import fused as hf_fused, staging as hf_staging
-from kvcanary.integrations.transformers.fused import FusedSteps
-from kvcanary.integrations.transformers.staging import Staging
+from kvcanary.runtime.step import fused as hf_fused, staging as hf_staging
+from kvcanary.runtime.step.fused import FusedSteps
+from kvcanary.runtime.engine import HostStep
+from kvcanary.runtime.step.staging import Staging
 from kvcanary.runtime import observer
 from kvcanary.runtime.observer import SlotFence
 from kvcanary.runtime.streams import record_event
@@ -65,9 +66,8 @@ def fused_step(monkeypatch, fail_close: bool = False, waits=None):
                              replayed_step=replayed_step,
                              launcher=SimpleNamespace(streams=SimpleNamespace(side=lambda: "side"),
                                                       restore=lambda state: None))
-    session = SimpleNamespace(canary=canary, builder=SimpleNamespace(stage=stage),
-                              bp=SimpleNamespace(inputs_and_outputs=SimpleNamespace(compute_stream="compute")),
-                              _guarded=lambda fn, *args: fn(*args))
+    session = SimpleNamespace(canary=canary, stage=stage,
+                              source=SimpleNamespace(inputs=SimpleNamespace(compute_stream="compute")))
     fs = FusedSteps.__new__(FusedSteps)
     fs.s, fs.g, fs.cache, fs.pending = session, SimpleNamespace(quiet=1), streams, None
     fs.events, fs.replays = ("inputs", "forward", "done"), 0
@@ -99,7 +99,7 @@ def test_a_fused_step_lets_the_slots_event_stand_for_its_end_and_its_staged_valu
     calls.clear()
     fs.join()  # the engine's streams wait for the step's end: the slot's event
     assert calls == [("wait", "slot-event", "compute"), ("wait", "slot-event", "default")] and fs.pending is None
-    # the position joined (the engine's synchronize after its next forward completes it: Session.step)
+    # the position joined (the engine's synchronize after its next forward completes it: StepRunner.joined)
     assert fs.joined.slot is slot and fs.joined.records == fence.records == 5
     # the turn comes round again: while the slot's observation is unread, its event is synchronized ...
     calls.clear()
@@ -146,16 +146,16 @@ def test_a_steady_run_repeats_only_steps_of_its_shape(cap):
     # A repeat skips the graph keys: it must match only a step the keys would give the same graph, i.e. the
     # same batch size and staged values, storages, read-index flavour, a full read index, and a read-table
     # width that rounds to the run's; and it should take every width that does, below the cap.
-    from kvcanary.integrations.transformers.batch import table_width
-    from kvcanary.integrations.transformers.graphs import WIDTH_STEP, StepGraphs
+    from kvcanary.runtime.step.tables import table_width
+    from kvcanary.runtime.step.graphs import WIDTH_STEP, StepGraphs
 
     ptrs = (1, 2, 3, 4)
     io = SimpleNamespace(max_kv_read=5, true_read_sizes=[40])
     for width in (1, 300, 512, 513, 1000, 1024, 1025, 2048, 2049, 2999, 3000, 3001, 5000):
         g = StepGraphs.__new__(StepGraphs)
         g.fused = SimpleNamespace(run=None)
-        g.s = SimpleNamespace(canary=SimpleNamespace(max_context=cap), layout=SimpleNamespace(full_group=0))
-        h = hf_staging.HostStep(io, [], 2, 2, [0, 0], [1, 1], [1, 2], None, 8, 14, width, 40)
+        g.s = SimpleNamespace(canary=SimpleNamespace(max_context=cap), group=0)
+        h = HostStep(io, [], 2, 2, [0, 0], [1, 1], [1, 2], None, 8, 14, width, 40)
         rounded = table_width(width, cap, WIDTH_STEP)
         run = g.fused.run = g._run_for(h, io, (2, 2, 14, rounded, False, True, *ptrs), rounded, ptrs)
         for w in [w for w in list(range(1, 5200, 7)) + [width - 1, width + 1, 512, 513, 2049, cap, cap + 1] if w > 0]:

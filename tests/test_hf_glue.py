@@ -1,4 +1,4 @@
-"""The adapter's read table and new-token read entries as Triton kernels (integrations/hf_glue.py) give
+"""The adapter's read table and new-token read entries as Triton kernels (runtime/step/kernels.py) give
 what the tensor ops and the numpy host path give, cell for cell (Triton under the interpreter on the CPU)."""
 
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvcanary import ops  # noqa: E402
-from kvcanary.integrations.transformers.batch import BatchBuilder, new_read_ops  # noqa: E402
+from kvcanary.runtime.step.tables import StepTables, new_read_ops  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
 
@@ -19,12 +19,12 @@ pytestmark = pytest.mark.skipif(DEVICE.type == "cpu" and __import__("os").enviro
 NUM_SLOTS = 500
 
 
-def builder(glue: bool) -> BatchBuilder:
-    from kvcanary.integrations.transformers import glue as hf_glue
+def builder(glue: bool) -> StepTables:
+    from kvcanary.runtime.step import kernels as hf_glue
 
-    b = BatchBuilder.__new__(BatchBuilder)
+    b = StepTables.__new__(StepTables)
     b.num_rows, b.device, b.warned_read_size = 9, DEVICE, False
-    b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, num_slots=NUM_SLOTS, block_size=4))
+    b.group, b.num_slots, b.block_size = 0, NUM_SLOTS, 4
     b.iota = torch.arange(4, device=DEVICE)
     if glue:
         b.glue = hf_glue.IndexKernels()
@@ -111,7 +111,7 @@ def test_new_read_entries_kernel_fills_what_fill_entries_fills(capacity, pad):
 def test_a_kernel_is_checked_once_against_the_tensor_ops_and_given_up_if_it_fails(caplog, fault):
     # The first eager call of each kernel also runs the tensor ops and compares; a kernel that raises or
     # gives other cells leaves the tensor ops in charge (their cells in place) with one warning.
-    from kvcanary.integrations.transformers import glue as hf_glue
+    from kvcanary.runtime.step import kernels as hf_glue
 
     io, rows, prefix, extend, total = case(5, 4, short=2)
     want = torch.full((9, 40), -5, dtype=torch.int64, device=DEVICE)

@@ -1,5 +1,5 @@
-"""The adapter's host read table as one numba loop (integrations/hf_glue_cpu.py) writes what the numpy
-path of ``BatchBuilder._fill_host`` writes, cell for cell, and refuses what would write outside the table."""
+"""The step runner's host read table as one numba loop (ops/read_table_ops.py, ``compiled_loop``) writes what the numpy
+path of ``StepTables._fill_host`` writes, cell for cell, and refuses what would write outside the table."""
 
 from types import SimpleNamespace
 
@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("numba")
 
-from kvcanary.integrations.transformers import glue_cpu as hf_glue_cpu  # noqa: E402
-from kvcanary.integrations.transformers.batch import BatchBuilder  # noqa: E402
+from kvcanary.ops.read_table_ops import compiled_loop, compiled_new_reads_match  # noqa: E402
+from kvcanary.runtime.step.tables import StepTables  # noqa: E402
 
 NUM_ROWS, NUM_SLOTS = 9, 500
 
@@ -23,9 +23,9 @@ def host_table(kernel, seed: int, bs: int, width: int, short: int, read_dtype) -
     extend = rng.integers(1, 5, bs).astype(np.int64)
     total = int((prefix + extend).sum())
     read = rng.integers(0, NUM_SLOTS, total + 64).astype(read_dtype)
-    b = BatchBuilder.__new__(BatchBuilder)
+    b = StepTables.__new__(StepTables)
     b.warned_read_size, b.host_table = False, kernel
-    b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, num_slots=NUM_SLOTS))
+    b.group, b.num_slots = 0, NUM_SLOTS
     out = np.full((NUM_ROWS, width), -5, dtype=np.int64)
     views = SimpleNamespace(rows=rows, prefix=prefix, extend=extend, rtt=out, read=read)
     b._fill_host(views, SimpleNamespace(true_read_sizes=[total - short]), total)
@@ -37,7 +37,7 @@ def host_table(kernel, seed: int, bs: int, width: int, short: int, read_dtype) -
 @pytest.mark.parametrize("width", [1, 37, 300])
 @pytest.mark.parametrize("read_dtype", [np.int64, np.int32])
 def test_compiled_read_table_fills_what_numpy_fills(seed, bs, short, width, read_dtype):
-    compiled, rows = host_table(hf_glue_cpu.read_table, seed, bs, width, short, read_dtype)
+    compiled, rows = host_table(compiled_loop(), seed, bs, width, short, read_dtype)
     numpy_path, _ = host_table(None, seed, bs, width, short, read_dtype)
     assert np.array_equal(compiled, numpy_path)
     # (the comparison can fail: untouched rows kept their marker, request rows got slots, short ones the fill)
@@ -51,11 +51,11 @@ def test_compiled_read_table_refuses_rows_and_clamps_outside_its_arrays():
     read = np.arange(10, dtype=np.int64)
     one = np.ones(1, dtype=np.int64)
     with pytest.raises(IndexError, match="row outside"):
-        hf_glue_cpu.read_table(out, np.array([3]), one, one, read, 9)
+        compiled_loop()(out, np.array([3]), one, one, read, 9)
     with pytest.raises(IndexError, match="clamp outside"):
-        hf_glue_cpu.read_table(out, np.array([1]), one, one, read, 10)
+        compiled_loop()(out, np.array([1]), one, one, read, 10)
     with pytest.raises(IndexError, match="clamp outside"):
-        hf_glue_cpu.read_table(out, np.array([1]), one, one, np.zeros(0, dtype=np.int64), -1)
+        compiled_loop()(out, np.array([1]), one, one, np.zeros(0, dtype=np.int64), -1)
     assert not out.any()  # nothing written by a refused call
 
 
@@ -73,14 +73,14 @@ def test_compiled_new_reads_shortcut_answers_what_the_numpy_comparison_answers(s
     def numpy_says():
         return np.array_equal(rtt[rows[token_req], positions], loc)
 
-    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req, positions, loc) == 1 and numpy_says()
+    assert compiled_new_reads_match()(rtt, rows, token_req, positions, loc) == 1 and numpy_says()
     loc[seed % 6] += 1  # one new token's read cell is not its write slot
-    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req, positions, loc) == 0 and not numpy_says()
+    assert compiled_new_reads_match()(rtt, rows, token_req, positions, loc) == 0 and not numpy_says()
     loc[seed % 6] -= 1
     positions[0] = 20  # out of range: numpy raises, the loop leaves it to numpy
-    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req, positions, loc) == -1
+    assert compiled_new_reads_match()(rtt, rows, token_req, positions, loc) == -1
     with pytest.raises(IndexError):
         numpy_says()
     positions[0] = -1  # numpy wraps a negative index: the loop leaves that to numpy too
-    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req, positions, loc) == -1
-    assert hf_glue_cpu.new_reads_match(rtt, rows, token_req[:-1], positions, loc) == -1  # lengths apart
+    assert compiled_new_reads_match()(rtt, rows, token_req, positions, loc) == -1
+    assert compiled_new_reads_match()(rtt, rows, token_req[:-1], positions, loc) == -1  # lengths apart

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 
 from kvcanary.demo import build_tiny_model, run_workload  # noqa: E402
 from kvcanary.integrations.transformers import session as hf_session  # noqa: E402
-from kvcanary.integrations.transformers.graphs import StepGraphs  # noqa: E402
+from kvcanary.runtime.step.graphs import StepGraphs  # noqa: E402
 from kvcanary.runtime.graphs import DispatchGraph  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
@@ -35,18 +35,19 @@ def llama():
 def graphed_run(model, monkeypatch, **kw):
     """run_workload with step graphs (the CPU stand-in on the CPU); returns the run and its StepGraphs."""
     made = []
-    orig = hf_session.Session._step_graphs
+    orig = hf_session.Session._step_runner
 
-    def step_graphs(self, graph_type=None):
-        g = orig(self, DispatchGraph if self.device.type == "cpu" else None)
-        made.append(g)
-        return g
+    def step_runner(self, graph_type=None):
+        r = orig(self, DispatchGraph if self.device.type == "cpu" else None)
+        if r.graphs is not None:
+            made.append(r.graphs)
+        return r
 
-    monkeypatch.setattr(hf_session.Session, "_step_graphs", step_graphs)
+    monkeypatch.setattr(hf_session.Session, "_step_runner", step_runner)
     try:
         run = run_workload(model, backend="triton", **kw)
     finally:
-        monkeypatch.setattr(hf_session.Session, "_step_graphs", orig)
+        monkeypatch.setattr(hf_session.Session, "_step_runner", orig)
     return run, made
 
 
@@ -58,9 +59,9 @@ STEADY = dict(max_new_tokens=16, num_return_sequences=1)
                          ids=["fused", "graph-per-turn", "default"])
 @pytest.mark.parametrize("bug", [None, "new-token-read-index"])
 def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, steady, fused):
-    from kvcanary.integrations.transformers import graphs as hf_graph
-    from kvcanary.integrations.transformers.batch import BatchBuilder
-    from kvcanary.integrations.transformers.fused import FusedSteps
+    from kvcanary.runtime.step import graphs as hf_graph
+    from kvcanary.runtime.step.tables import StepTables
+    from kvcanary.runtime.step.fused import FusedSteps
 
     if steady is not None:  # every decode shape takes the graph-per-turn (or fused) path at once
         monkeypatch.setattr(hf_graph, "STEADY_SIGHTINGS", steady)
@@ -87,7 +88,7 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
     def counting(self, e, sightings, h):
         replay = e.graph is not None
         run(self, e, sightings, h)
-        per_turn.append(replay and h.packed.data_ptr() != self.s.builder.stage.static.data_ptr())
+        per_turn.append(replay and h.packed.data_ptr() != self.s.stage.static.data_ptr())
 
     monkeypatch.setattr(StepGraphs, "_run", counting)
     inline = StepGraphs._inline
@@ -100,8 +101,8 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
 
     # the eager CPU path may skip the new tokens' read check where it holds by construction; a captured
     # step always runs it: compare like with like
-    verify = BatchBuilder.verify_new_reads
-    monkeypatch.setattr(BatchBuilder, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
+    verify = StepTables.verify_new_reads
+    monkeypatch.setattr(StepTables, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
     eager = run_workload(llama, backend="triton", bug=bug, step_graphs=False, **STEADY)
     graphed, made = graphed_run(llama, monkeypatch, bug=bug, fused_steps=fused, **STEADY)
     assert made and isinstance(made[0], StepGraphs)
@@ -126,10 +127,10 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
 def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypatch, bug):
     # prompts longer than the chunk: multi-token steps of one shape recur, are captured (one graph
     # reading a static copy of the staged values) and replayed
-    from kvcanary.integrations.transformers.batch import BatchBuilder
+    from kvcanary.runtime.step.tables import StepTables
 
-    verify = BatchBuilder.verify_new_reads
-    monkeypatch.setattr(BatchBuilder, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
+    verify = StepTables.verify_new_reads
+    monkeypatch.setattr(StepTables, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
     g = torch.Generator().manual_seed(5)
     kw = dict(prompts=[torch.randint(5, 200, (48,), generator=g).tolist() for _ in range(4)], max_new_tokens=4,
               num_return_sequences=1, bug=bug)

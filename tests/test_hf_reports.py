@@ -8,6 +8,7 @@ import torch
 
 from kvcanary.format import CHAIN_HEAD, FailReason
 from kvcanary.integrations.transformers.batch import BatchBuilder
+from kvcanary.runtime.step.tables import StepTables
 from kvcanary.runtime.report import MISSING_TOKEN, Violation
 
 B = 4  # block size
@@ -18,10 +19,17 @@ def builder(num_rows=7, num_slots=64) -> BatchBuilder:
     b.num_rows, b.device = num_rows, torch.device("cpu")
     b.init_rows(num_rows)
     b.s = SimpleNamespace(layout=SimpleNamespace(full_group=0, block_size=B, num_slots=num_slots))
-    b.in_block = torch.arange(B)
-    b.iota = torch.arange(4)
-    b.warned_read_size = False
     return b
+
+
+def tables(num_rows=7, num_slots=64) -> StepTables:
+    t = StepTables.__new__(StepTables)  # the read table alone, without a runner
+    t.num_rows, t.device = num_rows, torch.device("cpu")
+    t.group, t.block_size, t.num_slots = 0, B, num_slots
+    t.in_block = torch.arange(B)
+    t.iota = torch.arange(4)
+    t.warned_read_size = False
+    return t
 
 
 def slots_of(blocks, n):
@@ -42,7 +50,7 @@ def test_read_table_is_built_from_the_read_index_attention_consumes(host):
     storage[0, :len(flat)] = torch.tensor(flat)
     io = SimpleNamespace(use_block_table=False, max_kv_read=sum(PREFIX), read_index_storage=storage,
                          true_read_sizes=[len(flat)])
-    b = builder()
+    b = tables()
     rtt = b._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND),
                         max(p + q for p, q in zip(PREFIX, EXTEND)), len(flat), host=host)
     for row, r in zip(ROWS, reads):
@@ -57,7 +65,7 @@ def test_a_short_read_index_leaves_out_of_range_cells_that_fail_verification(hos
     storage[0, :len(flat)] = torch.tensor(flat)
     io = SimpleNamespace(use_block_table=False, max_kv_read=1, read_index_storage=storage,
                          true_read_sizes=[len(flat)])
-    b = builder(num_slots=64)
+    b = tables(num_slots=64)
     rtt = b._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND), 10, len(flat) + 2,
                         host=host)
     assert rtt[3, :10].tolist() == reads[2][:8] + [64, 64]
@@ -69,7 +77,7 @@ def test_read_table_on_the_flash_path_uses_the_io_block_table():
     for i, bl in enumerate(BLOCKS):
         table[0, i, :len(bl)] = torch.tensor(bl, dtype=torch.int32)
     io = SimpleNamespace(use_block_table=True, block_table=table)
-    rtt = builder()._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND), 10, 0)
+    rtt = tables()._read_table(io, torch.tensor(ROWS), torch.tensor(PREFIX), torch.tensor(EXTEND), 10, 0)
     for row, bl, p, q in zip(ROWS, BLOCKS, PREFIX, EXTEND):
         assert rtt[row, :p + q].tolist() == slots_of(bl, p + q)
 
@@ -172,7 +180,7 @@ def test_tail_row_rewritten_after_the_check_names_that_writer():
 
 def steady_builder() -> BatchBuilder:
     """A builder whose host_part runs on fake requests (no engine, no canary)."""
-    from kvcanary.integrations.transformers.staging import Staging
+    from kvcanary.runtime.step.staging import Staging
 
     b = builder()
     ids: dict = {}

@@ -4,7 +4,8 @@ import collections
 
 import torch
 
-from kvcanary.integrations.transformers.batch import BatchBuilder, Staging
+from kvcanary.integrations.transformers.batch import BatchBuilder
+from kvcanary.runtime.step.staging import Staging
 from kvcanary.runtime.monitor import KEEP_BATCHES
 
 

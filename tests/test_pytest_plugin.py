@@ -123,7 +123,7 @@ def test_transformers_attach_fails_on_planted_bug_and_passes_clean(pytester):
     result = run(pytester, '''
 import pytest
 from kvcanary.demo import build_tiny_model, run_workload
-from kvcanary.integrations.transformers import bugs as hf_bugs
+from kvcanary.sim import hf_bugs
 
 
 @pytest.fixture(scope="module")

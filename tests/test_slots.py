@@ -197,7 +197,7 @@ def llama():
 
 def planted(model, planter):
     """Plant a test-local engine bug on every batch processor (``bugs.on_new_processors``); returns the undo."""
-    from kvcanary.integrations.transformers.bugs import on_new_processors
+    from kvcanary.sim.hf_bugs import on_new_processors
     from kvcanary.integrations.transformers.layouts import layout_of
 
     state = {"fired": False, "warming_up": False}

@@ -14,8 +14,9 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from kvcanary import KvCanaryViolationError  # noqa: E402
 from kvcanary.demo import build_tiny_model, demo_prompts, run_workload  # noqa: E402
 from kvcanary.format import FailReason, oracle_token  # noqa: E402
-from kvcanary.integrations.transformers import bugs as hf_bugs  # noqa: E402
+from kvcanary.sim import hf_bugs  # noqa: E402
 from kvcanary.integrations.transformers.layouts import layout_of  # noqa: E402
+from kvcanary.sim.hf_reach import reach  # noqa: E402
 from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, attach_with, check_version  # noqa: E402
 from kvcanary.runtime.report import MISSING_TOKEN  # noqa: E402
 
@@ -178,7 +179,7 @@ def enable_cpu_pool(model, blocks=64):
 
         def create():
             bp = orig_create()
-            layout_of(bp.cache).plain_cpu_swap_pool(bp.offloading_manager, blocks)
+            reach(layout_of(bp.cache)).plain_cpu_swap_pool(bp.offloading_manager, blocks)
             return bp
 
         manager._create_batch_processor = create
@@ -598,7 +599,7 @@ def plant_local(model, planter):
 
 def flip_sliding_kv(bp, state):
     orig, cache = bp._generation_step, bp.cache
-    lay = layout_of(cache)
+    lay = reach(layout_of(cache))
     sliding_layer = lay_types(cache).index("sliding_attention")
 
     def step(model):
@@ -625,7 +626,7 @@ def lay_types(cache):
 
 def swap_sliding_blocks(bp, state):
     orig, cache = bp.update_batch, bp.cache
-    lay = layout_of(cache)
+    lay = reach(layout_of(cache))
 
     def update_batch():
         orig()

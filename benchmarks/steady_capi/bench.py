@@ -1,5 +1,5 @@
 """Would a compiled steady host half pay? The adapter's steady decode step reads each request's offset and
-newest token in Python (``TokenRows._steady``, ``kvcanary/integrations/transformers/tokens.py``). This times that work
+newest token in Python (``TokenRows._steady``, ``kvcanary/integrations/transformers/batch.py``). This times that work
 as the adapter runs it (``_steady`` itself, on stand-in request states, its staging copy left out) against
 its per-request part through the CPython API (``steady.c``, built here with the system's C compiler), with
 the host's caches warm and flushed before each step (a sum over a 3M-element list, as
@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvcanary.integrations.transformers.tokens import TokenRows  # noqa: E402
+from kvcanary.integrations.transformers.batch import TokenRows  # noqa: E402
 
 STEADY_C = None  # the compiled module (build)
 

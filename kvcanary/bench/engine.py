@@ -12,7 +12,7 @@ update_batch), so every step is timed without the background thread's polling. R
 - correctness in the same run: greedy tokens identical with and without the canary, zero violations.
 
 Engine settings: sync batching, CUDA graphs off, no compile; attention ``paged|kvc_varlen``
-(``kvcanary.integrations.transformers.varlen_attention``) on CUDA and transformers' ``paged|sdpa`` on CPU.
+(``kvcanary.bench.varlen_attention``) on CUDA and transformers' ``paged|sdpa`` on CPU.
 ``kvcanary bench --engine`` runs the registered workloads (``kvcanary.bench.suite.ENGINE_WORKLOADS``),
 one process each; this module measures one:
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                          "the method's noise floor on this host)")
     ap.add_argument("--max-rounds", type=int, default=40, help="most rounds under --budget-s")
     ap.add_argument("--attention", choices=("varlen", "sdpa"), default=None,
-                    help="paged attention: varlen (kvcanary.integrations.transformers.varlen_attention; default on cuda) or the engine's "
+                    help="paged attention: varlen (kvcanary.bench.varlen_attention; default on cuda) or the engine's "
                          "dense paged|sdpa (default on cpu)")
     ap.add_argument("--warmup-context", type=int, default=256,
                     help="prompt length of the warm-up generations (kernels and allocator; 0 = --context)")
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     args.attention = args.attention or ("varlen" if device.type == "cuda" else "sdpa")
     if args.attention == "varlen" and device.type == "cuda":
-        from kvcanary.integrations.transformers.varlen_attention import self_check
+        from kvcanary.bench.varlen_attention import self_check
 
         err = self_check(device)
         if err > 0.05:

@@ -33,7 +33,7 @@ def build_model(size: str, device: torch.device, dtype: torch.dtype, max_len: in
         model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
     model.eval()
     if attention == "varlen":
-        from kvcanary.integrations.transformers.varlen_attention import use
+        from kvcanary.bench.varlen_attention import use
 
         use(model)
     else:

@@ -92,7 +92,7 @@ def run_fuzz(engine: str, workloads: int = 1, perturbations: int = 4, seed: int 
         perturbations: perturbed schedules per workload (>= 1): perturbation seeds 1..K.
         seed: the first workload's seed (>= 0).
         device: transformers only: "cpu" or "cuda".
-        bug: plant this engine bug (``sim.bugs`` / ``integrations.transformers.bugs`` names) into every run.
+        bug: plant this engine bug (``sim.bugs`` / ``sim.hf_bugs`` names) into every run.
         replay: (workload seed, perturbation seed): run that workload's reference and that one perturbation
             (0: the reference alone); ``workloads``, ``perturbations`` and ``seed`` are then ignored.
         progress: stream for the progress bar (None: silent).

@@ -20,6 +20,11 @@ and this module is imported with the adapter). The Triton kernel is in ``triton_
 named by two requests gets one request's cells: the last one's in the reference, numpy and numba; on
 torch and Triton unspecified.
 
+``compiled_new_reads_match`` compiles a sibling loop for the new tokens' read check's shortcut on the CPU (the
+step runner's ``StepTables.verify_new_reads``): do the table's cells of the new tokens hold their write slots?
+1 yes, 0 no, -1 where an index is out of range or the lengths differ (the numpy expression then decides, as
+before: it wraps negative indices and raises on others).
+
 As numpy the read table is half a dozen array operations over ``batch x width`` cells: about 100 us of a
 tiny-model decode step at batch 4 and context 256 on the dev CPU (12ca468, host timers), against 17 us
 for the compiled loop, which is why the CPU's host path has both.
@@ -35,7 +40,8 @@ import torch
 from kvcanary.ops.numba_views import _i64, _raw
 from kvcanary.ops.types import NO_LIMIT
 
-__all__ = ["NO_LIMIT", "compiled_loop", "numba_read_table", "numpy_read_table", "reference", "torch_read_table"]
+__all__ = ["NO_LIMIT", "compiled_loop", "compiled_new_reads_match", "numba_read_table", "numpy_read_table", "reference",
+           "torch_read_table"]
 
 
 def reference(out: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor,
@@ -115,6 +121,30 @@ def compiled_loop():
     import numba
 
     return numba.njit(cache=True, nogil=True)(_loop)
+
+
+def _new_reads_match(rtt, rows, token_req, positions, loc):  # pragma: no cover (compiled)
+    n_rows, width, n = rtt.shape[0], rtt.shape[1], loc.shape[0]
+    if token_req.shape[0] != n or positions.shape[0] != n:
+        return -1
+    for t in range(n):
+        i = token_req[t]
+        if i < 0 or i >= rows.shape[0]:
+            return -1
+        r, p = rows[i], positions[t]
+        if r < 0 or r >= n_rows or p < 0 or p >= width:
+            return -1
+        if rtt[r, p] != loc[t]:
+            return 0
+    return 1
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_new_reads_match():
+    """``_new_reads_match`` compiled by numba, on numpy arrays (the module's docstring)."""
+    import numba
+
+    return numba.njit(cache=True, nogil=True)(_new_reads_match)
 
 
 def numba_read_table(out: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor,

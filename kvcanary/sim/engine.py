@@ -5,19 +5,24 @@ model's KV tensors as real-KV sources, the SWA group with the live full->SWA tab
 one ``ForwardBatch`` per forward between ``before_forward`` and ``after_forward``,
 token histories and expected inputs from the token oracle, a sweep provider over
 the prefix cache, ``copy_records`` for KV moves and ``save_records`` /
-``restore_records`` for offload.
+``restore_records`` for offload. With ``steps`` the runtime's step runner takes each forward
+instead, from the engine's inputs (``step_source.py``): the second source of its protocol.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from kvcanary.runtime import (Canary, CanaryConfig, ForwardBatch, ForwardMode, PoolSpec, SharedRowError, SwaSpec,
                               TokenHistory)
 from kvcanary.runtime.abort import KvCanaryAbortError
+from kvcanary.runtime.engine import StepOptions
+from kvcanary.runtime.graphs import DispatchGraph
+from kvcanary.runtime.step import StepRunner
 from kvcanary.sim.bugs import BugSwitch
 from kvcanary.sim.cache import CacheManager
 from kvcanary.sim.config import SimConfig
@@ -27,7 +32,10 @@ from kvcanary.sim.offload import HostCache
 from kvcanary.sim.radix import RadixCache
 from kvcanary.sim.scheduler import Scheduler, Work
 from kvcanary.sim.spec import Speculator
+from kvcanary.sim.step_source import SimSource
 from kvcanary.sim.workload import make_workload
+
+STEP_PATHS = (None, "eager", "captured", "fused")  # SimEngine's steps: the plain hooks, or the step runner's paths
 
 
 def default_canary_config(cfg: SimConfig) -> CanaryConfig:
@@ -80,9 +88,18 @@ class SimEngine:
     Args:
         cfg: the engine, workload and planted bug.
         canary_config: canary knobs (default ``default_canary_config(cfg)``).
+        steps: None (the plain ``before_forward`` / ``after_forward`` hooks) or how the runtime's step runner
+            takes each forward (``step_source.SimSource``): "eager", "captured" (a graph per batch shape) or
+            "fused" (steady decode steps as one graph), the graphs being the CPU stand-in ``DispatchGraph``.
     """
 
-    def __init__(self, cfg: SimConfig, canary_config: CanaryConfig | None = None):
+    def __init__(self, cfg: SimConfig, canary_config: CanaryConfig | None = None, steps: str | None = None):
+        if steps not in STEP_PATHS:
+            raise ValueError(f"kv-canary: SimEngine steps must be one of {list(STEP_PATHS)}, got {steps!r}")
+        if steps is not None and (cfg.spec_tokens or cfg.swa_window):
+            raise ValueError(f"kv-canary: SimEngine steps={steps!r} needs spec_tokens=0 and swa_window=0 (the step "
+                             f"source describes neither), got spec_tokens={cfg.spec_tokens}, "
+                             f"swa_window={cfg.swa_window}")
         self.cfg = cfg
         self.bugs = BugSwitch(cfg.bug)
         self.workload = make_workload(cfg)
@@ -106,6 +123,12 @@ class SimEngine:
         self.in_flight: set[int] = set()  # request ids of the forward under way (an abort defers their release)
         self.canary.sweep_provider = self.sweep_triples
         self.canary.mark_ready()
+        self.source = self.runner = None
+        if steps is not None:
+            self.source = SimSource(self)
+            self.runner = StepRunner(self.canary, self.source, StepOptions(step_graphs=steps != "eager",
+                                                                           fused_steps=steps == "fused"),
+                                     graph_type=None if steps == "eager" else DispatchGraph)
         if cfg.offload:
             self.host = HostCache(cfg.host_slots, pool, self.model, self.canary, self.tree, self.bugs)
         self.cache = CacheManager(pool, self.tree, self.host, self.bugs)
@@ -163,6 +186,8 @@ class SimEngine:
             self.sched.fail(r, self.step_no, self.in_flight, str(KvCanaryAbortError(request_id, violations)))
 
     def forward(self, works: list[Work]) -> ForwardBatch:
+        if self.runner is not None:
+            return self.run_step(works)
         batch = self.build_batch(works)
         self.in_flight = {w.req.rid for w in works}
         try:
@@ -172,6 +197,38 @@ class SimEngine:
             # nothing ran, and the engine stops as it would on the error
             self.refusal = (self.canary.step + 1, e)
             return batch
+        self.run_model(batch)
+        self._nan_write(works)
+        self.canary.after_forward(batch)
+        self.end_step()
+        return batch
+
+    def run_step(self, works: list[Work]) -> ForwardBatch:
+        """``forward`` through the step runner: its canary work before the forward, or (late) after it."""
+        runner = self.runner
+        self.source.set_step(works)
+        self.in_flight = {w.req.rid for w in works}
+        late = runner.late_step()
+        batch = None
+        try:
+            if not late:
+                batch = runner.before()
+            io = self.source.inputs
+            n = sum(w.n for w in works)
+            self.run_model(SimpleNamespace(out_cache_loc=io.write_index_storage[0, :n], input_ids=io.input_ids[:n],
+                                           positions=io.position_ids[:n]))
+            self._nan_write(works)
+            if late:
+                batch = runner.before(late=True)
+        except SharedRowError as e:
+            self.refusal = (self.canary.step + 1, e)  # (as forward)
+            return batch
+        runner.after()
+        self.end_step()
+        return batch
+
+    def run_model(self, batch) -> None:
+        """The model's forward over ``batch``'s new tokens (the KV writes)."""
         if self.host is not None and self.host.h2d.pending:
             if not self.bugs.on("loadback_no_wait"):
                 self.host.h2d.synchronize()  # the forward waits on the load-back event
@@ -184,8 +241,10 @@ class SimEngine:
             if bool((swa_loc != loc).any()) and self.bugs.hit("swa_no_translation"):
                 swa_loc = loc  # Planted: the SWA layer indexes its cache with full-pool slot ids.
         self.model.forward(loc, batch.input_ids, batch.positions, swa_loc)
-        self._nan_write(works)
-        self.canary.after_forward(batch)
+
+    def end_step(self) -> None:
+        """After the canary's after-forward work: the sliding window's sweep, the host copies' landing, then
+        the poison of the slots freed meanwhile."""
         if self.pool.window and self.canary.step % self.cfg.sweep_interval == 0:
             self.sweep_swa()
         if self.host is not None:
@@ -195,7 +254,6 @@ class SimEngine:
         if self.pool.freed:
             # after the copies landed (an offload's D2H copy reads slots freed before it ran)
             self.canary.poison_slots(self.pool.take_freed())
-        return batch
 
     def _nan_write(self, works: list[Work]) -> None:
         decode = [w for w in works if w.kind != "prefill"]

@@ -34,7 +34,7 @@ def check_bug(engine: str, bug: str | None, command: str = "soak") -> None:
     if bug is None:
         return
     if engine == "transformers":
-        from kvcanary.integrations.transformers.bugs import BUGS
+        from kvcanary.sim.hf_bugs import BUGS
     else:
         from kvcanary.sim.bugs import BUGS
     if bug not in BUGS:
@@ -122,7 +122,7 @@ def run_campaign(engine: str, workloads: int, seed: int = 0, *, device: str = "c
         workloads: how many (>= 1).
         seed: the first workload's seed (>= 0).
         device: transformers only: "cpu" or "cuda".
-        bug: plant this engine bug into every canary run (``integrations.transformers.bugs`` / ``sim.bugs`` names): a campaign
+        bug: plant this engine bug into every canary run (``sim.hf_bugs`` / ``sim.bugs`` names): a campaign
             that must find it.
         progress: stream for the progress bar (None: silent).
         on_outcome: called after each workload (e.g. to save partial results).

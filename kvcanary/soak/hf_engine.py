@@ -58,8 +58,9 @@ def _cpu_swap_pool(bp, blocks: int) -> None:
     """transformers' swap pool is pinned memory, which a CPU-only torch cannot allocate: plain memory, laid out
     by the adapter's view of this cache generation."""
     from kvcanary.integrations.transformers.layouts import layout_of
+    from kvcanary.sim.hf_reach import reach
 
-    layout_of(bp.cache).plain_cpu_swap_pool(bp.offloading_manager, blocks)
+    reach(layout_of(bp.cache)).plain_cpu_swap_pool(bp.offloading_manager, blocks)
 
 
 def _reserve_block0(bp) -> None:
@@ -74,7 +75,7 @@ def wrap_processors(model, shims: list[Callable]) -> Callable[[], None]:
     ``bugs.plant`` does: wrap before ``attach`` so the canary sees the processor shimmed)."""
     if not shims:
         return lambda: None
-    from kvcanary.integrations.transformers.bugs import on_new_processors
+    from kvcanary.sim.hf_bugs import on_new_processors
 
     def shimmed(bp) -> None:
         for shim in shims:

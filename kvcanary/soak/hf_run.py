@@ -56,7 +56,7 @@ def generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None, *
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from kvcanary.integrations.transformers.bugs import plant
+    from kvcanary.sim.hf_bugs import plant
     from kvcanary.integrations.transformers import attach_with
 
     if w.greedy:

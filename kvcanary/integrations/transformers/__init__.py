@@ -1,22 +1,23 @@
 """kv-canary on Hugging Face transformers continuous batching: ``attach(model)`` (``handle.py``).
 
-The package's modules, each one part of the canary around one engine forward:
+The package's modules, each one part of the canary around one engine forward (the forward itself: the
+runtime's step runner, ``kvcanary.runtime.step``, which ``batch.BatchBuilder`` feeds as its engine source):
 
 - ``handle``: ``attach``, its handle and ``detach``; the private step-path toggles (``tuned``);
-- ``session``: one canary per batch processor and the hooks that feed it;
-- ``batch``, ``tokens``, ``staging``: the engine source: the canary's ``ForwardBatch`` from the batch the
-  engine prepared, each request's row and token history, the host half's staging;
-- ``graphs``, ``fused``, ``glue``, ``glue_cpu``: the step's device work captured, fused, and its index kernels;
+- ``session``: one canary and step runner per batch processor, and the hooks that feed them;
+- ``batch``: the engine source: each step's host part from the batch the engine prepared, its inputs, each
+  request's row and token history;
 - ``layout``, ``layouts``, ``cache_blocks``, ``cache_sectors``: the paged cache's layout, one class per
   cache generation (5.17; 5.18 and later);
-- ``moves``: KV moves between steps (fork copies, offload and restore, sweeps);
-- ``bugs``: planted engine bugs for the demo and tests; ``varlen_attention``: a per-request paged attention
-  for benchmarks.
+- ``moves``: KV moves between steps (fork copies, offload and restore, sweeps).
+
+The engine bugs planted for the demo and tests live in ``kvcanary.sim.hf_bugs`` (with the engine internals
+they reach, ``sim.hf_reach``), the benchmarks' varlen attention in ``kvcanary.bench.varlen_attention``.
 """
 
 import importlib
 
-# Loaded on first use: the CLI reads ``bugs.BUGS`` through this package without importing torch.
+# Loaded on first use: importing the package imports no torch.
 _HANDLE_NAMES = ("SUPPORTED_RANGE", "TUNING_OPTIONS", "TransformersHandle", "attach", "attach_with", "check_version",
                  "live_handle", "tuned")
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]

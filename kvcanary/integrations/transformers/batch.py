@@ -1,130 +1,303 @@
-"""Build the canary's ``ForwardBatch`` from the batch transformers just prepared (sync IO).
+"""The transformers adapter's source of the step runner's protocol (``runtime/engine.py``): the host part of
+the batch transformers just prepared (sync IO), its device inputs, and each request's row and token history.
 
 Per request i of ``io.requests_in_batch`` (a ``FutureRequestState``): ``extend = query_length``,
-``prefix = state.position_offset - query_length`` (prepare_batch_tensors advanced the offset),
-input ids and positions are ``io.input_ids`` / ``io.position_ids`` slices, the written slots are
-``io.write_index_storage[full_group]`` (or, on the flash decode fast path, the io block table's).
-Each request keeps one canary row while it lives; that row of req_to_token is rebuilt every step
-from the indices attention reads through (``io.read_index_storage``, or the io block table on the
-flash decode fast path), not from the Python block tables, so the canary checks the addresses the
-forward really reads. Its token table row receives only the tokens it has not seen.
+``prefix = state.position_offset - query_length`` (prepare_batch_tensors advanced the offset); input ids,
+positions and the written slots are the io's storages (the runner, ``runtime/step/tables.py``, assembles
+the canary's ``ForwardBatch`` from them and fills its read table from the read index). Each request keeps
+one canary row while it lives (least recently used among requests outside the batch when they run out), so
+only the tokens its token-table row lacks cross to the device (``TokenRows``): a decode step takes C loops
+only (``_decode_cells``), and a decode step of the same requests as the step before fills a kept array
+(``_steady``) with its positions and tokens only.
 """
 
 from __future__ import annotations
 
-import logging
-from operator import add, sub
-from types import SimpleNamespace
+import collections
+from array import array
+from operator import add, attrgetter, getitem, sub
 
 import numpy as np
 import torch
 
-from kvcanary import ops
-from kvcanary.ops.read_table_ops import numpy_read_table, torch_read_table
-from kvcanary.ops.types import NO_LIMIT
-from kvcanary.runtime import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.integrations.transformers.layout import fill_swa_table
-from kvcanary.integrations.transformers.staging import HostStep, Staging
-from kvcanary.integrations.transformers.tokens import QUERY, STATE, STATE_ID, STATE_OFFSET, TokenRows
+from kvcanary.runtime.engine import HostStep
+from kvcanary.runtime.report import MISSING_TOKEN
+from kvcanary.runtime.step.tables import bucket
 
-log = logging.getLogger("kvcanary")
+__all__ = ["BatchBuilder", "NAME", "TokenRows"]
+
+_STATUS_FINISHED = 3  # transformers RequestStatus.FINISHED
+# attributes of a FutureRequestState read per request, in C loops
+NAME, QUERY = attrgetter("state.request_id"), attrgetter("query_length")
+_PROMPT, _GENERATED = attrgetter("state.initial_tokens"), attrgetter("state.generated_tokens")
+_STATUS = attrgetter("state.status")
+# read from the request states themselves (host_part reads the batch's states once; a steady decode step
+# compares them with the last step's)
+STATE = attrgetter("state")
+STATE_ID, STATE_OFFSET = attrgetter("request_id"), attrgetter("position_offset")
+_S_GENERATED, _S_PROMPT = attrgetter("generated_tokens"), attrgetter("initial_tokens")
+_STATUS_FIELD = attrgetter("state._status")  # the field behind the status property: no Python frame per request
 
 
-CPU_WIDTH_STEP = 64  # the CPU's reused batches: read-table columns rounded up to a power of two from this
+class TokenRows:
+    """Rows and token cells of the requests of a batch (state set up by ``init_rows``)."""
+
+    def init_rows(self, num_rows: int) -> None:
+        self.row_of: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.sent: dict[str, int] = {}  # tokens of the request already in its token table row
+        self.free = list(range(num_rows - 1, 0, -1))
+        self.last_names: list | None = None  # the last batch's requests, rows and ids (host_part)
+        self.last_states: list | None = None  # its request states (the steady check compares them)
+        self.last_rows: list[int] = []
+        self.last_rids: list[int] = []
+        self.steady: _Steady | None = None  # the kept array of a batch of the same requests (_steady)
+        self.unsynced = False  # steady steps advanced the rows past ``sent`` (sync_sent)
+
+    def _rows(self, names: list[str]) -> list[int]:
+        """The stable row of each request of the batch, assigning rows to new ones."""
+        in_batch, rows = set(names), []
+        for name in names:
+            row = self.row_of.get(name)
+            if row is None:
+                if not self.free:
+                    # rows >= 2 x max batch: some request outside this batch always holds one
+                    old = next(r for r in self.row_of if r not in in_batch)
+                    self.free.append(self.row_of.pop(old))
+                    self.sent.pop(old, None)
+                row = self.row_of[name] = self.free.pop()
+                self.sent[name] = 0
+            else:
+                self.row_of.move_to_end(name)
+            rows.append(row)
+        return rows
+
+    def _token_cells(self, reqs, names, rows, prefix, extend, decode: bool = False) -> list:
+        """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens.
+
+        Each request's cells are packed with its own row and columns, as many as its positions need:
+        a history shorter than the positions (an engine bug) fills the missing cells with
+        ``MISSING_TOKEN``, so the gap is reported against that request alone and never shifts
+        another request's cells. Returns parts for ``Staging.send``: lists, or arrays for long runs.
+        """
+        if decode:
+            cells = self._decode_cells(reqs, names, rows, prefix)
+            if cells is not None:
+                return cells
+        valid, cell_rows, cell_cols, cell_tokens, sent = [], [], [], [], self.sent
+        runs = []  # (row, have, need, tokens) of requests with many new cells (prefill chunks)
+        for fs, name, row, p, q in zip(reqs, names, rows, prefix, extend):
+            need = p + q
+            valid.append(need)
+            have = sent[name]
+            if have >= need:
+                continue
+            sent[name] = need
+            st = fs.state
+            n0 = len(st.initial_tokens)
+            if need - have == 1 and have >= n0:  # a decode step: one generated token
+                gen = st.generated_tokens
+                cell_rows.append(row)
+                cell_cols.append(have)
+                cell_tokens.append(gen[have - n0] if have - n0 < len(gen) else MISSING_TOKEN)
+                continue
+            init, gen = st.initial_tokens, st.generated_tokens
+            toks = init[have:need] + (gen[max(0, have - n0):need - n0] if need > n0 else [])
+            if len(toks) < need - have:
+                toks += [MISSING_TOKEN] * (need - have - len(toks))
+            if need - have < 64:
+                cell_rows += [row] * (need - have)
+                cell_cols += range(have, need)
+                cell_tokens += toks
+            else:
+                runs.append((row, have, need, toks))
+        if not runs:
+            return [valid + cell_rows + cell_cols + cell_tokens]
+        # long runs as arrays: a list of thousands of ints converts far slower than np.arange / np.full
+        r = [np.asarray(cell_rows, dtype=np.int64)] + [np.full(n - h, row, dtype=np.int64) for row, h, n, _ in runs]
+        c = [np.asarray(cell_cols, dtype=np.int64)] + [np.arange(h, n, dtype=np.int64) for _, h, n, _ in runs]
+        t = [np.asarray(cell_tokens, dtype=np.int64)] + [np.asarray(tk, dtype=np.int64) for _, _, _, tk in runs]
+        return [valid] + r + c + t
+
+    def _decode_cells(self, reqs, names, rows, prefix) -> list | None:
+        """The common decode step in C loops: every request one new position, its row holding all
+        before it, past its prompt, its history long enough. None: take the general path (which
+        handles every exception to this, a short history included)."""
+        sent = self.sent
+        if list(map(sent.__getitem__, names)) != prefix:
+            return None
+        at = list(map(sub, prefix, map(len, map(_PROMPT, reqs))))  # index into the generated tokens
+        if min(at, default=0) < 0:
+            return None
+        try:
+            tokens = list(map(getitem, map(_GENERATED, reqs), at))
+        except IndexError:
+            return None
+        need = [p + 1 for p in prefix]
+        sent.update(zip(names, need))
+        return [need + rows + prefix + tokens]
+
+    def _steady(self, io, reqs, states: list, copy: bool, padded: bool = False) -> HostStep | None:
+        """A decode step of the same requests as the step before, each one position past the tokens its
+        row holds (so one query token each: the engine advances an offset by its request's query length):
+        the step's values in the kept array (rows, ids and batch indices stay; positions and
+        tokens change), staged as one part. None: the general path (a request's history too short, a
+        position that did not advance by one, anything else).
+
+        Per step the requests are read twice (their offsets, their newest tokens); everything else is
+        derived from the step before: each offset must be the last one plus one, so this step's prefix is the
+        last step's offsets, and the width and total grow by one and by the batch size. Plain lists for the
+        checks: at these sizes a numpy call costs more than the whole list operation. ``padded``: the kept
+        array holds the batch padded to its bucket (``host_part``); only the real requests' cells change."""
+        bs = len(states)
+        st = self.steady
+        if st is None or st.padded != padded:
+            if st is not None:
+                self.sync_sent()  # (the rows as the kept array left them: the new one starts from ``sent``)
+            st = self.steady = _Steady(self, states, self.padding(io, bs) if padded else 0, padded)
+        bp = st.bp
+        offsets = list(map(STATE_OFFSET, states))
+        # each row holds every position before this step's: the offsets are the last ones (or, at the run's
+        # first step, the rows' lengths) plus one (a difference of one is a cached int: no int is made)
+        if list(map(sub, offsets, st.need)) != st.ones:
+            return None
+        words = st.words
+        if self.want_history:
+            at = st.at
+            if at is None:  # (the run's first step: each request's newest token must be a generated one)
+                at = list(map(sub, offsets, st.base))
+                if bs and min(at) < 0:
+                    return None
+            try:
+                tokens = list(map(getitem, map(_S_GENERATED, states), at))
+            except IndexError:
+                return None
+            words[7 * bp:7 * bp + bs] = array("q", tokens)
+            st.at = list(map(add, at, st.ones))
+            self.unsynced = True
+        # (``array`` converts Python ints faster than numpy, and a numpy call costs more than these inside the
+        # engine's step: cold caches)
+        ends = array("q", offsets)
+        if st.prefix is None:  # the run's first step
+            prefix = list(map(sub, offsets, st.ones))
+            positions = array("q", prefix)
+            st.width, st.total = (max(offsets) if bs else 0), sum(offsets)
+        else:  # the offsets are the last ones plus one: the prefix is the last offsets, width and total follow
+            prefix, positions = st.prefix, st.ends
+            st.width += 1
+            st.total += bs
+        words[bp:bp + bs] = positions
+        if self.want_history:
+            words[4 * bp:4 * bp + bs] = ends
+            words[6 * bp:6 * bp + bs] = positions
+        # the next step's prefix (as a list and as converted): these offsets; the rows hold them (sync_sent)
+        st.prefix = st.need = offsets
+        st.ends = ends
+        # (the batch indices, the last bp values: the last part, as in the general path)
+        packed, small = self.stage.send([words], copy, last=bp)
+        return HostStep(io, reqs, bp, bp, prefix, st.ones, self.last_rids, packed, 4 * bp, small, st.width, st.total,
+                        bp - bs)
+
+    def sync_sent(self) -> None:
+        """``sent`` as the steady steps left the rows (they advance a kept array, not the dict)."""
+        if self.unsynced:
+            self.unsynced = False
+            self.sent.update(zip(self.last_names, self.steady.need))
+
+    def forget_finished(self) -> list[str]:
+        """Release the rows of requests that finished this step; returns their names."""
+        done = []
+        reqs = self.s.bp.inputs_and_outputs.requests_in_batch
+        try:
+            statuses = list(map(_STATUS_FIELD, reqs))
+        except AttributeError:  # (a request state without the field: its property)
+            statuses = list(map(_STATUS, reqs))
+        if _STATUS_FINISHED not in statuses:  # most steps: C loops only
+            return done
+        self.sync_sent()
+        self.steady = None
+        for fs in reqs:
+            if fs.state.status == _STATUS_FINISHED:
+                name = fs.state.request_id
+                row = self.row_of.pop(name, None)
+                if row is not None:
+                    self.free.append(row)
+                self.sent.pop(name, None)
+                done.append(name)
+        if done:
+            self.last_names = self.last_states = None  # a freed row may go to another request
+        return done
 
 
-def bucket(bs: int, cap: int) -> int:
-    """The size a decode batch of ``bs`` requests is padded to: the next power of two, at most ``cap`` (and never
-    below ``bs``). A batch that shrinks or grows inside its bucket keeps the shape its step graphs were captured
-    with (``graphs.py``)."""
-    return bs if bs >= cap or bs < 1 else min(1 << (bs - 1).bit_length(), cap)
+class _Steady:
+    """The kept values of a batch of the same requests, in ``host_part``'s layout: rows, positions,
+    new tokens (1 each), ids, then (with a token history) valid lengths, cell rows, cell columns,
+    cell tokens, then each new token's batch index; and what the next steady step checks. Each part holds
+    ``bp`` values: the ``bs`` requests', then the padding requests' (row 0, position 0, one token, id 0, no
+    history, a cell of token 0 at the padding row's column 0)."""
 
+    __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "ends", "width", "total", "bp",
+                 "padded")
 
-def table_width(width: int, max_context: int, floor: int) -> int:
-    """``width`` rounded up to a power of two of at least ``floor``, never past ``max_context`` (a wider
-    batch fails the canary's size check as it is)."""
-    return max(width, min(max(floor, 1 << (max(1, width) - 1).bit_length()), max_context))
+    def __init__(self, rows: TokenRows, states: list, pad: int = 0, padded: bool = False):
+        bs, names = len(states), rows.last_names
+        self.bp, self.padded = bs + pad, padded
+        z = np.zeros(pad, dtype=np.int64)
+        ones = np.ones(bs, dtype=np.int64)
+        real_rows = np.concatenate([np.asarray(rows.last_rows, dtype=np.int64), z])
+        padded_ones = np.concatenate([ones, z])
+        parts = [real_rows, padded_ones, np.ones(bs + pad, dtype=np.int64),
+                 np.concatenate([np.asarray(rows.last_rids, dtype=np.int64), z])]
+        if rows.want_history:
+            parts += [padded_ones, real_rows, padded_ones, padded_ones]
+        parts.append(np.arange(bs + pad, dtype=np.int64))
+        self.values = np.concatenate(parts)  # (int64 arrays, every one)
+        self.words = memoryview(self.values).cast("B").cast("q")  # the same memory, written from ``array``s
+        self.ones = [1] * bs
+        # each request's tokens in its row: this step's offsets must be these plus one (a row without the
+        # request: -2, never one less than an offset)
+        self.need = list(map(rows.sent.get, names, [-2] * bs))
+        # where each request's newest token sits in its generated tokens: its offset less (prompt + 1)
+        self.base = [n + 1 for n in map(len, map(_S_PROMPT, states))]
+        self.at = self.prefix = self.ends = None  # (set by the run's first step: _steady)
+        self.width = self.total = 0
 
 
 class BatchBuilder(TokenRows):
-    glue = None  # where the canary runs Triton (__init__): glue.py's kernels for the read table and entries
-    host_table = None  # where it runs numba: the host read table as one compiled loop (ops.read_table_ops)
-    new_reads_match = None  # and the new tokens' read-check shortcut as another
+    """The adapter's ``EngineSource``: each step's host part and inputs, and an eager step's extras."""
+
+    stage = None  # the runner's Staging (set by the runner)
 
     def __init__(self, session):
         self.s = session
+        lay = session.layout
         self.device = session.device
-        self.num_rows = session.canary.num_rows
+        self.group, self.block_size, self.num_slots = lay.full_group, lay.block_size, lay.num_slots
+        self.windowed = lay.swa_group is not None
         # Stable canary row per engine request (LRU among requests not in the batch when rows run out):
         # the canary's token table keeps a row's tokens, so only new ones cross to the device.
-        self.init_rows(self.num_rows)
+        self.init_rows(session.canary.num_rows)
         self.next_tokens: torch.Tensor | None = None  # token oracle: tokens _sample must emit this step
         self.want_history = session.handle.options.get("token_history", True) and session.config.token_check
         self.oracle = bool(session.handle.options.get("token_oracle"))
-        # one staging buffer on the CPU: there a step's observation is read when the step closes, so no report
-        # reads a batch after the next step refilled its buffer, and a reused batch (_cpu_batch) serves every
-        # step of its shape, not one step in each of the turns (graphs.py restores the turns: its CPU stand-in
-        # replays as CUDA does)
-        self.stage = Staging(self.device, 1) if self.device.type == "cpu" else Staging(self.device)
-        self.in_block = torch.arange(session.layout.block_size, dtype=torch.int64, device=self.device)
-        self.warned_read_size = False
-        # decode steps padded to their size bucket (``bucket``; graphs.py sets it where step graphs run): at most
-        # this many requests, 0 = no padding
+        # decode steps padded to their size bucket (``bucket``; the runner sets it where step graphs run): at
+        # most this many requests, 0 = no padding
         self.pad_cap = 0
-        self.new_reads = ops.Entries.allocate(session.canary.max_tokens, self.device)
-        self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
-        self.cpu_batches: dict = {}  # CPU: a reused ForwardBatch per shape (_cpu_batch)
         self.iota_np = np.arange(256, dtype=np.int64)
-        # the read table and the new tokens' read entries as one Triton kernel each where the canary runs
-        # Triton (glue.py); the torch backend keeps the tensor ops
-        backend = ops.resolve_backend(session.config.backend, self.device)
-        if backend == "triton":
-            from kvcanary.integrations.transformers import glue as hf_glue  # (imports Triton)
 
-            self.glue = hf_glue.IndexKernels()
-        elif backend == "numba":
-            from kvcanary.integrations.transformers import glue_cpu as hf_glue_cpu  # (imports numba)
+    @property
+    def inputs(self):
+        """The engine's inputs and outputs of the step (``runtime.engine.StepInputs``)."""
+        return self.s.bp.inputs_and_outputs
 
-            self.host_table, self.new_reads_match = hf_glue_cpu.read_table, hf_glue_cpu.new_reads_match
-
-    def build(self) -> ForwardBatch:
-        """This step's batch, its device work issued eagerly."""
-        h = self.host_part()
-        batch = self._cpu_batch(h) if self.device.type == "cpu" else self.assemble(h)
-        self.fill_read_table(batch, h)
+    def finish(self, batch, h: HostStep, arange) -> None:
+        """An eager step's extras: the token oracle's expectations, the sliding-window group's table."""
         if self.oracle:
             self._oracle(batch, h.reqs, h.prefix, h.extend, h.rids)
-        if self.s.layout.swa_group is not None:
-            fill_swa_table(self.s.layout, self.s.swa_table, h.io, batch.prefix_lens, batch.extend_lens,
-                           max(min(p, self.s.layout.window) for p in h.prefix), h.T, batch.out_cache_loc, self._arange)
-        return batch
-
-    def _cpu_batch(self, h: HostStep) -> ForwardBatch:
-        """On the CPU a step's observation is read when the step closes, so no report reads a batch
-        after the next one is built: a batch object (views and read table) is reused for every step
-        of the same shape instead of being assembled anew (a score of tensor views per step)."""
-        io = h.io
-        # the read table's width rounded up: decode steps grow it by one column each, and cells past a
-        # request's length are never read, so one batch serves many steps
-        width = table_width(h.width, self.s.canary.max_context, CPU_WIDTH_STEP)
-        key = (h.bs, h.T, h.small, width, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
-               io.write_index_storage.data_ptr(), io.read_index_storage.data_ptr(), io.use_block_table)
-        batch = self.cpu_batches.get(key)
-        if batch is None:
-            batch = self.cpu_batches[key] = self.assemble(h, width)
-            # numpy views of its tensors, made once: a tensor call costs tens of microseconds inside the
-            # engine's step (cold caches after the forward), a numpy read of a view far less
-            batch.host_views = self._views(batch, io)
-            if len(self.cpu_batches) > 64:
-                self.cpu_batches.pop(next(iter(self.cpu_batches)))
-        return batch
-
-    def _views(self, batch: ForwardBatch, io) -> SimpleNamespace:
-        return SimpleNamespace(rows=batch.req_pool_indices.numpy(), prefix=batch.prefix_lens.numpy(),
-                               extend=batch.extend_lens.numpy(), token_req=batch.token_req.numpy(),
-                               positions=batch.positions.numpy(), loc=batch.out_cache_loc.numpy(),
-                               rtt=batch.req_to_token.numpy(),
-                               read=io.read_index_storage[self.s.layout.full_group].numpy())
+        lay = self.s.layout
+        if lay.swa_group is not None:
+            fill_swa_table(lay, self.s.swa_table, h.io, batch.prefix_lens, batch.extend_lens,
+                           max(min(p, lay.window) for p in h.prefix), h.T, batch.out_cache_loc, arange)
 
     def host_part(self, copy: bool = True, padded: bool = False) -> HostStep:
         """The host half of a step: per-request facts and token cells, staged to the device in one copy
@@ -194,157 +367,6 @@ class BatchBuilder(TokenRows):
             self.iota_np = np.arange(max(n, 2 * self.iota_np.shape[0]), dtype=np.int64)
         return self.iota_np[:n]
 
-    def assemble(self, h: HostStep, width: int | None = None) -> ForwardBatch:
-        """The ForwardBatch of views into the staged buffer, the engine's inputs and a read table of
-        ``width`` columns (not yet filled: ``fill_read_table``)."""
-        lay, io, bs, T, packed = self.s.layout, h.io, h.bs, h.T, h.packed
-        rows_t, prefix_t, extend_t, rids_t = (packed[i * bs:(i + 1) * bs] for i in range(4))
-        token_req = packed[h.small:]
-        input_ids, positions = io.input_ids[:T], io.position_ids[:T]
-        width = max(1, h.width if width is None else width)
-        if io.use_block_table:
-            nb = min(-(-width // lay.block_size), io.block_table.shape[2])
-            rtt = torch.empty(self.num_rows, nb * lay.block_size, dtype=torch.int64, device=self.device)
-            # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
-            out_cache_loc = torch.empty(T, dtype=torch.int64, device=self.device)
-        else:
-            rtt = torch.empty(self.num_rows, width, dtype=torch.int64, device=self.device)
-            out_cache_loc = io.write_index_storage[lay.full_group, :T]
-        batch = ForwardBatch(req_pool_indices=rows_t, prefix_lens=prefix_t, extend_lens=extend_t,
-                             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-                             req_to_token=rtt, request_ids=rids_t,
-                             mode=ForwardMode.DECODE if T == bs else ForwardMode.EXTEND)
-        batch.token_req = token_req  # each new token's batch index (verify_new_reads, the block-table path)
-        if self.want_history:
-            k = (h.small - h.n - bs) // 3
-            c0 = h.n + bs
-            batch.token_history = TokenAppend(packed[c0:c0 + k], packed[c0 + k:c0 + 2 * k],
-                                              packed[c0 + 2 * k:c0 + 3 * k], packed[h.n:h.n + bs])
-        return batch
-
-    def fill_read_table(self, batch: ForwardBatch, h: HostStep, captured: bool = False) -> None:
-        """Fill the batch's read table (and on the flash path its write slots) for this step; ``captured``:
-        tensor ops only (a captured step replays device work, not host code)."""
-        rtt = batch.req_to_token
-        self._read_table(h.io, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, rtt.shape[1], h.total,
-                         out=rtt, host=not captured, views=getattr(batch, "host_views", None))
-        if h.io.use_block_table:
-            # Flash decode fast path: write_index is not filled; the kernel writes through the block table.
-            batch.out_cache_loc.copy_(rtt[batch.req_pool_indices[batch.token_req], batch.positions.to(torch.int64)])
-
-    def _read_table(self, io, rows_t, prefix_t, extend_t, width: int, total: int, out=None,
-                    host: bool = True, views: SimpleNamespace | None = None) -> torch.Tensor:
-        """req_to_token from the indices the forward's attention consumes, not from the block tables.
-
-        Full-attention layers read ``read_index[g]`` (sdpa / eager: per request, the slots of
-        positions [0, prefix + extend), after the forward's writes), or on the flash decode fast
-        path the io's block table (slot = block * B + offset). Row r of the batch's rows gets its
-        request's slots; other rows and columns past a request's length are never read.
-        """
-        g, B = self.s.layout.full_group, self.s.layout.block_size
-        if io.use_block_table:
-            nb = min(-(-width // B), io.block_table.shape[2])
-            blocks = io.block_table[g, :rows_t.shape[0], :nb].to(torch.int64)
-            rtt = torch.empty(self.num_rows, nb * B, dtype=torch.int64, device=self.device) if out is None else out
-            rtt.view(self.num_rows, -1, B)[rows_t, :nb] = torch.add(self.in_block[:B], blocks.unsqueeze(2), alpha=B)
-            return rtt
-        rtt = torch.empty(self.num_rows, max(1, width), dtype=torch.int64, device=self.device) if out is None else out
-        if io.max_kv_read == 0:
-            return rtt  # nothing is read from the cache (fresh prefills only): no prefix to verify
-        if host and rtt.device.type == "cpu":
-            # numpy: the same cells, without a dozen tensor ops (each costs the host microseconds here)
-            if views is None:
-                views = SimpleNamespace(rows=rows_t.numpy(), prefix=prefix_t.numpy(), extend=extend_t.numpy(),
-                                        rtt=rtt.numpy(), read=io.read_index_storage[g].numpy())
-            self._fill_host(views, io, total)
-            return rtt
-        have = self._have(io, total)
-        read = io.read_index_storage[g]
-        if self.glue is not None and self.glue.ok:  # one kernel (glue.py) for the tensor ops
-            glue, limits = self.glue, self._read_limits(have, total, read.shape[0])
-            glue.run("read table", lambda: glue.read_table(rtt, rows_t, prefix_t, extend_t, read, *limits),
-                     lambda: self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total), (rtt,))
-            return rtt
-        return self._read_table_ops(read, rows_t, prefix_t, extend_t, rtt, have, total)
-
-    def _have(self, io, total: int) -> int:
-        """The slots of the ``total`` prefix + new positions the engine's read index lists (a warning, once,
-        when it lists fewer)."""
-        listed = io.true_read_sizes[self.s.layout.full_group]
-        if listed < total and not self.warned_read_size:
-            self.warned_read_size = True
-            log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
-                        listed, total)
-        return min(total, listed)
-
-    def _read_limits(self, have: int, total: int, n_read: int) -> tuple[int, int, int]:
-        """The read-table loops' (clamp_max, limit, fill): a read index listing all ``total`` slots is read up
-        to its end; one listing only ``have`` gives cells past them an out-of-range slot (``_read_table_ops``)."""
-        if have == total:
-            return n_read - 1, NO_LIMIT, 0
-        return max(0, have - 1), have, self.s.layout.num_slots
-
-    def _read_table_ops(self, read, rows_t, prefix_t, extend_t, rtt, have: int, total: int) -> torch.Tensor:
-        """``_read_table``'s device path as tensor ops (``ops.read_table``'s torch body, unvalidated: it runs
-        every step). Cells the read index lacks get an out-of-range slot, which verifies as a never-written
-        record: a short read index is reported against the request that misses slots."""
-        torch_read_table(rtt, rows_t, prefix_t, extend_t, read, *self._read_limits(have, total, read.shape[0]),
-                         cols=self._arange(rtt.shape[1]))
-        return rtt
-
-    def _fill_host(self, v, io, total: int) -> None:
-        """The numpy read table from numpy views (``_cpu_batch`` keeps a reused batch's views)."""
-        read, out, rows = v.read, v.rtt, v.rows
-        limits = self._read_limits(self._have(io, total), total, read.shape[0])
-        # (numba: one compiled pass; else numpy: the same cells, ops.read_table's host bodies, unvalidated)
-        (self.host_table or numpy_read_table)(out, rows, v.prefix, v.extend, read, *limits)
-
-    def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:
-        """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
-
-        Full attention writes the new tokens, then reads positions [0, prefix + extend) through the
-        read index: the plan verifies the prefix, and this checks that the read index's new cells
-        hold the records just written at the write index (a read index that disagrees with the
-        write index for a new token is reported before the forward reads it).
-        """
-        io, T = self.s.bp.inputs_and_outputs, batch.num_tokens
-        if io.use_block_table or io.max_kv_read == 0 or not T:
-            return  # the fast path reads through the table the writes used; no read of the cache at all
-        c = self.s.canary
-        g = c.groups[0]
-        rtt = batch.req_to_token
-        # Where every read cell is the write cell the check holds by construction (the HEAD write just
-        # stored those records); on the CPU that comparison costs no sync and saves the verify (not
-        # inside a captured step: its outcome would be baked into the capture).
-        if shortcut and self.device.type == "cpu":
-            v = getattr(batch, "host_views", None) or self._views(batch, io)
-            match = self.new_reads_match
-            same = -1 if match is None else match(v.rtt, v.rows, v.token_req, v.positions, v.loc)
-            if same == 1 or (same == -1 and np.array_equal(v.rtt[v.rows[v.token_req], v.positions], v.loc)):
-                return
-        e = self.new_reads
-        rows, extend, token_req = batch.req_pool_indices, batch.extend_lens, batch.token_req
-        if self.glue is not None and self.glue.ok:  # one kernel (glue.py) for the tensor ops
-            glue = self.glue
-            glue.run("new tokens' read entries", lambda: glue.new_read_entries(
-                e, rtt, rows, extend, token_req, batch.positions, batch.input_ids),
-                lambda: new_read_ops(e, rtt, rows, extend, token_req, batch.positions, batch.input_ids),
-                (e.slot, e.position, e.prev, e.expected_token, e.count, e.requested, e.enable))
-        else:
-            new_read_ops(e, rtt, rows, extend, token_req, batch.positions, batch.input_ids)
-        # On the side stream, ordered after HEAD's write and after the entries filled here; the step's
-        # close joins it, so the next step's fill cannot overwrite entries still being read.
-        with c.launcher.side():
-            for kv in g.kvs:
-                ops.verify(buf=g.bufs["head", kv], entries=self.new_reads, ring=c.ring, counters=c.counters,
-                           launch_tag=g.tag("head", kv), backend=c.config.backend)
-            c.slots.check_entries(self.new_reads, g.tag("head", "k"))  # (the verify skips slot 0: runtime/slots.py)
-
-    def _arange(self, n: int) -> torch.Tensor:
-        if self.iota.shape[0] < n:
-            self.iota = torch.arange(max(n, 2 * self.iota.shape[0]), dtype=torch.int64, device=self.device)
-        return self.iota[:n]
-
     def _oracle(self, batch, reqs, prefix, extend, rids) -> None:
         """Expected inputs (prompt, then oracle tokens) and the tokens the sampler will be forced to emit."""
         s = self.s
@@ -360,18 +382,3 @@ class BatchBuilder(TokenRows):
         packed = torch.tensor(exp_ids + exp_pos, dtype=torch.int64).to(self.device)
         batch.expected_input_ids, batch.expected_positions = packed[:len(exp_ids)], packed[len(exp_ids):]
         self.next_tokens = torch.tensor(forced, dtype=torch.int64)
-
-
-def new_read_ops(e, rtt, rows, extend, token_req, positions, input_ids) -> None:
-    """The new tokens' read entries as tensor ops (``glue.new_read_entries``'s twin, cell for cell): the
-    counts are those of the real tokens, and a padding token (its request in row 0) reads no cell."""
-    per = rows[token_req]
-    real = per != 0
-    pos = torch.where(real, positions.to(torch.int64), 0)
-    slots = torch.where(real, rtt[per, pos], 0)
-    prev = torch.where(real & (pos > 0), rtt[per, (pos - 1).clamp(min=0)], -1)
-    ops.fill_entries(e, slots, pos, prev, input_ids)
-    n = torch.where(rows != 0, extend.to(torch.int64), 0).sum()
-    e.requested.copy_(n.view(1))
-    e.count.copy_(n.clamp(max=e.capacity).view(1))
-    e.enable.copy_((n <= e.capacity).view(1))

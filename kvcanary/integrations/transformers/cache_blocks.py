@@ -84,14 +84,14 @@ class BlockLayout(EngineLayout):
         orig_copy, orig_offload, orig_restore = cache.copy_cache, om._offload_to_cpu, om.restore_scheduled_requests
 
         def copy_cache(src, dst):
-            session._join()
+            session.runner.join()
             orig_copy(src, dst)
             # (one block space for every group: a block id names its slots whatever its group)
             session._guarded(session._on_copy, self.blocks_to_slots(src, dev), self.blocks_to_slots(dst, dev),
                              len(src))
 
         def offload_to_cpu(victims):
-            session._join()
+            session.runner.join()
             # (before the engine's offload: it frees the victims' blocks, and their tables with them)
             blocks = {st.request_id: self.request_blocks(st.request_id) for st in victims}
             done = orig_offload(victims)
@@ -105,7 +105,7 @@ class BlockLayout(EngineLayout):
                 rid = fs.state.request_id
                 if fs.state.is_cpu_offloaded and rid in session.saved:
                     counts[rid] = list(om._request_id_to_group_block_counts.get(rid, []))
-            session._join()
+            session.runner.join()
             orig_restore(requests_in_batch)
             if counts:
                 cms = cache.group_cache_managers
@@ -117,70 +117,3 @@ class BlockLayout(EngineLayout):
         patcher.set(cache, "copy_cache", copy_cache)
         patcher.set(om, "_offload_to_cpu", offload_to_cpu)
         patcher.set(om, "restore_scheduled_requests", restore_scheduled_requests)
-
-    def plain_cpu_swap_pool(self, offloading_manager, blocks: int) -> None:
-        import torch
-
-        om, c = offloading_manager, self.cache
-        if om._num_cpu_blocks:
-            return
-        shape = (blocks, c.block_size, c.num_key_value_heads, c.head_dim)
-        om._num_cpu_blocks = blocks
-        om._cpu_key_cache = [torch.zeros(shape, dtype=c.dtype) for _ in c.key_cache]
-        om._cpu_value_cache = [torch.zeros(shape, dtype=c.dtype) for _ in c.key_cache]
-        om._gpu_key_views = [k.view(-1, *shape[1:]) for k in c.key_cache]
-        om._gpu_value_views = [v.view(-1, *shape[1:]) for v in c.value_cache]
-        om._free_cpu_blocks = list(range(blocks))
-
-    # -- engine internals the planted bugs reach ----------------------------------------------------------
-    def full_allocator(self):
-        return self.cache.group_cache_managers[self.full_group]
-
-    def zero_pool(self) -> None:
-        for t in (*self.cache.key_cache, *self.cache.value_cache):
-            t.zero_()
-
-    def k_row(self, layer: int, slot: int):
-        _, j = self.cache.layer_index_to_group_indices[layer]
-        return self.cache.key_cache[j][slot]
-
-    def is_free(self, block: int) -> bool:
-        return block in self.cache._block_manager._uninit_block_ids
-
-    def hand_out_next(self, block: int, times: int = 1) -> None:
-        for _ in range(times):
-            self.cache._block_manager._uninit_block_ids.appendleft(block)
-
-    def take_free(self, block: int) -> None:
-        self.cache._block_manager._uninit_block_ids.remove(block)
-
-    def wrap_fork_copy(self, replace) -> None:
-        cache = self.cache
-        orig = cache.copy_cache
-
-        def copy_cache(src, dst):
-            if not replace(src, dst):
-                orig(src, dst)
-
-        cache.copy_cache = copy_cache
-
-    def copy_blocks_partly(self, src, dst, copy_k, copy_v, layers) -> None:
-        import torch
-
-        s_, d_ = torch.tensor(src), torch.tensor(dst)
-        for j, (k, v) in enumerate(zip(self.cache.key_cache, self.cache.value_cache)):
-            if layers is not None and j >= layers:
-                continue
-            for t, on in ((k, copy_k), (v, copy_v)):
-                if on:
-                    view = t.view(-1, self.block_size, *t.shape[1:])
-                    view[d_] = view[s_]
-
-    def parentless_prefix_hash(self) -> None:
-        bm = self.cache._block_manager
-        orig = bm.compute_hash
-
-        def compute_hash(parent_hash, tokens, group_id):
-            return orig(None, tokens, group_id)
-
-        bm.compute_hash = compute_hash

@@ -103,7 +103,7 @@ class SectorLayout(EngineLayout):
         index = self._index()
 
         def perform_cache_copy(copy_src_and_dst):
-            session._join()
+            session.runner.join()
             orig_copy(copy_src_and_dst)
             pairs = [(index[name], src, dst) for name, (src, dst) in copy_src_and_dst.items() if len(src)]
             if pairs:
@@ -111,7 +111,7 @@ class SectorLayout(EngineLayout):
                                  self.group_slots([(g, d) for g, _, d in pairs], dev), sum(len(s) for _, s, _ in pairs))
 
         def offload_to_cpu(victims, victim_block_tables):
-            session._join()
+            session.runner.join()
             done = orig_offload(victims, victim_block_tables)
             # (the engine freed the victims' blocks before this call: their tables come as an argument)
             slots = {rid: self.group_slots([(index[n], bl) for n, bl in victim_block_tables[rid].items()], dev)
@@ -125,7 +125,7 @@ class SectorLayout(EngineLayout):
                 rid = fs.state.request_id
                 if fs.state.is_cpu_offloaded and rid in session.saved:
                     counts[rid] = {n: len(ids) for n, ids in om._request_id_to_cpu_blocks.get(rid, {}).items()}
-            session._join()
+            session.runner.join()
             orig_restore(requests_in_batch)
             if counts:
                 allocs = cache.cache_allocators
@@ -137,91 +137,3 @@ class SectorLayout(EngineLayout):
         patcher.set(cache, "perform_cache_copy", perform_cache_copy)
         patcher.set(om, "_offload_to_cpu", offload_to_cpu)
         patcher.set(om, "restore_scheduled_requests", restore_scheduled_requests)
-
-    def plain_cpu_swap_pool(self, offloading_manager, blocks: int) -> None:
-        from transformers.generation.continuous_batching.cache_allocators import CachePool
-
-        om, c = offloading_manager, self.cache
-        if om._cpu_pool is not None:
-            return
-        sectors = max(1, -(-blocks * self._full().bytes_per_block // c.bytes_per_sector))
-        om._num_cpu_sectors = sectors
-        om._cpu_tensor = torch.zeros(sectors * c.bytes_per_sector, dtype=torch.uint8)
-        om._cpu_pool = CachePool(sectors, len(c.cache_allocators), num_reserved_sectors=0)
-        for name, a in c.cache_allocators.items():
-            om._cpu_pool.set_blocks_per_sector(a.index, a.blocks_per_sector)
-            om._cpu_views[name] = om._cpu_tensor.view(-1, a.bytes_per_block)
-
-    # -- engine internals the planted bugs reach ----------------------------------------------------------
-    def full_allocator(self):
-        return self._full()
-
-    def zero_pool(self) -> None:
-        self.cache.cache_tensor.zero_()
-
-    def k_row(self, layer: int, slot: int) -> torch.Tensor:
-        a = self.cache.layer_to_allocator[layer]
-        return next(k for lay, k, _ in _layer_rows(self.cache, a) if lay == layer)[slot]
-
-    def _free_tree(self):
-        return self.cache.pool._free_blocks[self._full().index]
-
-    def is_free(self, block: int) -> bool:
-        trees = self._free_tree()
-        return block in trees.trees.get(block // trees.elems_per_tree, ())
-
-    def hand_out_next(self, block: int, times: int = 1) -> None:
-        # The pool hands out the last leaves of its first tree (sector) first: the block goes there.
-        trees = self._free_tree()
-        root = block // trees.elems_per_tree
-        leaves = trees.trees.pop(root, [])
-        leaves.extend([block] * times)
-        trees.trees = {root: leaves, **trees.trees}
-        trees._length += times
-
-    def take_free(self, block: int) -> None:
-        trees = self._free_tree()
-        trees.trees[block // trees.elems_per_tree].remove(block)
-        trees._length -= 1
-
-    def wrap_fork_copy(self, replace) -> None:
-        cache = self.cache
-        orig = cache.perform_cache_copy
-
-        def perform_cache_copy(copy_src_and_dst):
-            src, dst = copy_src_and_dst.get(FULL, ((), ()))
-            if len(src) and replace(list(src), list(dst)):
-                copy_src_and_dst = {n: p for n, p in copy_src_and_dst.items() if n != FULL}
-            orig(copy_src_and_dst)
-
-        cache.perform_cache_copy = perform_cache_copy
-
-    def copy_blocks_partly(self, src, dst, copy_k, copy_v, layers) -> None:
-        a = self._full()
-        # a block: per layer, its K page then its V page
-        view = self.cache.cache_tensor.view(-1, a.bytes_per_block).view(-1, a.pages_per_block, 2, a.bytes_per_page // 2)
-        s_, d_ = torch.tensor(src), torch.tensor(dst)
-        for i in range(a.pages_per_block if layers is None else min(layers, a.pages_per_block)):
-            for kv, on in ((0, copy_k), (1, copy_v)):
-                if on:
-                    view[d_, i, kv] = view[s_, i, kv]
-
-    def parentless_prefix_hash(self) -> None:
-        # The allocators hash blocks with their module's compute_block_hash: swapped for the length of this
-        # allocator's two hashing calls only, so other caches keep the engine's key.
-        from transformers.generation.continuous_batching.cache_allocators import cache_allocator as mod
-
-        a, engine_hash = self._full(), mod.compute_block_hash
-
-        def parentless(parent_hash, tokens):
-            return engine_hash(None, tokens)
-
-        for name in ("match_prefix_blocks", "mark_complete_blocks"):
-            def call(*args, _orig=getattr(a, name), **kwargs):
-                mod.compute_block_hash = parentless
-                try:
-                    return _orig(*args, **kwargs)
-                finally:
-                    mod.compute_block_hash = engine_hash
-
-            setattr(a, name, call)

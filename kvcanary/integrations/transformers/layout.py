@@ -230,48 +230,6 @@ class EngineLayout:
         restores (``session._on_restore(slots)``), each after the engine's own work."""
         raise NotImplementedError
 
-    def plain_cpu_swap_pool(self, offloading_manager, blocks: int) -> None:
-        """Give the engine's CPU swap pool room for ``blocks`` full-group blocks in plain (unpinned) memory,
-        unless it has one: transformers allocates it pinned, which a CPU-only torch cannot (tests, soak)."""
-        raise NotImplementedError
-
-    # -- engine internals the planted bugs of bugs.py reach ------------------------------------------------
-    def full_allocator(self):
-        """The object holding the full group's ``block_table``, ``get_read_indices``, ``get_write_indices``."""
-        raise NotImplementedError
-
-    def zero_pool(self) -> None:
-        raise NotImplementedError
-
-    def k_row(self, layer: int, slot: int) -> torch.Tensor:
-        """Layer ``layer``'s K of ``slot`` (a view into the cache)."""
-        raise NotImplementedError
-
-    def is_free(self, block: int) -> bool:
-        raise NotImplementedError
-
-    def hand_out_next(self, block: int, times: int = 1) -> None:
-        """Put a full-group block on the free list ``times`` times, where the next allocations take it."""
-        raise NotImplementedError
-
-    def take_free(self, block: int) -> None:
-        """Remove a full-group block from the free list."""
-        raise NotImplementedError
-
-    def wrap_fork_copy(self, replace) -> None:
-        """Per instance: ``replace(src_blocks, dst_blocks)`` sees each full-group fork copy first and does it
-        (or not) itself when it returns True; otherwise the engine copies."""
-        raise NotImplementedError
-
-    def copy_blocks_partly(self, src: list[int], dst: list[int], copy_k: bool, copy_v: bool,
-                           layers: int | None) -> None:
-        """Copy full-group blocks' K and/or V, of the first ``layers`` layers (all: None)."""
-        raise NotImplementedError
-
-    def parentless_prefix_hash(self) -> None:
-        """Per instance: the prefix-cache key of a block leaves out its parent block."""
-        raise NotImplementedError
-
 
 def kv_sources(tensor: torch.Tensor | None) -> tuple[RealKvSource, ...]:
     """One real-KV source over a cache tensor (one slot per row), or none when its rows are not 16-byte multiples."""

@@ -8,7 +8,7 @@ from itertools import repeat
 
 import torch
 
-from kvcanary.integrations.transformers.tokens import NAME
+from kvcanary.integrations.transformers.batch import NAME
 
 __all__ = ["KvMoves"]
 

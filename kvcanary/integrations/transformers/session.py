@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from contextlib import nullcontext
 
 import torch
 
@@ -23,16 +22,14 @@ from kvcanary.format import oracle_token
 from kvcanary.integrations.transformers.abort import EngineAborts
 from kvcanary.integrations.transformers.batch import BatchBuilder
 from kvcanary.integrations.transformers.freed import FreedBlocks
-from kvcanary.integrations.transformers.graphs import StepGraphs
 from kvcanary.integrations.transformers.moves import KvMoves
 from kvcanary.integrations.transformers.layout import Patcher
 from kvcanary.integrations.transformers.layouts import layout_of
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
-from kvcanary.runtime.graphs import CudaGraphs
-from kvcanary.runtime.streams import event_wait, record_event, stream_cache
+from kvcanary.runtime.engine import StepOptions
+from kvcanary.runtime.step import StepRunner
 
 log = logging.getLogger("kvcanary")
-_NO_CONTEXT = nullcontext()  # (reentrant: one serves every hook)
 
 
 class Session(KvMoves):
@@ -53,19 +50,14 @@ class Session(KvMoves):
         self.saved: dict[str, list] = {}
         self.timings: list[dict] = []  # per step with timing=True: batch, tokens, host seconds of each part
         self.timing = bool(handle.options.get("timing"))
-        self.late_hooks = bool(handle.options.get("late_hooks", True))
-        self._late = False  # this step's canary work waits for compute_batch (_late_step)
-        self.ready = self._ready_event = None  # CUDA, late: the compute stream before the forward (_late_step)
+        self._late = False  # this step's canary work waits for compute_batch (StepRunner.late_step)
         self.closed = False
-        self._compute = None  # (the engine's compute stream, its raw handle, its stream cache): _engine_stream
-        self.engine_calls = 0  # _engine_stream calls so far
         self.final_stats: dict | None = None
         self.final_violations: list = []
         self.aborts = EngineAborts(self)  # mode "abort": the canary's on_abort, applied after each update
         self.canary = self._build_canary()
         self.builder = BatchBuilder(self)
-        self.graphs = self._step_graphs()
-        self.fused = None if self.graphs is None else self.graphs.fused
+        self.runner = self._step_runner()
         # the engine's step ends in a synchronize of its compute stream (transformers' synchronous inputs and
         # outputs): whatever that stream waited for before the step's forward is complete afterwards (step)
         io = bp.inputs_and_outputs
@@ -108,21 +100,10 @@ class Session(KvMoves):
         self.vocab = int(getattr(cache.config, "vocab_size", 0) or 0)
         return canary
 
-    def _step_graphs(self, graph_type=None) -> StepGraphs | None:
-        """On CUDA (attach option ``step_graphs``, default on): the before hook's device work replayed
-        from a CUDA graph per batch shape, and the after hook's TAIL and snapshot likewise. Tests pass
-        ``graph_type`` (a CPU stand-in) to take the same path on the CPU."""
-        if not self.handle.options.get("step_graphs", True):
-            return None
-        if graph_type is not None:
-            return StepGraphs(self, graph_type)
-        if self.device.type != "cuda":
-            return None
-        if not self.canary.launcher.streams.overlap:
-            return None  # the whole-step graph runs on the side stream: overlap off keeps every launch eager
-        graphs = CudaGraphs(self.device, max_graphs=32)
-        self.canary.use_graphs(graphs)
-        return StepGraphs(self)
+    def _step_runner(self, graph_type=None) -> StepRunner:
+        """The step runner over this session's builder (tests pass ``graph_type``, a CPU stand-in, to take the
+        captured and fused paths on the CPU)."""
+        return StepRunner(self.canary, self.builder, StepOptions.of(self.handle.options), graph_type)
 
     def _install(self) -> None:
         bp, p = self.bp, self.patcher
@@ -131,14 +112,15 @@ class Session(KvMoves):
         orig_search = cache.search_prefix_match
 
         def step(model):
-            self._join()
+            steps = self.runner
+            steps.join()
             if self.freed is not None:
                 self._guarded(self.freed.poison)
             # the last fused step's position the compute stream now waits for (FusedSteps.join)
-            joined = self.fused.joined if self.fused is not None and self.step_syncs else None
+            joined = steps.joined() if self.step_syncs else None
             # Late hooks (docs/transformers.md): the step's canary work runs once compute_batch (below) has
             # enqueued the forward, while the device runs it, instead of holding back its launch.
-            late = self._late = self._guarded(self._late_step)
+            late = self._late = self._guarded(steps.late_step)
             if not late:
                 self._guarded(self._before)
             t0 = time.perf_counter()
@@ -154,7 +136,7 @@ class Session(KvMoves):
                 joined.complete()
 
         def compute_batch_done():
-            self._guarded(self._before)  # (with _late still set: _before_forward knows the step is usable)
+            self._guarded(self._before)  # (with _late still set: the runner knows the step is usable)
             self._late = False
             self._guarded(self._after)
 
@@ -173,7 +155,7 @@ class Session(KvMoves):
             t2 = time.perf_counter()
             self._guarded(self._after_update, snap)
             self._guarded(self.aborts.apply)
-            self._join()  # (the next batch's inputs are prepared next: after the last fused step's reads)
+            self.runner.join()  # (the next batch's inputs are prepared next: after the last fused step's reads)
             if self.timings:
                 self.timings[-1]["update_s"] = t1 - t0 + time.perf_counter() - t2
 
@@ -200,72 +182,23 @@ class Session(KvMoves):
             p.set(runner, "_sample", sample)
 
     # -- per step --------------------------------------------------------------------------------
-    def _late_step(self) -> bool:
-        """Whether this step's canary work may wait until its forward is enqueued: HEAD reads canary records
-        and the engine's inputs only (never KV), so it precedes nothing in the forward. Not with the token
-        oracle (the sampler reads what the before work computes), fault injection or ``late_hooks=False``;
-        on CUDA only with step graphs on a usable step (their HEAD runs off the forward's stream, after the
-        compute stream's position before the forward: ``ready``)."""
-        c = self.canary
-        self.ready = None
-        if (not self.late_hooks or not c.enabled or self.builder.oracle or c.injector is not None
-                or c.config.check_before_forward):  # (that check must precede the forward)
-            return False
-        io = self.bp.inputs_and_outputs
-        if self.graphs is None:
-            return io.compute_stream is None  # (the CPU: nothing runs beside anything)
-        if not self.graphs.usable(io):
-            return False
-        stream = io.compute_stream
-        # (a step after a fused one is likely fused too, and needs no such event: one CUDA call fewer; if it
-        # is not, its HEAD follows the compute stream, forward included, instead of running beside it)
-        if stream is not None and c.device.type == "cuda" and not self.graphs.last_fused:
-            if self._ready_event is None:
-                self._ready_event = torch.cuda.Event()  # (its own: the launcher's per-stream events move on)
-            record_event(self._ready_event, stream)
-            self.ready = self._ready_event
-        return True
-
     def _before(self) -> None:
         t0 = time.perf_counter()
         with self.lock:
-            self._ranged("kvcanary_before", self._before_forward)
+            # (with _late still set: the runner knows the step is usable)
+            self._ranged("kvcanary_before", self.runner.before, self._late)
         self._before_s = time.perf_counter() - t0
-
-    def _before_forward(self) -> None:
-        io = self.bp.inputs_and_outputs
-        if self.graphs is not None and self.canary.enabled and (self._late or self.graphs.usable(io)):
-            h = self.builder.host_part(copy=False, padded=True)
-            self.canary.padding_tokens = h.pad
-            self._batch = self.graphs.before(h, self._engine_stream)
-        else:
-            self.canary.padding_tokens = 0
-            with self._engine_stream():
-                self._batch = self.builder.build()
-                self.canary.before_forward(self._batch, check_now=False)  # (checked below, new reads included)
-                if self.canary.enabled:
-                    self.builder.verify_new_reads(self._batch)
-        if self.canary.config.check_before_forward:  # (the new tokens' read check included)
-            with self._engine_stream():
-                self.canary.check_reads_now()
 
     def _after(self) -> None:
         t0 = time.perf_counter()
         with self.lock:
-            self._ranged("kvcanary_after", self._after_forward)
+            self._ranged("kvcanary_after", self.runner.after)
             self.handle.forwards += 1
         after_s = time.perf_counter() - t0
         if self.timing:
-            b, pad = self._batch, self.canary.padding_tokens  # (the real batch: padding left out)
+            b, pad = self.runner.batch, self.canary.padding_tokens  # (the real batch: padding left out)
             self.timings.append({"batch": b.batch_size - pad, "tokens": b.num_tokens - pad, "before_s": self._before_s,
                                  "forward_s": self._fwd_s, "after_s": after_s, "update_s": 0.0})
-
-    def _after_forward(self) -> None:
-        if self.graphs is not None and self.graphs.inline:
-            self.graphs.after(self._batch)
-        else:
-            with self._engine_stream():
-                self.canary.after_forward(self._batch)
 
     # -- helpers ---------------------------------------------------------------------------------
     def request_id(self, name: str) -> int:
@@ -279,32 +212,8 @@ class Session(KvMoves):
         return oracle_token(rid, position, self.vocab)
 
     def _engine_stream(self):
-        """On CUDA the engine runs its forward, fork copies and offload copies on its compute stream: the
-        canary's kernels go there too (after the default stream's batch preparation), so they are ordered
-        with every KV write and read."""
-        self.engine_calls += 1  # (a steady decode step's inline replay waits for the compute stream after any)
-        self._join()
-        stream = self.bp.inputs_and_outputs.compute_stream
-        if stream is None:
-            return _NO_CONTEXT
-        known = self._compute
-        if known is None or known[0] is not stream:  # (stream.device builds a torch.device per call)
-            known = self._compute = (stream, stream.cuda_stream, stream_cache(stream.device))
-        _, handle, cache = known
-        current = cache.current()
-        if current.cuda_stream == handle:
-            return _NO_CONTEXT
-        event = self.canary.launcher.streams.record(current)  # a reused event (wait_stream makes one per call)
-        if event is None:
-            stream.wait_stream(current)
-        else:
-            event_wait(event, stream)
-        return cache.use(stream)
-
-    def _join(self) -> None:
-        """The engine's streams wait for the last fused step's canary work (``FusedSteps.join``), if any."""
-        if self.fused is not None and self.fused.pending is not None:
-            self.fused.join()
+        """The canary's work between steps (record copies, saves) on the engine's compute stream."""
+        return self.runner.engine_stream()
 
     def _ranged(self, name: str, fn, *args) -> None:
         """``fn(*args)`` inside the profiler range ``name`` while a profiler records (ranges are for
@@ -330,7 +239,7 @@ class Session(KvMoves):
             return
         self.closed = True
         try:
-            self._join()
+            self.runner.join()
             with self.lock:
                 self.canary.flush()
         except BaseException as e:
@@ -339,7 +248,7 @@ class Session(KvMoves):
         self.final_stats = self.canary.stats()
         self.patcher.restore()
         self.layout.release_padding(self.reserved_block0)
-        self.bp = self.canary = self.builder = self.layout = None
+        self.bp = self.canary = self.builder = self.layout = self.runner = None
         self.saved.clear()
 
     def stats(self) -> dict:

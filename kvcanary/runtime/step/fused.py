@@ -1,6 +1,6 @@
 """Fused steady decode steps: a step's whole canary work captured as one graph, replayed once after the forward.
 
-With late hooks (``session.py``) a step's before and after work run back to back, once transformers
+With late hooks (``runner.py``) a step's before and after work run back to back, once transformers
 has enqueued the forward. For a steady decode step (``graphs.py``: the same requests as the step
 before, one new token each, a shape seen often) the two replays of the unfused path (HEAD beside the
 forward, then TAIL and the step's snapshot after it), their stream hand-overs and the runtime's
@@ -13,7 +13,7 @@ the end of ``update_batch``), so the replay overlaps the engine's host work betw
 lengthening the wait for the sampled tokens.
 
 A graph reads one staging turn and copies into one snapshot slot, so its key is (shape, turn, slot).
-The turns are a multiple of the slots (``hf_staging.STAGING_TURNS``): steady steps cycle through that
+The turns are a multiple of the slots (``staging.STAGING_TURNS``): steady steps cycle through that
 many pairs, one capture each per shape. A run of steps of one shape (``Run``) remembers each pair's graph
 by the turn buffer's address and the slot's index, so a repeat (``repeat``) builds no keys. A step's
 observation is drained when its slot comes round again (``NUM_SLOTS`` steps later at most; the unfused
@@ -57,7 +57,7 @@ class _Fused:
 
 
 class FusedSteps:
-    """The fused graphs of one session's ``StepGraphs`` and their replay (``step``)."""
+    """The fused graphs of one runner's ``StepGraphs`` and their replay (``step``)."""
 
     def __init__(self, graphs):
         self.g, self.s = graphs, graphs.s
@@ -68,20 +68,20 @@ class FusedSteps:
         self.captures = self.replays = 0
         self.pending = None  # CUDA: the side stream's event after the last fused step, not yet joined (join)
         self.fence = None  # the last step's snapshot slot position after its replay (_replay), if recorded
-        self.joined = None  # that position of the last join (Session: complete once the engine synced after it)
+        self.joined = None  # that position of the last join (StepRunner.joined: complete once the engine synced after it)
         cuda = self.s.device.type == "cuda"
         self.cache = stream_cache(self.s.device) if cuda else None
         # after the inputs, after the forward (each recorded once per step), after the fused step (recorded
         # only where the step's snapshot slot has no event to stand for it: _replay)
         self.events = tuple(torch.cuda.Event() for _ in range(3)) if cuda else ()
         # the graphs' first nodes wait for the inputs and the forward (_capture_waiting); off: eager waits
-        self.in_graph_waits = cuda and bool(self.s.handle.options.get("in_graph_waits", True))
+        self.in_graph_waits = cuda and self.s.options.in_graph_waits
         self.run: Run | None = None  # the steady run of one shape: its pairs' entries and graphs (repeat)
 
     def usable(self) -> bool:
         """This step may run fused (its hooks late): the runtime has nothing to run between HEAD and TAIL."""
         s = self.s  # (the caller checked that the hooks are late this step)
-        return s.canary.fusable() and (self.cache is None or s.bp.inputs_and_outputs.compute_stream is not None)
+        return s.canary.fusable() and (self.cache is None or s.source.inputs.compute_stream is not None)
 
     def step(self, e, key: tuple, h, run: "Run | None" = None):
         """Run steady step ``h`` fused (``e``: its StepGraphs entry under ``key``); returns its batch. ``run``:
@@ -102,7 +102,7 @@ class FusedSteps:
             self.entries.move_to_end(fkey)
         self.run = run
         if run is not None:
-            run.pairs[self.s.builder.stage.last_ptr, index] = (e, f)
+            run.pairs[self.s.stage.last_ptr, index] = (e, f)
         return self._launch(e, f, slot, obs)
 
     def repeat(self, h):
@@ -110,7 +110,7 @@ class FusedSteps:
         any (``StepGraphs.before`` checked that its shape is the run's); None: ``step`` it."""
         obs = self.s.canary.monitor.observer
         index = None if obs.eager_read else obs.next
-        pair = self.run.pairs.get((self.s.builder.stage.last_ptr, index))
+        pair = self.run.pairs.get((self.s.stage.last_ptr, index))
         if pair is None:
             return None
         return self._launch(pair[0], pair[1], None if index is None else obs.slots[index], obs)
@@ -121,7 +121,7 @@ class FusedSteps:
         # the observation the slot holds is read before the replay's copy overwrites it
         done = () if slot is None else obs.take_slot()[1]
         c.check_replayed(e.batch)
-        compute = s.bp.inputs_and_outputs.compute_stream
+        compute = s.source.inputs.compute_stream
         side = launcher.streams.side() if compute is not None else None
         if side is None:  # (the CPU: nothing runs beside anything)
             self._replay(f, e, slot, done)
@@ -159,7 +159,7 @@ class FusedSteps:
     def _replay(self, f: _Fused, e, slot, done) -> None:
         """Replay the step's graph and close the step; ``fence``: the slot's event the close recorded after
         the replay (None where it recorded none: the CPU's eager read, or a close that failed first)."""
-        c, stage = self.s.canary, self.s.builder.stage
+        c, stage = self.s.canary, self.s.stage
         self.fence = None
         t0 = time.perf_counter()
         f.replay()
@@ -189,7 +189,7 @@ class FusedSteps:
         event, self.pending = self.pending, None
         if event is not None:
             self.joined = self.fence
-            event_wait(event, self.s.bp.inputs_and_outputs.compute_stream)
+            event_wait(event, self.s.source.inputs.compute_stream)
             event_wait(event, self.cache.current())
 
     def _capture(self, e, h, slot) -> _Fused:

@@ -1,11 +1,9 @@
-"""The host half of a transformers step: what ``BatchBuilder.host_part`` (``batch.py``) computed
-(``HostStep``), and the staging of its values (``Staging``: one pinned buffer, one asynchronous copy
-into a device buffer whose views become the batch's tensors).
+"""The staging of a step's host part (``runtime.engine.HostStep``, which a source's ``host_part`` sends
+through ``Staging``: one pinned buffer, one asynchronous copy into a device buffer whose views become the
+batch's tensors).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -13,30 +11,12 @@ from kvcanary.runtime.monitor import KEEP_BATCHES
 from kvcanary.runtime.observer import NUM_SLOTS
 from kvcanary.runtime.streams import capturing, event_synchronize, record_event, stream_cache
 
-__all__ = ["HostStep", "Staging", "STAGING_TURNS"]
+__all__ = ["Staging", "STAGING_TURNS"]
 
 # Staging turns: a remembered batch's buffer is not refilled for KEEP_BATCHES steps (and a spare),
 # rounded up to a multiple of the snapshot slots, so a steady step's (turn, slot) pair comes back every
 # STAGING_TURNS steps (a fused graph per pair: fused.py)
 STAGING_TURNS = -(-(KEEP_BATCHES + 1) // NUM_SLOTS) * NUM_SLOTS
-
-
-class HostStep(NamedTuple):
-    """What the host half of a step computed (``BatchBuilder.host_part``)."""
-
-    io: object  # the engine's inputs and outputs of this step
-    reqs: list
-    bs: int
-    T: int  # new tokens
-    prefix: list[int]
-    extend: list[int]
-    rids: list[int]
-    packed: torch.Tensor  # the staged device buffer: rows, prefix, extend, ids, token cells, token batch index
-    n: int  # per-request values staged (4 x bs)
-    small: int  # values before each new token's batch index
-    width: int  # max prefix + extend
-    total: int  # prefix + new positions over the batch (the read index's expected length)
-    pad: int = 0  # padding requests (and tokens) at the end: counted in bs and T, not in prefix, extend, rids
 
 
 class Staging:

@@ -16,7 +16,7 @@ transformers builds no dense mask and keeps its flash-only decode fast path, whi
 KV write to the attention, off). ``set_attn_implementation`` would look for a flash kernel of that
 name to download, so ``use`` sets the model's config field instead.
 
-    from kvcanary.integrations.transformers.varlen_attention import use
+    from kvcanary.bench.varlen_attention import use
     use(model)  # registers it and switches the model to it
 """
 

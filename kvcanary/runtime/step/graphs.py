@@ -3,7 +3,7 @@
 Eagerly, a forward's before hook issues some forty device calls (read-table gather, staging,
 token-table append, plan, HEAD verify and write, the new tokens' read check), each costing the
 host 10-40 us on the H200's host. All of them read only buffers whose addresses do not change
-from one step to the next of the same shape: the engine's input storage, the builder's staged
+from one step to the next of the same shape: the engine's input storage, the source's staged
 values (per staging turn, or a static copy), a read table per key, and the canary's own
 buffers. So the sequence is captured into a CUDA graph once a shape has run eagerly
 ``EAGER_SIGHTINGS`` times (the first run compiles Triton kernels and warms the allocator) and
@@ -37,10 +37,10 @@ from contextlib import nullcontext
 
 import torch
 
-from kvcanary.integrations.transformers.batch import table_width
-from kvcanary.integrations.transformers.fused import FusedSteps, Run
-from kvcanary.integrations.transformers.staging import STAGING_TURNS, Staging
 from kvcanary.runtime.graphs import capture, replay_of
+from kvcanary.runtime.step.fused import FusedSteps, Run
+from kvcanary.runtime.step.staging import STAGING_TURNS, Staging
+from kvcanary.runtime.step.tables import table_width
 from kvcanary.runtime.streams import capturing, stream_cache
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
@@ -67,11 +67,11 @@ class _Report:
     engine's inputs, about a millisecond of host time inside the engine's step) is assembled when a report
     first reads it. Its views read the same memory then as they would have when the step ran: the key
     holds the buffers' addresses, and a turn's buffer is not refilled while the monitor may still read
-    the batch (``hf_staging.STAGING_TURNS``)."""
+    the batch (``staging.STAGING_TURNS``)."""
 
-    def __init__(self, builder, h, width: int, rtt: torch.Tensor):
+    def __init__(self, tables, h, width: int, rtt: torch.Tensor):
         # (the step without its request objects: a kept report holds no finished request alive)
-        self._make = (builder, h._replace(reqs=None, prefix=None, extend=None, rids=None), width)
+        self._make = (tables, h._replace(reqs=None, prefix=None, extend=None, rids=None), width)
         self._batch = None
         self.req_to_token = rtt
         self.num_tokens, self.batch_size = h.T, h.bs  # (as the assembled batch's: padding included)
@@ -81,8 +81,8 @@ class _Report:
             raise AttributeError(name)
         batch = self.__dict__.get("_batch")
         if batch is None:
-            builder, h, width = self.__dict__["_make"]
-            batch = self._batch = builder.assemble(h, width)
+            tables, h, width = self.__dict__["_make"]
+            batch = self._batch = tables.assemble(h, width)
             batch.req_to_token = self.req_to_token
         return getattr(batch, name)
 
@@ -94,31 +94,31 @@ class StepGraphs:
     ``kvcanary.runtime.graphs.DispatchGraph``.
     """
 
-    def __init__(self, session, graph_type=None):
-        self.s = session
+    def __init__(self, runner, graph_type=None):
+        self.s = runner
         self.graph_type = graph_type or torch.cuda.CUDAGraph
         # One memory pool for every captured step: their temporaries (index grids, gathered slots) are
         # dead when a replay ends and replays run one after another on one stream, so captures may
         # reuse each other's memory; a pool per graph would hold 32 copies of the largest of them.
         self.pool = self.new_pool()
         # a stand-in graph on the CPU replays tensor ops only: the launcher's numpy shortcuts stay off
-        session.canary.use_graphs(host_ops=graph_type is None)
+        runner.canary.use_graphs(host_ops=graph_type is None)
         self.entries: OrderedDict = OrderedDict()
         self.sightings: dict = {}  # steps per shape, any turn (EAGER_SIGHTINGS, STEADY_SIGHTINGS)
         self.reports: OrderedDict = OrderedDict()  # multi-token steps' batches for the monitor (_report)
         self.captures = self.replays = 0
         self.inline = False  # this step's before work was replayed by _inline: its after hook is ``after``
-        self.quiet = None  # (stream, session.engine_calls) of the last inline close (_inline, after)
+        self.quiet = None  # (stream, runner.engine_calls) of the last inline close (_inline, after)
         # steady decode steps as one replay after the forward (fused.py; attach option fused_steps)
-        self.fused = FusedSteps(self) if session.handle.options.get("fused_steps", True) else None
+        self.fused = FusedSteps(self) if runner.options.fused_steps else None
         self.fused_now = False  # this step ran fused: its after hook has nothing left to do
         self.last_fused = False  # the last step ran fused (the next one likely will: Session._late_step)
         self._ptrs = None  # (the engine's four input storages, their data pointers): before's shape key
-        if session.builder.stage.depth != STAGING_TURNS:  # (the CPU's one turn: a graph per turn reads its own)
-            session.builder.stage = Staging(session.device)
-        # decode steps padded to their size bucket (hf_batch.bucket): a changing batch keeps its graphs
-        if session.handle.options.get("bucket_batches", True):
-            session.builder.pad_cap = min(session.canary.max_batch, session.canary.max_tokens)
+        if runner.stage.depth != STAGING_TURNS:  # (the CPU's one turn: a graph per turn reads its own)
+            runner.source.stage = Staging(runner.device)
+        # decode steps padded to their size bucket (tables.bucket): a changing batch keeps its graphs
+        if runner.options.bucket_batches:
+            runner.source.pad_cap = min(runner.canary.max_batch, runner.canary.max_tokens)
 
     def new_pool(self):
         """A CUDA-graph memory pool (None for the CPU stand-in)."""
@@ -126,7 +126,7 @@ class StepGraphs:
 
     def usable(self, io) -> bool:
         c = self.s.canary
-        return (not io.use_block_table and self.s.layout.swa_group is None and not self.s.builder.oracle
+        return (not io.use_block_table and not self.s.source.windowed and not self.s.source.oracle
                 and c.injector is None
                 and not (c.device.type == "cuda" and capturing()))
 
@@ -138,7 +138,7 @@ class StepGraphs:
         self.inline = False
         fused = self.fused
         ptrs = self._storages(io)
-        if fused is not None and fused.run is not None and s._late and fused.run.matches(h, io, ptrs) \
+        if fused is not None and fused.run is not None and s.late and fused.run.matches(h, io, ptrs) \
                 and fused.usable():
             # a repeat of the steady run's shape: its pair's graph without keys (FusedSteps.repeat)
             self.inline = self.fused_now = self.last_fused = True  # (set first, as for step: a raise keeps them)
@@ -146,7 +146,7 @@ class StepGraphs:
             if batch is not None:
                 return batch
             self.inline = self.fused_now = self.last_fused = False
-        g = s.layout.full_group
+        g = s.group
         width = table_width(h.width, s.canary.max_context, WIDTH_STEP)
         shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
                  *ptrs)
@@ -160,9 +160,9 @@ class StepGraphs:
         per_turn = h.T == h.bs and sightings > STEADY_SIGHTINGS
         self.last_fused = False
         if per_turn:
-            key = shape + (s.builder.stage.last_ptr,)  # (the staged buffer's address, known without a call)
+            key = shape + (s.stage.last_ptr,)  # (the staged buffer's address, known without a call)
             e = self.entries.get(key)
-            if self.fused is not None and s._late and self.fused.usable():
+            if self.fused is not None and s.late and self.fused.usable():
                 if e is None:
                     e = self._entry(key, h, width)
                 else:
@@ -193,7 +193,7 @@ class StepGraphs:
         lo = 0 if width <= WIDTH_STEP else 1 << ((width - 1).bit_length() - 1)
         if not (table_width(lo + 1, cap, WIDTH_STEP) == width == table_width(h.width, cap, WIDTH_STEP)):
             lo = h.width - 1  # (past the cap, or anything unusual: this width alone)
-        return Run(h, lo, width, shape[4], ptrs, self.s.layout.full_group)
+        return Run(h, lo, width, shape[4], ptrs, self.s.group)
 
     def _storages(self, io) -> tuple:
         """The data pointers of the engine's input storages, asked of torch only when a storage tensor is
@@ -222,11 +222,11 @@ class StepGraphs:
             if self.s.ready is not None:
                 launcher.streams.wait(launcher.streams.current(), self.s.ready)
             else:
-                launcher.follow(self.s.bp.inputs_and_outputs.compute_stream)
+                launcher.follow(self.s.source.inputs.compute_stream)
         e.replay()
         launcher.restore(e.state)
         self.replays += 1
-        self.s.builder.stage.copied()
+        self.s.stage.copied()
         self.inline = True
         return e.batch
 
@@ -239,15 +239,15 @@ class StepGraphs:
             self.fused_now = False
             return
         c = self.s.canary
-        if c.launcher.run_here(c.after_replayed, batch, self.s.bp.inputs_and_outputs.compute_stream):
+        if c.launcher.run_here(c.after_replayed, batch, self.s.source.inputs.compute_stream):
             # until the engine stream is used for canary work again, the next inline step needs no wait:
             # everything the canary did since is on this stream
             self.quiet = (c.launcher.streams.current(), self.s.engine_calls)
 
     def _general(self, h, shape: tuple, sightings: int, per_turn: bool, width: int, late: bool = False):
         """Eager, capture, or replay on the canary's side stream (on the engine's compute stream)."""
-        s, b = self.s, self.s.builder
-        work = h if per_turn else h._replace(packed=b.stage.to_static(h.packed))
+        s = self.s
+        work = h if per_turn else h._replace(packed=s.stage.to_static(h.packed))
         key = shape + (work.packed.data_ptr(),)
         e = self.entries.get(key)
         if e is None:
@@ -270,7 +270,7 @@ class StepGraphs:
             on_side = streams.use(side)
         with on_side:
             self._run(e, sightings, work)
-            b.stage.copied()  # (a per-turn graph holds the staged values' copy: issued by its replay)
+            s.stage.copied()  # (a per-turn graph holds the staged values' copy: issued by its replay)
             if not per_turn:
                 report.req_to_token.copy_(e.batch.req_to_token)
         if side is not None:
@@ -279,7 +279,7 @@ class StepGraphs:
         return report
 
     def _entry(self, key: tuple, h, width: int) -> _Entry:
-        e = self.entries[key] = _Entry(self.s.builder.assemble(h, width))
+        e = self.entries[key] = _Entry(self.s.tables.assemble(h, width))
         while len(self.entries) > MAX_ENTRIES:
             self.entries.popitem(last=False)  # its graph goes; a remembered batch keeps its tensors
         return e
@@ -291,7 +291,7 @@ class StepGraphs:
                h.io.write_index_storage.data_ptr())
         batch = self.reports.get(key)
         if batch is None:
-            batch = self.reports[key] = _Report(self.s.builder, h, width, torch.empty_like(table))
+            batch = self.reports[key] = _Report(self.s.tables, h, width, torch.empty_like(table))
             while len(self.reports) > MAX_ENTRIES:
                 self.reports.popitem(last=False)
         else:
@@ -316,11 +316,11 @@ class StepGraphs:
 
     def _body(self, e: _Entry, h) -> None:
         s, batch = self.s, e.batch
-        # A graph keeps no tensor alive: the entry holds what the body reads that the builder may replace
+        # A graph keeps no tensor alive: the entry holds what the body reads that the runner may replace
         # (the staged values' pinned buffer too: a graph copies from its address on every replay).
-        stage = s.builder.stage
-        e.keep = (s.builder.iota, stage.pending)
+        stage = s.stage
+        e.keep = (s.tables.iota, stage.pending)
         stage.copy()  # the staged values' copy, unless issued already (to_static)
-        s.builder.fill_read_table(batch, h, captured=True)
+        s.tables.fill_read_table(batch, h, captured=True)
         s.canary.device_before(batch)
-        s.builder.verify_new_reads(batch, shortcut=False)
+        s.tables.verify_new_reads(batch, shortcut=False)

@@ -2,7 +2,7 @@
 
 Each bug is a realistic bookkeeping mistake from shared/BUGS.md, planted per instance on the batch
 processor transformers creates (below kv-canary's hooks: plant first, then attach). It fires once.
-The engine internals each one reaches come from the cache's layout (``layout.EngineLayout``), so
+The engine internals each one reaches come from the cache's layout and its reach (``hf_reach``), so
 the same bugs are planted in every paged-cache generation the adapter supports.
 
 Example:
@@ -104,9 +104,12 @@ def _zero_pool(bp) -> None:
 
 
 def _layout(bp):
-    from kvcanary.integrations.transformers.layouts import layout_of  # (not at import time: the CLI reads BUGS without torch)
+    """The cache's layout with the internals a bug reaches (``hf_reach``)."""
+    # (not at import time: the CLI reads BUGS without torch)
+    from kvcanary.integrations.transformers.layouts import layout_of
+    from kvcanary.sim.hf_reach import reach
 
-    return layout_of(bp.cache)
+    return reach(layout_of(bp.cache))
 
 
 def _once(state) -> bool:

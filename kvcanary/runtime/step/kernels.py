@@ -1,25 +1,25 @@
-"""The transformers adapter's per-step index work on the device as Triton kernels (``batch.py``).
+"""The step runner's per-step index work on the device as Triton kernels (``tables.py``).
 
-Before the HEAD verify, the adapter builds the batch's read table from the engine's read index and,
+Before the HEAD verify, the runner builds the batch's read table from the engine's read index and,
 after the HEAD write, the entries of the new tokens' read check. As tensor ops these are about twenty
 small kernels per step (cumulative sums, index grids, clamps, gathers, scatters, the entries' copies
 and fills): most of the kernels of a fused steady step's graph, and of its device time. Here each is
 one kernel, with the same results cell for cell:
 
 - ``read_table``: the op ``kvcanary.ops.read_table``'s Triton kernel (``ops/triton_read_table.py``, where its
-  semantics are stated), called here unvalidated with the adapter's limits (``BatchBuilder._read_limits``).
+  semantics are stated), called here unvalidated with the runner's limits (``StepTables._read_limits``).
 - ``new_read_entries``: entry ``t`` of the first ``min(T, capacity)`` is (``rtt[r, p]``, ``p``,
   ``rtt[r, p - 1]`` or -1 at position 0, ``input_ids[t]``) with ``r = rows[token_req[t]]`` and
   ``p = positions[t]``; ``count``, ``requested`` and ``enable`` as ``ops.fill_entries`` sets them for the
   batch's real tokens: ``extend`` summed over the requests outside row 0. A padding request's tokens (row 0,
-  after every real request: a batch padded to its size bucket, ``batch.py``) come last; their entries
+  after every real request: a batch padded to its size bucket, ``tables.bucket``) come last; their entries
   are (0, 0, -1, ``input_ids[t]``) past the count, never read: their positions are not read either (the
   engine's input storage past the real tokens holds stale values).
 
-The tensor-op versions (the read table's: the op's torch body) run from ``batch.py`` (the torch backend, and
+The tensor-op versions (the read table's: the op's torch body) run from ``tables.py`` (the torch backend, and
 the check these are held to: tests/test_hf_glue.py); the CPU's eager steps use the op's numpy body there, or its
-numba loop (``glue_cpu.py``).
-``IndexKernels`` runs each kernel as the adapter calls it: on its first eager call also the tensor ops,
+numba loops (``ops/read_table_ops.py``: ``compiled_loop``, ``compiled_new_reads_match``).
+``IndexKernels`` runs each kernel as the runner calls it: on its first eager call also the tensor ops,
 compared on the host, and the tensor ops from then on, with a warning, where the kernel fails to compile
 or launch or gives other cells. The kernels are an optimisation, never a new way to fail or to report.
 """
@@ -82,7 +82,7 @@ def new_read_entries(entries, rtt: torch.Tensor, rows: torch.Tensor, extend: tor
 
 
 class IndexKernels:
-    """The adapter's way to run the kernels above (``BatchBuilder``): ``ok`` until one of them fails."""
+    """The runner's way to run the kernels above (``StepTables``): ``ok`` until one of them fails."""
 
     def __init__(self):
         self.ok = True

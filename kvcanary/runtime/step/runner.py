@@ -1,0 +1,175 @@
+"""One owner for the canary around one forward: ``StepRunner`` takes a source's step (``runtime/engine.py``)
+eager, captured or fused.
+
+A step is one of:
+
+- **eager**: the batch is built (``tables.StepTables.build``), ``Canary.before_forward`` and the new tokens'
+  read check run on the engine's compute stream, ``Canary.after_forward`` after the forward;
+- **captured** (``graphs.StepGraphs``): the before work's device calls per batch shape replayed from a
+  graph (a CUDA graph; the CPU stand-in ``runtime.graphs.DispatchGraph`` in tests), and the after work's
+  TAIL and snapshot likewise;
+- **fused** (``fused.FusedSteps``): a steady decode step's whole canary work as one graph replayed after
+  the forward.
+
+The engine calls ``late_step`` when it starts a step (whether the canary work may wait until the forward is
+enqueued), ``before`` and ``after`` around (or after) the forward, ``engine_stream`` around canary work of
+its own between steps (record copies, saves), and ``join`` before it next writes KV or its inputs. The
+runner keeps no engine object: it reads what the source gives (its host part, its inputs) and calls the
+``Canary``'s public methods, which keep before/after, records, flush and stats.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from kvcanary.runtime.engine import StepOptions
+from kvcanary.runtime.graphs import CudaGraphs
+from kvcanary.runtime.step.graphs import StepGraphs
+from kvcanary.runtime.step.staging import Staging
+from kvcanary.runtime.step.tables import StepTables
+from kvcanary.runtime.streams import event_wait, record_event, stream_cache
+
+__all__ = ["StepRunner"]
+
+_NO_CONTEXT = nullcontext()  # (reentrant: one serves every call)
+
+
+class StepRunner:
+    """The canary's work for each forward of one engine source, on the path each step allows.
+
+    ``graph_type``: the graph class of captured steps (tests pass the CPU stand-in
+    ``runtime.graphs.DispatchGraph`` to take the captured and fused paths on the CPU; default: CUDA graphs
+    on CUDA with the launcher's side stream, no captured steps elsewhere).
+    """
+
+    def __init__(self, canary, source, options: StepOptions | None = None, graph_type=None):
+        self.canary, self.source = canary, source
+        self.options = options = options or StepOptions()
+        self.device = canary.device
+        self.group = source.group
+        self.tables = StepTables(canary, source)
+        # one staging buffer on the CPU: there a step's observation is read when the step closes, so no report
+        # reads a batch after the next step refilled its buffer, and a reused batch (StepTables._cpu_batch)
+        # serves every step of its shape, not one step in each of the turns (StepGraphs restores the turns:
+        # its CPU stand-in replays as CUDA does)
+        source.stage = Staging(self.device, 1) if self.device.type == "cpu" else Staging(self.device)
+        self.late = False  # this step's canary work waits for the forward's enqueue (late_step)
+        self.ready = self._ready_event = None  # CUDA, late: the compute stream before the forward (late_step)
+        self._compute = None  # (the engine's compute stream, its raw handle, its stream cache): engine_stream
+        self.engine_calls = 0  # engine_stream calls so far
+        self.batch = None  # the step's ForwardBatch (before -> after)
+        self.graphs = self._step_graphs(graph_type)
+        self.fused = None if self.graphs is None else self.graphs.fused
+
+    @property
+    def stage(self) -> Staging:
+        """The staging buffers the source sends its host part through."""
+        return self.source.stage
+
+    def _step_graphs(self, graph_type) -> StepGraphs | None:
+        """On CUDA (option ``step_graphs``): the before work's device calls replayed from a CUDA graph per batch
+        shape, the after work's TAIL and snapshot likewise; ``graph_type`` takes the same path on the CPU."""
+        if not self.options.step_graphs:
+            return None
+        if graph_type is not None:
+            return StepGraphs(self, graph_type)
+        if self.device.type != "cuda":
+            return None
+        if not self.canary.launcher.streams.overlap:
+            return None  # the whole-step graph runs on the side stream: overlap off keeps every launch eager
+        self.canary.use_graphs(CudaGraphs(self.device, max_graphs=32))
+        return StepGraphs(self)
+
+    # -- per step --------------------------------------------------------------------------------
+    def late_step(self) -> bool:
+        """Whether this step's canary work may wait until its forward is enqueued: HEAD reads canary records
+        and the engine's inputs only (never KV), so it precedes nothing in the forward. Not with the token
+        oracle (the sampler reads what the before work computes), fault injection or ``late_hooks=False``;
+        on CUDA only with step graphs on a usable step (their HEAD runs off the forward's stream, after the
+        compute stream's position before the forward: ``ready``)."""
+        c = self.canary
+        self.ready = None
+        if (not self.options.late_hooks or not c.enabled or self.source.oracle or c.injector is not None
+                or c.config.check_before_forward):  # (that check must precede the forward)
+            return False
+        io = self.source.inputs
+        if self.graphs is None:
+            return io.compute_stream is None  # (the CPU: nothing runs beside anything)
+        if not self.graphs.usable(io):
+            return False
+        stream = io.compute_stream
+        # (a step after a fused one is likely fused too, and needs no such event: one CUDA call fewer; if it
+        # is not, its HEAD follows the compute stream, forward included, instead of running beside it)
+        if stream is not None and c.device.type == "cuda" and not self.graphs.last_fused:
+            if self._ready_event is None:
+                self._ready_event = torch.cuda.Event()  # (its own: the launcher's per-stream events move on)
+            record_event(self._ready_event, stream)
+            self.ready = self._ready_event
+        return True
+
+    def before(self, late: bool = False):
+        """The step's before-forward work; returns its ``ForwardBatch``. ``late``: ``late_step`` said so and the
+        forward is enqueued (the step is usable for graphs)."""
+        self.late = late
+        c, graphs = self.canary, self.graphs
+        if graphs is not None and c.enabled and (late or graphs.usable(self.source.inputs)):
+            h = self.source.host_part(copy=False, padded=True)
+            c.padding_tokens = h.pad
+            self.batch = graphs.before(h, self.engine_stream)
+        else:
+            c.padding_tokens = 0
+            with self.engine_stream():
+                self.batch = self.tables.build()
+                c.before_forward(self.batch, check_now=False)  # (checked below, new reads included)
+                if c.enabled:
+                    self.tables.verify_new_reads(self.batch)
+        if c.config.check_before_forward:  # (the new tokens' read check included)
+            with self.engine_stream():
+                c.check_reads_now()
+        return self.batch
+
+    def after(self) -> None:
+        """The step's after-forward work (TAIL, the step's close), on the path its before work took."""
+        self.late = False
+        if self.graphs is not None and self.graphs.inline:
+            self.graphs.after(self.batch)
+        else:
+            with self.engine_stream():
+                self.canary.after_forward(self.batch)
+
+    # -- streams ---------------------------------------------------------------------------------
+    def engine_stream(self):
+        """On CUDA the engine runs its forward, fork copies and offload copies on its compute stream: the
+        canary's kernels go there too (after the current stream's batch preparation), so they are ordered
+        with every KV write and read."""
+        self.engine_calls += 1  # (a steady decode step's inline replay waits for the compute stream after any)
+        self.join()
+        stream = self.source.inputs.compute_stream
+        if stream is None:
+            return _NO_CONTEXT
+        known = self._compute
+        if known is None or known[0] is not stream:  # (stream.device builds a torch.device per call)
+            known = self._compute = (stream, stream.cuda_stream, stream_cache(stream.device))
+        _, handle, cache = known
+        current = cache.current()
+        if current.cuda_stream == handle:
+            return _NO_CONTEXT
+        event = self.canary.launcher.streams.record(current)  # a reused event (wait_stream makes one per call)
+        if event is None:
+            stream.wait_stream(current)
+        else:
+            event_wait(event, stream)
+        return cache.use(stream)
+
+    def join(self) -> None:
+        """The engine's streams wait for the last fused step's canary work (``FusedSteps.join``), if any."""
+        if self.fused is not None and self.fused.pending is not None:
+            self.fused.join()
+
+    def joined(self):
+        """The last fused step's position the compute stream waits for since the last ``join`` (None if none):
+        an engine whose step ends in a synchronize of that stream calls ``complete()`` on it afterwards, so
+        reading that slot asks CUDA nothing."""
+        return None if self.fused is None else self.fused.joined

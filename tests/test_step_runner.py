@@ -1,0 +1,82 @@
+"""The runtime's step runner driven by its second source, the simulated engine (``SimEngine(steps=...)``):
+its eager, captured and fused paths (the CPU stand-in of a CUDA graph) report what the plain before/after
+hooks report, and leave the same canary records, on clean runs and with planted bugs."""
+
+import pytest
+import torch
+
+from kvcanary.runtime.engine import StepOptions
+from kvcanary.sim.config import SimConfig
+from kvcanary.sim.engine import SimEngine, default_canary_config
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1")
+
+# paged, prefix hits, no CUDA-graph padding of the sim's own (a graph per batch size): a steady decode batch of four
+CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=32, max_steps=60,
+           graph_sizes=(1, 2, 3, 4))
+
+
+def flip_live_kv(engine: SimEngine, at_step: int) -> None:
+    """Flip one byte of layer 0's K of a running request's first slot before step ``at_step``'s forward."""
+    step = engine.step
+
+    def flipping():
+        if engine.step_no + 1 == at_step:
+            r = next(r for r in engine.sched.running if r.slots)
+            slot, ps = r.slots[0], engine.cfg.page_size
+            engine.model.k[0][slot // ps, (slot % ps) * (engine.model.k[0].shape[1] // ps)] ^= 0x55
+        step()
+
+    engine.step = flipping
+
+
+def run(steps, bug=None, flip=False, monkeypatch=None):
+    cfg = SimConfig(bug=bug, **CFG)
+    e = SimEngine(cfg, default_canary_config(cfg).replace(backend="triton"), steps=steps)
+    if flip:
+        flip_live_kv(e, 12)
+    result = e.run()
+    records = {(g.name, key): buf.clone() for g in e.canary.groups for key, buf in g.bufs.items()}
+    return e, result, records
+
+
+@pytest.fixture
+def steady(monkeypatch):
+    """Every decode shape takes the graph-per-turn or fused path at once (a short run reaches them)."""
+    from kvcanary.runtime.step import graphs
+
+    monkeypatch.setattr(graphs, "STEADY_SIGHTINGS", 0)
+
+
+@pytest.mark.parametrize("case", ["clean", "flip-kv", "stale_table_tail"])
+def test_the_runner_s_paths_report_what_the_plain_hooks_report(steady, case):
+    bug, flip = (case, False) if case not in ("clean", "flip-kv") else (None, case == "flip-kv")
+    plain, plain_result, plain_records = run(None, bug, flip)
+    want = [v.block() for v in plain.canary.violations]
+    assert (len(want) > 0) == (case != "clean")  # (the planted bug is found; the clean run is clean)
+    for steps in ("eager", "captured", "fused"):
+        e, result, records = run(steps, bug, flip)
+        assert [v.block() for v in e.canary.violations] == want, steps
+        assert result.tokens_protected == plain_result.tokens_protected, steps
+        assert all(torch.equal(records[k], plain_records[k]) for k in plain_records), steps
+        graphs = e.runner.graphs
+        if steps == "eager":
+            assert graphs is None
+            continue
+        # the path was taken: graphs captured and replayed (fused: steady decode steps as one replay each)
+        assert graphs.captures > 0 and graphs.replays + (graphs.fused.replays if graphs.fused else 0) > 0
+        assert (graphs.fused is not None and graphs.fused.replays > 0) == (steps == "fused")
+
+
+def test_a_source_takes_only_the_configurations_it_describes():
+    with pytest.raises(ValueError, match="steps must be one of"):
+        SimEngine(SimConfig(**CFG), steps="graphs")
+    with pytest.raises(ValueError, match="spec_tokens=0 and swa_window=0"):
+        SimEngine(SimConfig(**{**CFG, "spec_tokens": 2}), steps="eager")
+
+
+def test_step_options_take_the_named_toggles_only():
+    opts = StepOptions.of({"fused_steps": False, "token_history": True, "late_hooks": None})
+    assert opts == StepOptions(fused_steps=False) and opts.late_hooks
