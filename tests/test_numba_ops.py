@@ -124,8 +124,8 @@ def _toy_run(fused: bool, bug: str | None, monkeypatch):
     engine = ToyEngine(backend="numba", real_kv="all", token_history="append", oracle=True, record_stride=48)
     engine.add(1, [5, 6, 7, 8])
     engine.add(2, [9, 10, 11])
-    engine.add(3, [12, 13], share_from=1, shared=1)
-    engine.forward([(1, 4), (2, 3), (3, 1)])
+    engine.forward([(1, 4), (2, 3)])
+    engine.add(3, [5, 13], share_from=1, shared=1)  # (once request 1 has slots: slot 0 is reserved)
     for step in range(6):
         corrupt = None
         if bug == "table" and step == 3:  # a stale table cell: request 2 reads request 1's slot
