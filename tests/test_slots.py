@@ -197,13 +197,14 @@ def llama():
 
 def planted(model, planter):
     """Plant a test-local engine bug on every batch processor (``bugs.on_new_processors``); returns the undo."""
-    from kvcanary.sim.hf_bugs import on_new_processors
     from kvcanary.integrations.transformers.layouts import layout_of
+    from kvcanary.sim.hf_bugs import on_new_processors
+    from kvcanary.sim.hf_reach import reach
 
     state = {"fired": False, "warming_up": False}
 
     def plant(bp):
-        planter(bp, layout_of(bp.cache), state)
+        planter(bp, reach(layout_of(bp.cache)), state)  # (the internals a bug reaches)
         warmup = getattr(bp, "warmup", None)  # (its fake requests come before any real one: not planted there)
         if warmup is not None:
             def quiet_warmup(*args, **kwargs):

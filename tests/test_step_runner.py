@@ -56,9 +56,20 @@ def test_the_runner_s_paths_report_what_the_plain_hooks_report(steady, case):
     plain, plain_result, plain_records = run(None, bug, flip)
     want = [v.block() for v in plain.canary.violations]
     assert (len(want) > 0) == (case != "clean")  # (the planted bug is found; the clean run is clean)
+    runner_want = None
     for steps in ("eager", "captured", "fused"):
         e, result, records = run(steps, bug, flip)
-        assert [v.block() for v in e.canary.violations] == want, steps
+        got = [v.block() for v in e.canary.violations]
+        # The runner also checks the cells the forward reads for its own new tokens (the plain hooks check
+        # the prefix only): stale zero cells add reserved-slot reads from the step of the first report on
+        # (and, the ring holding a step's first rows, change which rows a step keeps). Its three paths
+        # agree row for row; with the plain hooks where no such read exists, else from the same step on.
+        runner_want = got if runner_want is None else runner_want
+        assert got == runner_want, steps
+        if any("reserved_slot_read" in v.reasons for v in e.canary.violations):
+            assert e.canary.violations[0].step == plain.canary.violations[0].step, steps
+        else:
+            assert got == want, steps
         assert result.tokens_protected == plain_result.tokens_protected, steps
         assert all(torch.equal(records[k], plain_records[k]) for k in plain_records), steps
         graphs = e.runner.graphs

@@ -137,6 +137,10 @@ class SlotChecks:
         ring.rows.copy_(torch.where(take[:, None], rows[src], ring.rows))
         ring.write_index.copy_((base + total).clamp(max=VIOLATION_COUNT_LIMIT))
 
+    def names_reserved(self, slot) -> bool:
+        """CPU: whether the numpy array ``slot`` names a reserved slot (False with the check off)."""
+        return self.reserved is not None and self._any_reserved(slot)
+
     def _any_reserved(self, slot: torch.Tensor) -> bool:
         """CPU: whether any of ``slot`` is reserved (numpy on views: a tensor op costs tens of microseconds here)."""
         mask, s = self._reserved_np, slot

@@ -232,7 +232,8 @@ class StepTables:
             v = getattr(batch, "host_views", None) or self._views(batch, io)
             match = self.new_reads_match
             same = -1 if match is None else match(v.rtt, v.rows, v.token_req, v.positions, v.loc)
-            if same == 1 or (same == -1 and np.array_equal(v.rtt[v.rows[v.token_req], v.positions], v.loc)):
+            if (same == 1 or (same == -1 and np.array_equal(v.rtt[v.rows[v.token_req], v.positions], v.loc))) \
+                    and not c.slots.names_reserved(v.loc):  # (a reserved cell is reported as the full path does)
                 return
         e = self.new_reads
         rows, extend, token_req = batch.req_pool_indices, batch.extend_lens, batch.token_req
