@@ -16,6 +16,7 @@ from kvcanary.format import (
     link,
     to_unsigned,
 )
+from kvcanary.runtime.allocator import is_allocator_row
 from kvcanary.runtime.batch import batch_lists, verified_cells
 from kvcanary.runtime.observer import NUM_SLOTS, HostObserver, Observation
 from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation
@@ -146,6 +147,8 @@ class Monitor:
             self.overflowing[g.name] = over
 
     def _decode(self, row: list[int], step: int) -> Violation:
+        if is_allocator_row(row):
+            return self.canary.allocator.decode(row, step)
         try:
             tag = LaunchTag(row[0])
         except ValueError:
@@ -288,6 +291,7 @@ class Monitor:
             "violations": self.total_violations,
             # write entries whose slot already held the same record (ops.accept_rewrites), one step late
             "idempotent_rewrites": 0 if obs is None else obs.values["rewrites"][0],
+            **self.canary.allocator.stats(),  # allocator checks run and their violations (docs/allocator.md)
         }
 
     def stats_line(self) -> str:

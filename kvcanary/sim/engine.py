@@ -17,6 +17,7 @@ import torch
 
 from kvcanary.runtime import (Canary, CanaryConfig, ForwardBatch, ForwardMode, PoolSpec, SharedRowError, SwaSpec,
                               TokenHistory)
+from kvcanary.runtime.allocator import CACHE_HOLDER, AllocatorSnapshot, BlockTable
 from kvcanary.sim.bugs import BugSwitch
 from kvcanary.sim.cache import CacheManager
 from kvcanary.sim.config import SimConfig
@@ -30,9 +31,10 @@ from kvcanary.sim.workload import make_workload
 
 
 def default_canary_config(cfg: SimConfig) -> CanaryConfig:
-    """The canary knobs the sim runs with: torch backend, log mode, K real-KV hash, token and input checks."""
+    """The canary knobs the sim runs with: torch backend, log mode, K real-KV hash, token and input checks, the
+    allocator check every step."""
     return CanaryConfig(mode="log", backend="torch", real_kv="partial", sweep_interval=cfg.sweep_interval,
-                        report_blocks=0, health_interval=10, ring_capacity=32)
+                        report_blocks=0, health_interval=10, ring_capacity=32, allocator_check_interval=1)
 
 
 @dataclass
@@ -101,6 +103,9 @@ class SimEngine:
         self.canary = Canary(spec, canary_config or default_canary_config(cfg), max_batch=self.max_batch,
                              max_tokens=max_tokens, max_context=cfg.max_context, num_rows=cfg.num_rows)
         self.canary.sweep_provider = self.sweep_triples
+        # the full pool's pages, the live requests' rows and the prefix cache's pages (docs/allocator.md)
+        pool.pages.on_free = self.canary.watch_allocator(self.allocator_snapshot, num_blocks=pool.pages.num_pages,
+                                                         slots_per_block=cfg.page_size).note_free
         self.canary.mark_ready()
         if cfg.offload:
             self.host = HostCache(cfg.host_slots, pool, self.model, self.canary, self.tree, self.bugs)
@@ -139,6 +144,7 @@ class SimEngine:
         decode = sched.schedule_decode()
         sched.process_results(self.step_no, self.workload.aborts(self.step_no), {w.req.rid for w in decode})
         works = sched.schedule_prefill() + decode
+        sched.finish_early(decode)
         if not works:
             sched.complete([])
             return
@@ -245,6 +251,18 @@ class SimEngine:
             return None
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         return t(slots), t(positions), t(prevs)
+
+    def allocator_snapshot(self) -> AllocatorSnapshot:
+        """The canary's allocator provider: the free pages (a double free shows twice), each live request's
+        pages through its req_to_token row (one entry per position), the prefix cache's pages."""
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        live = [r for r in self.sched.requests.values() if r.row and not r.freed]
+        rows, ps = t([r.row for r in live]), self.cfg.page_size
+        tables = [BlockTable(self.pool.table[rows] // ps, t([r.kv_len for r in live]), t([r.rid for r in live]))]
+        cached = self.tree.device_triples()[0]
+        if cached:
+            tables.append(BlockTable(t([cached]) // ps, t([len(cached)]), t([CACHE_HOLDER])))
+        return AllocatorSnapshot(t(self.pool.pages.free_list()), tuple(tables))
 
     def sweep_swa(self) -> None:
         """Sweep the SWA slots the prefix cache still holds (translated; an evicted predecessor skips the chain)."""
