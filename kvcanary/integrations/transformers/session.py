@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 
 from kvcanary.format import oracle_token
+from kvcanary.integrations.transformers.allocator import watch_allocator
 from kvcanary.integrations.transformers.batch import BatchBuilder
 from kvcanary.integrations.transformers.graphs import StepGraphs
 from kvcanary.integrations.transformers.moves import KvMoves
@@ -179,6 +180,7 @@ class Session(KvMoves):
         p.set(bp, "update_batch", update_batch)
         p.set(cache, "search_prefix_match", search_prefix_match)
         self.layout.install_hooks(p, self)
+        watch_allocator(self, p)  # the allocator check's snapshots and frees (docs/allocator.md)
         if self.handle.options.get("token_oracle"):
             orig_sample = runner._sample
 
