@@ -60,8 +60,9 @@ class AllocatorViolation(Violation):
     ``block_id`` is the block, ``slot`` the slot written (-1 for the block rules), ``holders`` the
     requests named (at most two: the least and greatest id among the table entries on the block, or
     a slot's first two writers; ``CACHE_HOLDER`` is the prefix cache), ``count`` what was found (table
-    entries, free-list copies, tokens writing) against ``expected``, and ``free_step`` the step at
-    which the block was last freed before the check (None: the engine did not say)."""
+    entries, free-list copies, tokens writing) against ``expected``, and ``free_step`` the step whose
+    forward followed the block's last free before the check (a free between the forwards of steps N and
+    N + 1 is N + 1; None: the engine did not say, or never freed it)."""
 
     rule: str = ""
     block_id: int = -1
@@ -76,9 +77,12 @@ class AllocatorViolation(Violation):
                 f"slot_idx={self.slot} holders={','.join(map(str, self.holders)) or '-'} count={self.count} "
                 f"expected={self.expected}{freed}")
 
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "holders": list(self.holders)}
+
     def block(self) -> str:
         who, b = _names(self.holders), self.block_id
-        freed = "" if self.free_step is None else f" (freed at step {self.free_step})"
+        freed = "" if self.free_step is None else f" (freed before the forward of step {self.free_step})"
         lines = [f"KV canary allocator violation at step {self.step}: {self.rule}"]
         if self.rule == "live_block_free":
             lines += [f"  block {b} is on the free list{freed} while {who}'s table maps it ({self.count} "
@@ -86,7 +90,7 @@ class AllocatorViolation(Violation):
                       "  -> an early free: the block went back while a live holder still maps it; its next "
                       "allocation gives it a second owner"]
         elif self.rule == "free_list_duplicate":
-            lines += [f"  block {b} is on the free list {self.count} times{freed.replace('freed', 'last freed')}",
+            lines += [f"  block {b} is on the free list {self.count} times{freed.replace('(freed', '(last freed')}",
                       "  -> a double free: two later allocations get the same block"]
         elif self.rule == "refcount_mismatch":
             lines += [f"  block {b}: the engine counts {self.expected} {_entries(self.expected)}, its tables hold "
