@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from conftest import DEVICE
 from kvcanary import ops
 from kvcanary.ops.allocator_ops import ALLOCATOR_KIND, NO_HOLDER, AllocatorRule
 from kvcanary.ops.types import ViolationRing
@@ -34,12 +35,14 @@ def case(free=(), tables=(), writes=(), writers=None, nb=8, spb=2, refcounts=Non
 
 
 def run(c: dict, backend: str, cap: int = 8, w0: int = 0) -> tuple[list[list[int]], int]:
-    ring = ViolationRing.allocate(cap)
+    """The ring ``backend`` leaves, on DEVICE (on CUDA the torch body never reads its count: no early exit)."""
+    ring = ViolationRing.allocate(cap, DEVICE)
     ring.rows.fill_(MARK)
     ring.write_index.fill_(w0)
-    ops.check_allocator(ring, c["free"], c["tables"], c["write_slots"], c["write_holders"],
-                        num_blocks=c["num_blocks"], slots_per_block=c["slots_per_block"], refcounts=c["refcounts"],
-                        backend=backend)
+    on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    ops.check_allocator(ring, on(c["free"]), [tuple(on(x) for x in t) for t in c["tables"]], on(c["write_slots"]),
+                        on(c["write_holders"]), num_blocks=c["num_blocks"], slots_per_block=c["slots_per_block"],
+                        refcounts=on(c["refcounts"]), backend=backend)
     return ring.rows.tolist(), int(ring.write_index)
 
 

@@ -187,35 +187,26 @@ def torch_check(ring_rows, write_index, free, tables, refcounts, write_slots, wr
     f = torch.where((f >= 0) & (f < nb), f, nb)
     free_n = torch.zeros(nb + 1, dtype=i64, device=dev).index_add_(0, f, torch.ones_like(f))[:nb]
     refs = torch.zeros(nb + 1, dtype=i64, device=dev)
-    hmin = torch.full((nb + 1,), _BIG, dtype=i64, device=dev)
-    hmax = torch.full((nb + 1,), -_BIG, dtype=i64, device=dev)
+    entries = []  # (block index, holder) of every table entry, for the holders named below
     for blocks, lens, holders in tables:
         b = blocks.to(i64)
         cols = torch.arange(b.shape[1], device=dev)
         ok = (cols.unsqueeze(0) < lens.to(i64).unsqueeze(1)) & (b >= 0) & (b < nb)
         idx = torch.where(ok, b, nb).view(-1)
-        h = holders.unsqueeze(1).expand(b.shape).reshape(-1)
         refs.index_add_(0, idx, torch.ones_like(idx))
-        hmin.scatter_reduce_(0, idx, h, "amin")
-        hmax.scatter_reduce_(0, idx, h, "amax")
+        entries.append((idx, holders.unsqueeze(1).expand(b.shape).reshape(-1)))
     refs = refs[:nb]
-    hmin = torch.where(refs > 0, hmin[:nb], NO_HOLDER)
-    hmax = torch.where(refs > 0, hmax[:nb], NO_HOLDER)
     s = write_slots
     ws = torch.div(s, spb, rounding_mode="floor")
     wok = (s >= 1) & (ws < nb)
     widx = torch.where(wok, ws, nb)
     wcount = torch.zeros(nb + 1, dtype=i64, device=dev).index_add_(0, widx, torch.ones_like(widx))[:nb]
-    wslot = torch.full((nb + 1,), _BIG, dtype=i64, device=dev).scatter_reduce_(0, widx, s, "amin")[:nb]
-    wmin = torch.full((nb + 1,), _BIG, dtype=i64, device=dev).scatter_reduce_(0, widx, write_holders, "amin")[:nb]
-    wmax = torch.full((nb + 1,), -_BIG, dtype=i64, device=dev).scatter_reduce_(0, widx, write_holders, "amax")[:nb]
     # shared slots: a stable sort puts each slot's writers side by side, in token order
     key, order = torch.sort(torch.where(wok, s, _BIG), stable=True)
     first = torch.searchsorted(key, key)
     run = torch.searchsorted(key, key, right=True) - first
     T = key.shape[0]
-    at = torch.arange(T, device=dev)
-    shared = (first == at) & (run > 1) & (key < _BIG)
+    shared = (first == torch.arange(T, device=dev)) & (run > 1) & (key < _BIG)
     expected_refs = refcounts.to(i64) if refcounts is not None else refs
     masks = torch.cat([(free_n > 0) & (refs > 0), free_n > 1, expected_refs != refs, (free_n > 0) & (wcount > 0),
                        shared])
@@ -224,35 +215,48 @@ def torch_check(ring_rows, write_index, free, tables, refcounts, write_slots, wr
     cum = torch.cumsum(masks.to(i64), 0)
     found = cum[-1:]
     cap = ring_rows.shape[0]
+    if not cap or (not ring_rows.is_cuda and not int(found)):
+        # (on the CPU reading the count costs no sync: a clean check, the usual one, stops here)
+        write_index.copy_((write_index.to(i64) + found).clamp_(max=VIOLATION_COUNT_LIMIT))
+        return
+    hmin = torch.full((nb + 1,), _BIG, dtype=i64, device=dev)
+    hmax = torch.full((nb + 1,), -_BIG, dtype=i64, device=dev)
+    for idx, h in entries:
+        hmin.scatter_reduce_(0, idx, h, "amin")
+        hmax.scatter_reduce_(0, idx, h, "amax")
+    hmin = torch.where(refs > 0, hmin[:nb], NO_HOLDER)
+    hmax = torch.where(refs > 0, hmax[:nb], NO_HOLDER)
+    wslot = torch.full((nb + 1,), _BIG, dtype=i64, device=dev).scatter_reduce_(0, widx, s, "amin")[:nb]
+    wmin = torch.full((nb + 1,), _BIG, dtype=i64, device=dev).scatter_reduce_(0, widx, write_holders, "amin")[:nb]
+    wmax = torch.full((nb + 1,), -_BIG, dtype=i64, device=dev).scatter_reduce_(0, widx, write_holders, "amax")[:nb]
     w0 = write_index.to(i64)
-    if cap:
-        k = torch.arange(cap, device=dev)
-        c = torch.searchsorted(cum, k + 1).clamp_(max=cum.numel() - 1)
-        rule = torch.div(c, nb, rounding_mode="floor").clamp_(max=4) + 1
-        blk = c % nb
-        if not T:  # (no write: one dummy slot keeps the gathers below in range; no candidate selects it)
-            key, order, run = (torch.full((1,), _BIG, dtype=i64, device=dev), torch.zeros(1, dtype=i64, device=dev),
-                               torch.zeros(1, dtype=i64, device=dev))
-            write_holders = torch.full((1,), NO_HOLDER, dtype=i64, device=dev)
-        last = key.shape[0] - 1
-        j = (c - 4 * nb).clamp_(0, last)
-        wh = write_holders[order]
-        shared_row, write_row = rule == AllocatorRule.SHARED_WRITE_SLOT, rule == AllocatorRule.FREE_BLOCK_WRITE
-        by_rule = lambda *cols: torch.stack(cols, 1).gather(1, (rule - 1).unsqueeze(1)).squeeze(1)  # noqa: E731
-        zero = torch.zeros(cap, dtype=i64, device=dev)
-        row = torch.stack([
-            torch.full((cap,), ALLOCATOR_KIND, dtype=i64, device=dev),
-            torch.where(shared_row, torch.div(key[j], spb, rounding_mode="floor"), blk),
-            torch.where(shared_row, key[j], torch.where(write_row, wslot[blk], -1)),
-            torch.where(shared_row, wh[j], torch.where(write_row, wmin[blk], hmin[blk])),
-            torch.where(shared_row, wh[(j + 1).clamp_(max=last)], torch.where(write_row, wmax[blk], hmax[blk])),
-            by_rule(refs[blk], free_n[blk], refs[blk], wcount[blk], run[j]),
-            by_rule(zero, zero + 1, expected_refs[blk], zero, zero + 1),
-            rule,
-        ], 1)
-        # finding k goes to ring row w0 + k while below capacity; the rows (w0 + k) % cap are distinct, so
-        # the others rewrite their row's own values and no two writes meet
-        dest = (w0 + k) % cap
-        keep = (k < found) & (w0 + k < cap)
-        ring_rows[dest] = torch.where(keep.unsqueeze(1), row, ring_rows[dest])
+    k = torch.arange(cap, device=dev)
+    c = torch.searchsorted(cum, k + 1).clamp_(max=cum.numel() - 1)
+    rule = torch.div(c, nb, rounding_mode="floor").clamp_(max=4) + 1
+    blk = c % nb
+    if not T:  # (no write: one dummy slot keeps the gathers below in range; no candidate selects it)
+        key, order, run = (torch.full((1,), _BIG, dtype=i64, device=dev), torch.zeros(1, dtype=i64, device=dev),
+                           torch.zeros(1, dtype=i64, device=dev))
+        write_holders = torch.full((1,), NO_HOLDER, dtype=i64, device=dev)
+    last = key.shape[0] - 1
+    j = (c - 4 * nb).clamp_(0, last)
+    wh = write_holders[order]
+    shared_row, write_row = rule == AllocatorRule.SHARED_WRITE_SLOT, rule == AllocatorRule.FREE_BLOCK_WRITE
+    by_rule = lambda *cols: torch.stack(cols, 1).gather(1, (rule - 1).unsqueeze(1)).squeeze(1)  # noqa: E731
+    zero = torch.zeros(cap, dtype=i64, device=dev)
+    row = torch.stack([
+        torch.full((cap,), ALLOCATOR_KIND, dtype=i64, device=dev),
+        torch.where(shared_row, torch.div(key[j], spb, rounding_mode="floor"), blk),
+        torch.where(shared_row, key[j], torch.where(write_row, wslot[blk], -1)),
+        torch.where(shared_row, wh[j], torch.where(write_row, wmin[blk], hmin[blk])),
+        torch.where(shared_row, wh[(j + 1).clamp_(max=last)], torch.where(write_row, wmax[blk], hmax[blk])),
+        by_rule(refs[blk], free_n[blk], refs[blk], wcount[blk], run[j]),
+        by_rule(zero, zero + 1, expected_refs[blk], zero, zero + 1),
+        rule,
+    ], 1)
+    # finding k goes to ring row w0 + k while below capacity; the rows (w0 + k) % cap are distinct, so
+    # the others rewrite their row's own values and no two writes meet
+    dest = (w0 + k) % cap
+    keep = (k < found) & (w0 + k < cap)
+    ring_rows[dest] = torch.where(keep.unsqueeze(1), row, ring_rows[dest])
     write_index.copy_((w0 + found).clamp_(max=VIOLATION_COUNT_LIMIT))
