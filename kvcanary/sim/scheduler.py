@@ -108,9 +108,9 @@ class Scheduler:
             slots = self._reserve(r, 1)
             if slots is None:
                 return None
-            after = r.slots[-2] + 1 if start > 0 else 0
-            if after // self.pool.ps != slots[0] // self.pool.ps and self.pool.pages.is_free(after // self.pool.ps) \
-                    and self.bugs.hit("write_into_free"):
+            after, ps = (r.slots[-2] + 1 if start > 0 else 0), self.pool.ps
+            if self.bugs.on("write_into_free") and after // ps != slots[0] // ps \
+                    and self.pool.pages.is_free(after // ps) and self.bugs.hit("write_into_free"):
                 # Planted: the write slot assumes the request's pages are contiguous: the slot after its last one.
                 slots = [after]
             return Work(r, "decode", r.row, start, slots, [token], [start])
