@@ -349,3 +349,39 @@ def test_transformers_planted_early_free_is_reported_before_any_read_goes_wrong(
     # its next owner then holds it with the first: the engine's ledger counts one reference
     assert any(v.rule == "refcount_mismatch" and v.block_id == first.block_id and v.count == 2 and v.expected == 1
                for v in run.violations if isinstance(v, AllocatorViolation))
+
+
+def test_transformers_fused_steps_leave_the_checked_steps_unfused(llama, monkeypatch):
+    """With the adapter's step graphs (the CPU stand-in) and fused steady steps, a step whose close checks
+    the allocator takes the unfused close: every other step is fused, each due step is checked, and the
+    planted early free is still reported at its step."""
+    pytest.importorskip("triton")
+    if DEVICE.type == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    from kvcanary.demo import run_workload
+    from kvcanary.integrations.transformers import graphs as hf_graph, session as hf_session
+    from kvcanary.integrations.transformers.fused import FusedSteps
+    from kvcanary.runtime.graphs import DispatchGraph
+
+    monkeypatch.setattr(hf_graph, "STEADY_SIGHTINGS", 0)
+    orig = hf_session.Session._step_graphs
+    monkeypatch.setattr(hf_session.Session, "_step_graphs",
+                        lambda self, graph_type=None: orig(self, DispatchGraph if self.device.type == "cpu" else None))
+    fused, step = [], FusedSteps.step
+
+    def counting(self, *args, **kwargs):  # (the step a fused replay closes)
+        fused.append(self.s.canary.step + 1)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedSteps, "step", counting)
+    for bug in (None, "early-free-unread"):
+        del fused[:]
+        run = run_workload(llama, backend="triton", bug=bug, max_new_tokens=12, num_return_sequences=1,
+                           allocator_check_interval=2)
+        assert fused and all(s % 2 for s in fused)  # (fused steps close unchecked: odd steps only)
+        assert run.stats["allocator_checks"] == run.stats["forwards"] // 2
+        allocator = [v for v in run.violations if isinstance(v, AllocatorViolation)]
+        if bug is None:
+            assert run.violations == []
+        else:
+            assert allocator and allocator[0].rule == "live_block_free" and allocator[0].free_step is not None

@@ -201,10 +201,12 @@ class AllocatorCheck:
         free_step = None
         if rule != "refcount_mismatch" and rule != "shared_write_slot" and 0 <= block < self.num_blocks:
             free_step = next((int(s) for s in self._freed[block] if 0 < s <= step), None)
+        count, expected = int(row[A.COUNT]), int(row[A.EXPECTED])
+        # (the Violation fields a verify row fills: the counts stand in the token columns, as in the ring)
         return AllocatorViolation(step=step, launch_tag="ALLOCATOR", fail_reason=0, reasons=(rule,),
-                                  slot=int(row[A.SLOT]), position=-1, stored_token=int(row[A.COUNT]), expected_token=int(row[A.EXPECTED]),
+                                  slot=int(row[A.SLOT]), position=-1, stored_token=count, expected_token=expected,
                                   stored_chain_hash=0, expected_aux=0, rule=rule, block_id=block, holders=holders,
-                                  count=int(row[A.COUNT]), expected=int(row[A.EXPECTED]), free_step=free_step)
+                                  count=count, expected=expected, free_step=free_step)
 
     def stats(self) -> dict:
         return {"allocator_checks": self.checks, "allocator_violations": self.found}
