@@ -72,6 +72,8 @@ def test_transformers_slice_is_clean():
     for event in ("prefix_hits", "fork_block_copies", "soft_resets", "offloaded_requests", "restored_requests",
                   "sweeps"):
         assert s["events"][event]["workloads"] > 0, event
+    # and the allocator check ran in every workload (docs/allocator.md)
+    assert s["events"]["allocator_checks"]["workloads"] == HF_SLICE
 
 
 def test_sim_slice_is_clean():

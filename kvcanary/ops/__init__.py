@@ -1,5 +1,7 @@
 """The canary ops of SPEC section 4 and the adapter's read table, each with reference, torch, numba and Triton
-implementations."""
+implementations; the allocator check (reference and torch)."""
+
+from kvcanary.ops.allocator_ops import check_allocator
 
 from kvcanary.ops.api import (
     BACKENDS,
@@ -34,6 +36,7 @@ __all__ = [
     "accept_rewrites",
     "allocate_canary_buffer",
     "allocate_counters",
+    "check_allocator",
     "fill_entries",
     "fingerprint",
     "launch_scatter_req_token_ids_kernel",

@@ -20,6 +20,7 @@ from kvcanary import ops
 from kvcanary.ops import validate as v
 from kvcanary.format import RealKvMode, launch_tag
 from kvcanary.runtime.abort import AbortHandler, check_abort_handler
+from kvcanary.runtime.allocator import AllocatorCheck, AllocatorProvider
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec, check_distinct_rows
 from kvcanary.runtime.checks import canary_device, check_batch_sizes, check_batch_values
 from kvcanary.runtime.config import CanaryConfig
@@ -118,6 +119,7 @@ class Canary(RecordMoves):
         self._open: ForwardBatch | None = None  # the forward between before_forward and after_forward
         self._sweeps_unsnapshotted = False  # sweep rows in the ring that no step close has taken yet
         self._check_values = cfg.value_check == "always" or (cfg.value_check == "auto" and self.device.type == "cpu")
+        self.allocator = AllocatorCheck(self)  # idle until watch_allocator
         self.monitor = Monitor(self, on_violation, on_abort)
         self.launcher = ForwardLauncher(self)
         self.monitor.observer.graphs = self.launcher.graphs
@@ -238,6 +240,12 @@ class Canary(RecordMoves):
             self.monitor.observer.graphs = graphs
         self.launcher.host_ops = host_ops
 
+    def watch_allocator(self, provider: AllocatorProvider, *, num_blocks: int, slots_per_block: int) -> AllocatorCheck:
+        """Check the allocator invariants of ``provider()`` (an ``AllocatorSnapshot`` or None) at the close of
+        every ``config.allocator_check_interval``-th step (docs/allocator.md); slot ``s`` is in block ``s //
+        slots_per_block``. Returns the check: the engine calls its ``note_free(blocks)`` when it frees blocks."""
+        return self.allocator.watch(provider, num_blocks, slots_per_block)
+
     def records_ready(self) -> None:
         """Order the current stream after the canary's launches so far (the HEAD write included): call it
         before reading canary records on the engine's stream inside a forward; an engine that does may set
@@ -262,8 +270,8 @@ class Canary(RecordMoves):
         self._end_forward(batch)
         try:
             with self.launcher.side():
-                sweep = self._sweep_due(self.step)
-                if self.injector is not None or sweep:
+                sweep, check = self._sweep_due(self.step), self.allocator.due(self.step)
+                if self.injector is not None or sweep or check:
                     self.launcher.flush_tail()  # their work follows TAIL's
                 if self.injector is not None:
                     self.injector.after_forward(batch)
@@ -271,6 +279,8 @@ class Canary(RecordMoves):
                     triples = self.sweep_provider()
                     if triples is not None:
                         self.sweep(*triples)
+                if check:
+                    self.allocator.run(batch)
                 if self.injector is not None:
                     self.injector.end_step(batch)
                 self._snapshot()
@@ -280,11 +290,11 @@ class Canary(RecordMoves):
     def after_replayed(self, batch: ForwardBatch) -> None:
         """``after_forward`` where the caller keeps side sections on the current stream (an adapter's
         replayed steps, ``ForwardLauncher.run_here``): the same TAIL and step close, with no stream
-        hand-overs. A step that injects faults, sweeps, or has side-stream work pending takes
-        ``after_forward`` (as does a disabled canary: nothing to do)."""
+        hand-overs. A step that injects faults, sweeps, checks the allocator or has side-stream work pending
+        takes ``after_forward`` (as does a disabled canary: nothing to do)."""
         launcher = self.launcher
         if (self.injector is not None or launcher.pending is not None or not launcher.on_current or not self.enabled
-                or self._sweep_due(self.step + 1)):
+                or self._sweep_due(self.step + 1) or self.allocator.due(self.step + 1)):
             self.after_forward(batch)
             return
         self._check_open("after_forward")
@@ -302,10 +312,10 @@ class Canary(RecordMoves):
             self._add_times(time.perf_counter() - t1, t1 - t0)
 
     def fusable(self) -> bool:
-        """Whether the next forward may be one sequence an adapter replays after it (``replayed_step``): no
-        forward open, no side-stream work pending, no fault injection, no sweep due at its close."""
+        """Whether the next forward may be one sequence an adapter replays after it (``replayed_step``): no forward
+        open, no side-stream work pending, no fault injection, no sweep or allocator check due at its close."""
         return (self.enabled and self._open is None and self.injector is None and self.launcher.pending is None
-                and not self._sweep_due(self.step + 1))
+                and not self._sweep_due(self.step + 1) and not self.allocator.due(self.step + 1))
 
     def check_replayed(self, batch: ForwardBatch) -> None:
         """``host_before``'s value checks for a batch an earlier call checked (its shapes), where configured."""

@@ -42,8 +42,8 @@ MAX_ENTRIES = 1 << 27  # plan_capacity, sweep_capacity: 4 GiB of entries per gro
 MAX_COUNT = (1 << 31) - 1  # step intervals, warm-ups, report blocks
 UPPER_BOUNDS = {"record_stride": MAX_RECORD_STRIDE, "ring_capacity": MAX_RING_CAPACITY,
                 "plan_capacity": MAX_ENTRIES, "sweep_capacity": MAX_ENTRIES, "sweep_interval": MAX_COUNT,
-                "warmup_steps": MAX_COUNT, "health_interval": MAX_COUNT, "stats_interval": MAX_COUNT,
-                "report_blocks": MAX_COUNT, "inject_warmup": MAX_COUNT}
+                "allocator_check_interval": MAX_COUNT, "warmup_steps": MAX_COUNT, "health_interval": MAX_COUNT,
+                "stats_interval": MAX_COUNT, "report_blocks": MAX_COUNT, "inject_warmup": MAX_COUNT}
 
 
 class ConfigError(ValueError):
@@ -95,6 +95,7 @@ class CanaryConfig:
         nonfinite_check: report NaN/Inf in the KV a forward wrote (floating real-KV sources, at TAIL).
         poison_on_free: debug: ``Canary.poison_slots`` fills freed slots' KV with a NaN pattern, so a read of a freed slot fails its real-KV check.
         check_before_forward: read what HEAD found before the engine's forward runs (a device sync per forward on CUDA), so a bad read is reported, in mode "raise" raised, before the forward can fail on it.
+        allocator_check_interval: check the allocator invariants (docs/allocator.md) every N steps where the engine gives a snapshot (``Canary.watch_allocator``); 0 = off.
     """
 
     mode: str = "log"
@@ -128,6 +129,7 @@ class CanaryConfig:
     reserved_check: bool = True
     nonfinite_check: bool = True
     poison_on_free: bool = False
+    allocator_check_interval: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -143,8 +145,8 @@ class CanaryConfig:
             raise ConfigError("record_stride", ">= 32 and a multiple of 8", self.record_stride)
         if self.ring_capacity < 1:
             raise ConfigError("ring_capacity", ">= 1", self.ring_capacity)
-        for name in ("sweep_interval", "plan_capacity", "sweep_capacity", "warmup_steps", "health_interval",
-                     "stats_interval", "report_blocks", "inject_warmup"):
+        for name in ("sweep_interval", "allocator_check_interval", "plan_capacity", "sweep_capacity", "warmup_steps",
+                     "health_interval", "stats_interval", "report_blocks", "inject_warmup"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, ">= 0", getattr(self, name))
         for name, bound in UPPER_BOUNDS.items():

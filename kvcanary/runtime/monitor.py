@@ -17,6 +17,7 @@ from kvcanary.format import (
     to_unsigned,
 )
 from kvcanary.runtime.abort import Aborts
+from kvcanary.runtime.allocator import is_allocator_row
 from kvcanary.runtime.batch import batch_lists, verified_cells
 from kvcanary.runtime.observer import NUM_SLOTS, HostObserver, Observation
 from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation
@@ -151,6 +152,8 @@ class Monitor:
             self.overflowing[g.name] = over
 
     def _decode(self, row: list[int], step: int) -> Violation:
+        if is_allocator_row(row):
+            return self.canary.allocator.decode(row, step)
         try:
             tag = LaunchTag(row[0])
         except ValueError:
@@ -321,6 +324,7 @@ class Monitor:
             "idempotent_rewrites": 0 if obs is None else obs.values["rewrites"][0],
             **self.aborts.stats(),
             **self.canary.slots.stats(),
+            **self.canary.allocator.stats(),  # allocator checks run and their violations (docs/allocator.md)
         }
 
     def stats_line(self) -> str:

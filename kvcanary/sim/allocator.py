@@ -35,6 +35,7 @@ class PageAllocator:
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.stack = stack
+        self.on_free = None  # called with each freed page list (the canary's AllocatorCheck.note_free)
         self._free = list(range(1, self.num_pages))
         if stack:
             self._free.reverse()  # the lowest page on top
@@ -55,6 +56,8 @@ class PageAllocator:
 
     def free(self, pages) -> None:
         """Return pages to the free list (page 0 is ignored)."""
+        if self.on_free is not None:
+            self.on_free(pages)
         for page in pages:
             if page > 0:
                 if self.stack:

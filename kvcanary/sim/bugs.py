@@ -57,6 +57,13 @@ _BUG_LIST = (
         "tree still maps them; a new request overwrites them and every later hit reads foreign KV (SGLang #38319)",
         "TAIL verify_real_kv_hash in the forward that rewrites the freed pages while a prefix hit reads them; "
         "then chain/position at HEAD and SWEEP"),
+    Bug("early_free_unread", "A", "a request's own pages are freed when its last decode is scheduled, before "
+        "the forward that reads them",
+        "the finish is predicted from max_new as the batch is formed: the pages go back to the free list while the "
+        "request's table maps them and its forward still reads and writes them; nobody reuses them before the "
+        "step ends, so no read sees foreign KV yet",
+        "ALLOCATOR live_block_free (and free_block_write) at the step's close, naming the block, the request and "
+        "the step of the free; read-time checks only once a later owner rewrites the pages"),
     Bug("release_race", "A", "a finished or aborted request is released while the in-flight forward still reads it",
         "with the overlap scheduler the request is already in the next batch; its row and slots go back at once, "
         "a request admitted into that same batch takes them, and the forward reads the new owner's table "
@@ -79,6 +86,12 @@ _BUG_LIST = (
         "slot keeps old bytes and another token's SWA slot is overwritten (SGLang PRs #24617, #26531)",
         "TAIL_K_SWA verify_real_kv_hash at the overwritten SWA slot's next reader",
         lambda cfg: cfg.swa_window > 0, "SWA on"),
+    Bug("write_into_free", "C", "a decode's write slot assumes the request's pages are contiguous: the slot "
+        "after its last one",
+        "at a page edge the new token's KV and record go to the next page's first slot, a free page, while the "
+        "request's table maps the page it was given; the token's own slot stays unwritten",
+        "ALLOCATOR free_block_write at the step's close; HEAD verify (never written) in the next forward",
+        lambda cfg: cfg.spec_tokens == 0, "no spec"),
     Bug("wrong_positions", "D", "extend positions are chunk-relative: arange(extend_len) without the prefix length",
         "after a prefix hit or a first chunk, the model is fed positions 0..n-1 instead of P..P+n-1",
         "HEAD write_position (write-input and chain-position asserts) in the very forward"),

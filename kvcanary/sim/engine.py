@@ -23,6 +23,7 @@ from kvcanary.runtime.abort import KvCanaryAbortError
 from kvcanary.runtime.engine import StepOptions
 from kvcanary.runtime.graphs import DispatchGraph
 from kvcanary.runtime.step import StepRunner
+from kvcanary.runtime.allocator import CACHE_HOLDER, AllocatorSnapshot, BlockTable
 from kvcanary.sim.bugs import BugSwitch
 from kvcanary.sim.cache import CacheManager
 from kvcanary.sim.config import SimConfig
@@ -39,9 +40,10 @@ STEP_PATHS = (None, "eager", "captured", "fused")  # SimEngine's steps: the plai
 
 
 def default_canary_config(cfg: SimConfig) -> CanaryConfig:
-    """The canary knobs the sim runs with: torch backend, log mode, K real-KV hash, token and input checks."""
+    """The canary knobs the sim runs with: torch backend, log mode, K real-KV hash, token and input checks, the
+    allocator check every step."""
     return CanaryConfig(mode="log", backend="torch", real_kv="partial", sweep_interval=cfg.sweep_interval,
-                        report_blocks=0, health_interval=10, ring_capacity=32)
+                        report_blocks=0, health_interval=10, ring_capacity=32, allocator_check_interval=1)
 
 
 @dataclass
@@ -122,6 +124,9 @@ class SimEngine:
                              on_abort=self.fail_request)
         self.in_flight: set[int] = set()  # request ids of the forward under way (an abort defers their release)
         self.canary.sweep_provider = self.sweep_triples
+        # the full pool's pages, the live requests' rows and the prefix cache's pages (docs/allocator.md)
+        pool.pages.on_free = self.canary.watch_allocator(self.allocator_snapshot, num_blocks=pool.pages.num_pages,
+                                                         slots_per_block=cfg.page_size).note_free
         self.canary.mark_ready()
         self.source = self.runner = None
         if steps is not None:
@@ -169,6 +174,7 @@ class SimEngine:
         decode = sched.schedule_decode()
         sched.process_results(self.step_no, self.workload.aborts(self.step_no), {w.req.rid for w in decode})
         works = sched.schedule_prefill() + decode
+        sched.finish_early(decode)
         if not works:
             sched.complete([])
             return
@@ -343,6 +349,18 @@ class SimEngine:
             return None
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         return t(slots), t(positions), t(prevs)
+
+    def allocator_snapshot(self) -> AllocatorSnapshot:
+        """The canary's allocator provider: the free pages (a double free shows twice), each live request's
+        pages through its req_to_token row (one entry per position), the prefix cache's pages."""
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        live = [r for r in self.sched.requests.values() if r.row and not r.freed]
+        rows, ps = t([r.row for r in live]), self.cfg.page_size
+        tables = [BlockTable(self.pool.table[rows] // ps, t([r.kv_len for r in live]), t([r.rid for r in live]))]
+        cached = self.tree.device_triples()[0]
+        if cached:
+            tables.append(BlockTable(t([cached]) // ps, t([len(cached)]), t([CACHE_HOLDER])))
+        return AllocatorSnapshot(t(self.pool.pages.free_list()), tuple(tables))
 
     def sweep_swa(self) -> None:
         """Sweep the SWA slots the prefix cache still holds (translated; an evicted predecessor skips the chain)."""

@@ -18,6 +18,8 @@ BUGS: dict[str, tuple[str, str]] = {
                          "allocations get the same block"),
     "early-free": ("A", "a request's first block returns to the free list after its first chunk while its table "
                         "still maps it"),
+    "early-free-unread": ("A", "a decoding request's first block goes back to the pool as its batch is prepared, "
+                              "while its table still maps it and its forward reads it intact"),
     "wrong-block": ("C", "a request's block table gets another live request's block at index 1"),
     "skip-fork-copy": ("G", "the fork copy of a parent's partial block into a child's block never happens"),
     "flip-kv": ("G", "one byte of layer 0's K of a live token flips inside a forward"),
@@ -145,6 +147,22 @@ def early_free(bp, lay, state) -> None:
                 return
 
     bp.update_batch = update_batch
+
+
+def early_free_unread(bp, lay, state) -> None:
+    cm, orig = lay.full_allocator(), bp.prepare_next_batch
+
+    def prepare_next_batch():
+        ready = orig()
+        for fs in bp.inputs_and_outputs.requests_in_batch if ready else ():
+            table = cm.block_table.get(fs.state.request_id, [])
+            # (after the batch's allocations: nobody takes the block before this forward reads it)
+            if fs.query_length == 1 and len(table) >= 2 and _once(state):
+                bp.cache.pool.free_blocks(cm.index, [table[0]])
+                break
+        return ready
+
+    bp.prepare_next_batch = prepare_next_batch
 
 
 def wrong_block(bp, lay, state) -> None:

@@ -117,6 +117,11 @@ class Scheduler:
             slots = self._reserve(r, 1)
             if slots is None:
                 return None
+            after, ps = (r.slots[-2] + 1 if start > 0 else 0), self.pool.ps
+            if self.bugs.on("write_into_free") and after // ps != slots[0] // ps \
+                    and self.pool.pages.is_free(after // ps) and self.bugs.hit("write_into_free"):
+                # Planted: the write slot assumes the request's pages are contiguous: the slot after its last one.
+                slots = [after]
             return Work(r, "decode", r.row, start, slots, [token], [start])
         got = self.spec.verify_slots(r, self._reserve)
         if got is None:
@@ -237,6 +242,17 @@ class Scheduler:
             positions = list(range(n))
         ids = [r.token_at(p) for p in range(start, start + n)]
         return Work(r, "prefill", r.row, start, slots, ids, positions, final=start + n >= len(r.tokens))
+
+    def finish_early(self, decode: list[Work]) -> None:
+        """Planted ``early_free_unread`` (once): a request whose decode this step samples its last token has
+        its own pages freed as the batch is formed, not after the forward that still reads and writes them."""
+        if not self.bugs.on("early_free_unread") or self.bugs.first_step is not None:
+            return
+        for w in decode:
+            r = w.req
+            if r.num_outputs + 1 >= r.max_new and r.slots[r.cached_len:] and self.bugs.hit("early_free_unread"):
+                self.pool.free(r.slots[r.cached_len:])
+                return
 
     # -- 4. after the forward -------------------------------------------------------------------
     def complete(self, works: list[Work]) -> None:

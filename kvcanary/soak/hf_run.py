@@ -16,7 +16,7 @@ from kvcanary.soak.hf_workload import SLIDING_WINDOW, HfWorkload
 
 # Engine events (canary stats) that show a drawn feature really happened in the run.
 EVENTS = ("prefix_hits", "dedup_remaps", "fork_block_copies", "soft_resets", "offloaded_requests",
-          "restored_requests", "sweeps")
+          "restored_requests", "sweeps", "allocator_checks")
 _MODELS: dict[tuple[str, str], object] = {}
 
 

@@ -135,7 +135,8 @@ def make_hf_workload(seed: int) -> HfWorkload:
     features.append(sampling)
     features.append(f"block-size-{bs}")
     options = (("sweep_interval", rng.choice((1, 2, 4, 8))), ("check_v", rng.random() < 0.3),
-               ("real_kv", rng.choice(("partial", "partial", "all"))))
+               ("real_kv", rng.choice(("partial", "partial", "all"))),
+               ("allocator_check_interval", 1))  # (drawn from no rng: the seeds' workloads stay as they were)
     return HfWorkload(seed=seed, model="hybrid" if hybrid else "llama", block_size=bs, num_blocks=num_blocks,
                       max_batch_tokens=budget, max_requests_per_batch=rng.choice((4, 8, 16)),
                       prompts=tuple(tuple(p) for p in prompts), max_new_tokens=max_new, num_return_sequences=n,

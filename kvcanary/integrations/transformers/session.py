@@ -20,6 +20,7 @@ import torch
 
 from kvcanary.format import oracle_token
 from kvcanary.integrations.transformers.abort import EngineAborts
+from kvcanary.integrations.transformers.allocator import watch_allocator
 from kvcanary.integrations.transformers.batch import BatchBuilder
 from kvcanary.integrations.transformers.freed import FreedBlocks
 from kvcanary.integrations.transformers.moves import KvMoves
@@ -170,6 +171,7 @@ class Session(KvMoves):
         p.set(bp, "update_batch", update_batch)
         p.set(cache, "search_prefix_match", search_prefix_match)
         self.layout.install_hooks(p, self)
+        watch_allocator(self, p)  # the allocator check's snapshots and frees (docs/allocator.md)
         if self.handle.options.get("token_oracle"):
             orig_sample = runner._sample
 
