@@ -8,7 +8,7 @@ Three markers, each an HTML comment on the last non-blank line before what it ma
 - ``<!-- generated: kvcanary zoo --markdown -->`` (or ``recall``) before a table that command prints;
   the table must be the command's output, line for line.
 
-The zoo plays 94 simulated runs and the recall measurement 36 (minutes on a 2-core CPU), so the default
+The zoo plays 105 simulated runs and the recall measurement 36 (minutes on a 2-core CPU), so the default
 run regenerates the rows of a few cheap bugs and the table's shape; ``-m slow`` compares whole tables.
 """
 
