@@ -359,13 +359,14 @@ def test_transformers_fused_steps_leave_the_checked_steps_unfused(llama, monkeyp
     if DEVICE.type == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
     from kvcanary.demo import run_workload
-    from kvcanary.integrations.transformers import graphs as hf_graph, session as hf_session
-    from kvcanary.integrations.transformers.fused import FusedSteps
+    from kvcanary.integrations.transformers import session as hf_session
     from kvcanary.runtime.graphs import DispatchGraph
+    from kvcanary.runtime.step import graphs as step_graphs
+    from kvcanary.runtime.step.fused import FusedSteps
 
-    monkeypatch.setattr(hf_graph, "STEADY_SIGHTINGS", 0)
-    orig = hf_session.Session._step_graphs
-    monkeypatch.setattr(hf_session.Session, "_step_graphs",
+    monkeypatch.setattr(step_graphs, "STEADY_SIGHTINGS", 0)
+    orig = hf_session.Session._step_runner
+    monkeypatch.setattr(hf_session.Session, "_step_runner",
                         lambda self, graph_type=None: orig(self, DispatchGraph if self.device.type == "cpu" else None))
     fused, step = [], FusedSteps.step
 
