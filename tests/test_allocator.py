@@ -356,8 +356,8 @@ def test_transformers_fused_steps_leave_the_checked_steps_unfused(llama, monkeyp
     the allocator takes the unfused close: every other step is fused, each due step is checked, and the
     planted early free is still reported at its step."""
     pytest.importorskip("triton")
-    if DEVICE.type == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    if __import__("os").environ.get("TRITON_INTERPRET") != "1":  # (the model is on the CPU: the stand-in graphs)
+        pytest.skip("the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1")
     from kvcanary.demo import run_workload
     from kvcanary.integrations.transformers import session as hf_session
     from kvcanary.runtime.graphs import DispatchGraph

@@ -189,11 +189,12 @@ class SlotChecks:
             bad = torch.stack([live & ~_finite(src, slot) for _, _, src in self.float_sources], 1)  # [n, S]
             flat = bad.view(-1)
             first = flat.to(torch.int8).argmax()  # the first token, then its first source
-            t, s = first // bad.shape[1], first % bad.shape[1]
+            # (1-element index tensors: a 0-d tensor index is read on the host, a sync no capture allows)
+            t, s = (first // bad.shape[1]).view(1), (first % bad.shape[1]).view(1)
             found = flat.any().view(1)
             row = torch.stack([self._tags[s], slot[t], x.positions[:n].long()[t], x.input_ids[:n].long()[t],
                                torch.full_like(t, -1), self._request_ids(n, slot.device)[t], self._index[s],
-                               torch.where(found[0], NONFINITE, 0)]).view(1, -1)
+                               torch.where(found, NONFINITE, 0)], 1)
             self._push(row, found)
 
     # -- poison on free ------------------------------------------------------------------------------
