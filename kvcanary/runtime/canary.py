@@ -1,12 +1,10 @@
 """The ``Canary``: guards an engine forward by forward (SPEC section 5).
 
-Per forward: ``before_forward`` (refill the expected-token table, plan, HEAD verify
-of the prefix, HEAD write of the new tokens), the engine's forward, then
-``after_forward`` (TAIL verify with real-KV hash, TAIL write, periodic sweep,
-then the host side: drain, health, stats). ``device_before`` / ``device_after``
-are the parts that only touch static buffers and never sync: an engine that
-runs CUDA graphs captures those and calls ``host_before`` / ``host_after``
-around each replay.
+Per forward: ``before_forward`` (expected-token refill, plan, HEAD verify of the prefix, HEAD write of the new
+tokens), the engine's forward, then ``after_forward`` (TAIL verify with real-KV hash, TAIL write, periodic sweep,
+then the host side: drain, health, stats). ``device_before`` / ``device_after`` touch static buffers only and
+never sync: an engine that runs CUDA graphs captures them and calls ``host_before`` / ``host_after`` around
+each replay.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from kvcanary.format import RealKvMode, launch_tag
 from kvcanary.runtime.abort import AbortHandler, check_abort_handler
 from kvcanary.runtime.allocator import AllocatorCheck, AllocatorProvider
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec, check_distinct_rows
-from kvcanary.runtime.checks import canary_device, check_batch_sizes, check_batch_values
+from kvcanary.runtime.checks import canary_device, check_batch_sizes, check_batch_values, check_canary_args
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.inject import Injector
 from kvcanary.runtime.launch import ForwardLauncher, check_batch
@@ -31,7 +29,7 @@ from kvcanary.runtime.moves import RecordMoves
 from kvcanary.runtime.report import Violation, memory_bytes
 from kvcanary.runtime.slots import SlotChecks
 
-SweepProvider = Callable[[], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
+SweepProvider = Callable[[], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]  # (slots, positions, prevs)
 
 
 class _Group:
@@ -47,11 +45,9 @@ class _Group:
                      for phase in ("head", "tail") for kv in self.kvs}
         self.plan = ops.Plan.allocate(plan_capacity, max_batch, device)
         self.sweep_entries = ops.Entries.allocate(sweep_capacity or num_slots, device)
+        self._tags = {(p, kv): int(launch_tag(p, kv, name)) for p in ("head", "tail", "sweep") for kv in ("k", "v")}
 
-        self._tags = {(phase, kv): int(launch_tag(phase, kv, name)) for phase in ("head", "tail", "sweep")
-                      for kv in ("k", "v")}
-
-    def tag(self, phase: str, kv: str) -> int:
+    def tag(self, phase: str, kv: str) -> int:  # (the launch tag of a phase's op on one of K / V)
         return self._tags[phase, kv]
 
 
@@ -68,8 +64,7 @@ class Canary(RecordMoves):
         device: where the engine's KV lives.
         on_violation: optional callback called with each ``Violation``.
         on_abort: the engine's error path for one request, ``on_abort(request_id, violations)``: required in
-            mode "abort" (``ValueError`` without it), never called in other modes. It fails the request as
-            the engine fails one on an error (its output carries the error, its KV is freed); docs/runtime.md.
+            mode "abort" (``ValueError`` without it), else never called (docs/runtime.md, "Mode abort").
 
     Example:
         >>> canary = Canary(pool, max_batch=8, max_tokens=256, max_context=512, num_rows=9)
@@ -79,22 +74,11 @@ class Canary(RecordMoves):
     def __init__(self, pool: PoolSpec, config: CanaryConfig | None = None, *, max_batch: int, max_tokens: int,
                  max_context: int, num_rows: int, device: torch.device | str = "cpu",
                  on_violation: Callable[[Violation], None] | None = None, on_abort: AbortHandler | None = None):
-        if not isinstance(pool, PoolSpec):
-            raise TypeError(f"kv-canary: Canary pool must be a PoolSpec, got {type(pool).__name__}")
-        if config is not None and not isinstance(config, CanaryConfig):
-            raise TypeError(f"kv-canary: Canary config must be a CanaryConfig or None, got {type(config).__name__}"
-                            " (CanaryConfig(**options) builds one)")
-        for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens), ("max_context", max_context),
-                            ("num_rows", num_rows)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise (ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError)(
-                    f"kv-canary: Canary {name} must be an int >= 1, got {value!r}")
-        if on_violation is not None and not callable(on_violation):
-            raise TypeError(f"kv-canary: Canary on_violation must be a callable or None, got {on_violation!r}")
-        cfg = config if config is not None else CanaryConfig.from_env()
+        check_canary_args(pool, config, on_violation, max_batch=max_batch, max_tokens=max_tokens,
+                          max_context=max_context, num_rows=num_rows)
+        self.config = cfg = config if config is not None else CanaryConfig.from_env()
         check_abort_handler(cfg.mode, on_abort)
         self.device, self.pool = canary_device(device), pool
-        self.config = cfg
         self.max_batch, self.max_tokens, self.max_context, self.num_rows = max_batch, max_tokens, max_context, num_rows
         self.enabled = cfg.mode != "none"
         self.real_kv_mode = RealKvMode[cfg.real_kv.upper()]
@@ -232,9 +216,9 @@ class Canary(RecordMoves):
         self._open = batch
 
     def use_graphs(self, graphs=None, *, host_ops: bool = True) -> None:
-        """For an adapter that replays the canary's launches from graphs: ``graphs`` (a
-        ``runtime.graphs.CudaGraphs``) serves the launcher's and the observer's captures; ``host_ops=False``
-        keeps the CPU launcher's numpy shortcuts off (a stand-in graph replays tensor ops only)."""
+        """For a runner that replays the canary's launches from graphs: ``graphs`` (a ``runtime.graphs.CudaGraphs``)
+        serves the launcher's and the observer's captures; ``host_ops=False`` keeps the CPU launcher's numpy
+        shortcuts off (a stand-in graph replays tensor ops only)."""
         if graphs is not None:
             self.launcher.graphs = graphs
             self.monitor.observer.graphs = graphs
@@ -365,8 +349,8 @@ class Canary(RecordMoves):
         return self.injector.perturb_next_tokens(request_ids, tokens, positions)
 
     def poison_slots(self, slots) -> int:
-        """The engine freed ``slots`` (list or 1-D int tensor), no copy reads them and none was handed out again:
-        with ``poison_on_free`` their KV becomes a NaN pattern (docs/slots.md). Returns the slots poisoned."""
+        """``slots`` (list or 1-D int tensor) are freed, unread and not handed out again: with ``poison_on_free``
+        their KV becomes a NaN pattern (docs/slots.md). Returns how many were poisoned."""
         return self.slots.poison(slots)
 
     # -- reporting -------------------------------------------------------------------------------

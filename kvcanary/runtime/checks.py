@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from kvcanary.ops import validate as v
-from kvcanary.runtime.batch import ForwardBatch, TokenAppend
+from kvcanary.runtime.batch import ForwardBatch, PoolSpec, TokenAppend
+from kvcanary.runtime.config import CanaryConfig
 
 OP = "forward batch"
 
@@ -116,6 +117,22 @@ def check_batch_sizes(batch: ForwardBatch, *, max_batch: int, max_tokens: int, m
     if batch.req_to_token.shape[1] > max_context:
         raise ValueError(f"kv-canary: req_to_token columns must be <= max_context ({max_context}), got "
                          f"{batch.req_to_token.shape[1]}; raise Canary(max_context=...)")
+
+
+def check_canary_args(pool, config, on_violation, **sizes: int) -> None:
+    """``Canary``'s arguments, before anything is built: a ``PoolSpec``, a ``CanaryConfig`` or None, sizes that
+    are ints >= 1, a callable or None ``on_violation`` (TypeError / ValueError naming the argument)."""
+    if not isinstance(pool, PoolSpec):
+        raise TypeError(f"kv-canary: Canary pool must be a PoolSpec, got {type(pool).__name__}")
+    if config is not None and not isinstance(config, CanaryConfig):
+        raise TypeError(f"kv-canary: Canary config must be a CanaryConfig or None, got {type(config).__name__}"
+                        " (CanaryConfig(**options) builds one)")
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise (ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError)(
+                f"kv-canary: Canary {name} must be an int >= 1, got {value!r}")
+    if on_violation is not None and not callable(on_violation):
+        raise TypeError(f"kv-canary: Canary on_violation must be a callable or None, got {on_violation!r}")
 
 
 def canary_device(device: object) -> torch.device:
