@@ -8,7 +8,9 @@ Five arms run the same workload through ``model.generate_batch`` in one process,
 - ``sync``: CUDA graphs and async batching off, no canary;
 - ``canary``: graphs and async off with ``attach(model)``;
 - ``graphs``: CUDA graphs on, async batching off (the canary refuses async batching), no canary;
-- ``canary_graphs``: the same with ``attach(model)``: the fastest configuration the canary accepts.
+- ``canary_graphs``: the same with ``attach(model)``: the fastest configuration the canary accepts;
+- ``canary_graphs_noslots``: the same with the slot checks off (``reserved_check``, ``nonfinite_check``:
+  docs/slots.md), for their share of the cost (an opt-in arm: ``--arms``).
 
 Each call of ``generate_batch`` is timed whole (the engine's set-up and graph captures included: that is
 what a user's call costs). Reported per workload: tokens/s per arm (median over rounds), the ratios
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvcanary.bench.workload import VOCAB, build_model  # noqa: E402
 
 ARMS = ("fast", "sync", "canary", "graphs", "canary_graphs")
+EXTRA_ARMS = ("canary_graphs_noslots",)
 BLOCK = 32
 
 
@@ -71,17 +74,20 @@ def run_arm(model, arm: str, prompts, new_tokens) -> dict:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     fast = arm == "fast"
-    graphs = fast or arm in ("graphs", "canary_graphs")
+    graphs = fast or arm in ("graphs", "canary_graphs", "canary_graphs_noslots")
     longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
     blocks = len(prompts) * (longest // BLOCK + 2) + 16
     cbc = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=blocks, max_batch_tokens=1024,
                                    use_cuda_graph=graphs, use_async_batching=fast, scheduler_type="fifo")
     gen = GenerationConfig(max_new_tokens=max(new_tokens), eos_token_id=-1, do_sample=False)
     handle = None
-    if arm in ("canary", "canary_graphs"):
+    if arm in ("canary", "canary_graphs", "canary_graphs_noslots"):
+        from kvcanary import CanaryConfig
         from kvcanary.integrations.transformers import attach
 
-        handle = attach(model, mode="log")
+        config = None if arm != "canary_graphs_noslots" else CanaryConfig.from_env(reserved_check=False,
+                                                                                  nonfinite_check=False)
+        handle = attach(model, config, mode="log")
     _sync()
     t0 = time.perf_counter()
     try:
@@ -154,10 +160,11 @@ def main(argv=None) -> int:
                 runs[arm].append(run_arm(model, arm, prompts, new))
             print(f"[{name}] round {r + 1}: " + ", ".join(
                 f"{arm} {runs[arm][-1]['seconds']:.2f} s" for arm in arms), file=sys.stderr, flush=True)
-        ntok = sum(len(t) for t in runs["sync"][0]["tokens"])
+        ntok = sum(len(t) for t in runs[arms[0]][0]["tokens"])  # (every arm generates as many: eos is off)
         tps = {arm: [ntok / x["seconds"] for x in runs[arm]] for arm in arms}
-        tps.update({arm: [float("nan")] for arm in ARMS if arm not in arms})
-        runs.update({arm: [] for arm in ARMS if arm not in arms})
+        tps.update({arm: [float("nan")] for arm in ARMS + EXTRA_ARMS if arm not in arms})
+        runs.update({arm: [] for arm in ARMS + EXTRA_ARMS if arm not in arms})
+        first = lambda arm: runs[arm][0]["tokens"] if runs[arm] else None  # noqa: E731
         result["workloads"][name] = {
             "requests": len(prompts), "generated_tokens": ntok,
             "tokens_per_s": {arm: spread(v) for arm, v in tps.items()},
@@ -167,13 +174,16 @@ def main(argv=None) -> int:
             "canary_graphs_over_fast": spread([c / f for c, f in zip(tps["canary_graphs"], tps["fast"])]),
             "canary_graphs_over_graphs": spread([c / g for c, g in zip(tps["canary_graphs"], tps["graphs"])]),
             "graphs_over_fast": spread([g / f for g, f in zip(tps["graphs"], tps["fast"])]),
+            "canary_graphs_noslots_over_fast": spread([c / f for c, f in zip(tps["canary_graphs_noslots"], tps["fast"])]),
             "tokens_identical_canary_graphs_vs_graphs": all(x["tokens"] == runs["graphs"][0]["tokens"]
                                                             for x in runs["canary_graphs"]) if runs["graphs"] else None,
-            "tokens_identical_canary_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["canary"]),
+            "tokens_identical_canary_vs_sync": all(x["tokens"] == first("sync") for x in runs["canary"]),
             # the engine's own run-to-run determinism, the yardstick for the two comparisons above
-            "tokens_identical_sync_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["sync"]),
-            "tokens_identical_fast_vs_sync": all(x["tokens"] == runs["sync"][0]["tokens"] for x in runs["fast"]),
-            "violations": sum(x["violations"] for x in runs["canary"] + runs["canary_graphs"]),
+            "tokens_identical_sync_vs_sync": all(x["tokens"] == first("sync") for x in runs["sync"]),
+            "tokens_identical_fast_vs_sync": all(x["tokens"] == first("sync") for x in runs["fast"]),
+            "tokens_identical_fast_vs_fast": all(x["tokens"] == first("fast") for x in runs["fast"]),
+            "violations": sum(x["violations"] for x in runs["canary"] + runs["canary_graphs"]
+                              + runs["canary_graphs_noslots"]),
         }
         w = result["workloads"][name]
         print(f"[{name}] tok/s fast {w['tokens_per_s']['fast']['median']:.0f}, sync "
