@@ -97,15 +97,22 @@ class Scheduler:
         # SGLang's check_decode_mem: retract (newest first) until the batch's pages can be found.
         while len(reqs) > 1 and (sum(self._decode_pages(r) for r in reqs)
                                  > self.pool.pages.free_pages + self.tree.evictable_pages()):
-            self._retract(reqs.pop())
+            self._retract_unless_done(reqs.pop())
         works = []
         for r in reqs:
             w = self._decode_work(r)
             if w is None:
-                self._retract(r)
+                self._retract_unless_done(r)
             else:
                 works.append(w)
         return works
+
+    def _retract_unless_done(self, r: Request) -> None:
+        """Retract ``r``, unless it has all its tokens (a re-prefill after a retraction samples one): then it
+        only sits out this step's decode, and ``process_results`` finishes it (retracted again, it would be
+        re-prefilled, sample past its ``max_new`` and never finish)."""
+        if r.num_outputs < r.max_new:
+            self._retract(r)
 
     def _decode_work(self, r: Request) -> Work | None:
         start = r.kv_len
