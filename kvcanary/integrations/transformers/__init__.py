@@ -18,8 +18,8 @@ they reach, ``sim.hf_reach``), the benchmarks' varlen attention in ``kvcanary.be
 import importlib
 
 # Loaded on first use: importing the package imports no torch.
-_HANDLE_NAMES = ("SUPPORTED_RANGE", "TUNING_OPTIONS", "TransformersHandle", "attach", "attach_with", "check_version",
-                 "live_handle", "tuned")
+_HANDLE_NAMES = ("SUPPORTED_RANGE", "TUNING_OPTIONS", "TransformersHandle", "attach", "check_version", "live_handle",
+                 "tuned")
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
 

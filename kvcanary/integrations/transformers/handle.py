@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-import inspect
 import threading
 import warnings
 from collections.abc import Iterator
@@ -35,7 +33,6 @@ __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 # defaults are what users run, and each path gives the same results.
 TUNING_OPTIONS = ("timing", "step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "bucket_batches")
 _TUNING: contextvars.ContextVar[dict] = contextvars.ContextVar("kvcanary_tuning", default={})
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
 
 
 @contextlib.contextmanager
@@ -117,23 +114,6 @@ def attach(model_or_manager, config: CanaryConfig | None = None, *, mode: str | 
         handle._patcher.restore()
         raise
     return handle
-
-
-def attach_with(model_or_manager, **options) -> TransformersHandle:
-    """Private: ``attach`` with one flat set of keywords, for the project's demo, benchmarks and tests:
-    ``attach``'s own, ``CanaryConfig`` fields (onto ``config`` or the environment's) and ``tuned`` toggles."""
-    tuning = {k: options.pop(k) for k in TUNING_OPTIONS if k in options}
-    public = set(inspect.signature(attach).parameters) - {"model_or_manager"}
-    fields = {k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS and k not in public}
-    unknown = sorted(set(options) - public)
-    if unknown:
-        raise TypeError(f"kv-canary: attach got unknown options {unknown}; expected attach's keywords, "
-                        f"CanaryConfig fields or {list(TUNING_OPTIONS)}")
-    if fields:
-        config = options.get("config")
-        options["config"] = CanaryConfig.from_env(**fields) if config is None else config.replace(**fields)
-    with tuned(**tuning):
-        return attach(model_or_manager, **options)
 
 
 _FLAG_OPTIONS = (*TUNING_OPTIONS, "token_history", "token_oracle", "allow_unsupported_version")

@@ -51,24 +51,6 @@ def check_version(version: str | None = None, allow_unsupported: bool = False) -
     return version
 
 
-def sdpa_name() -> str:
-    """The paged SDPA attention's name for the installed transformers: 5.17 needs ``paged|sdpa``; from 5.18
-    plain ``sdpa`` is paged under continuous batching (the prefix logs a FutureWarning)."""
-    from transformers.generation.continuous_batching.cache import PagedAttentionCache
-
-    return "sdpa" if hasattr(PagedAttentionCache, "perform_cache_copy") else "paged|sdpa"
-
-
-def cb_config(**kwargs):
-    """A ``ContinuousBatchingConfig`` for the installed transformers: ``block_size`` is ``page_size`` from 5.18
-    (the old name logs a deprecation warning per config)."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    if "block_size" in kwargs and hasattr(ContinuousBatchingConfig, "page_size"):
-        kwargs["page_size"] = kwargs.pop("block_size")
-    return ContinuousBatchingConfig(**kwargs)
-
-
 class Patcher:
     """Per-instance rebinding with an exact undo: restores a pre-existing instance attribute, else deletes ours."""
 
