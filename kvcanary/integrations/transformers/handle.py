@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from kvcanary.integrations.transformers.layout import SUPPORTED_RANGE, Patcher, check_engine, check_version
 from kvcanary.integrations.transformers.session import Session
 from kvcanary.runtime import CanaryConfig, Violation
+from kvcanary.runtime.engine import StepOptions
 
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
@@ -137,20 +138,10 @@ def _check_options(options: dict) -> None:
 
 def _warn_unused(options: dict, config: CanaryConfig) -> None:
     """One warning per option set explicitly where the rest of the set-up gives it no effect."""
-    why = {}
-    if options.get("late_hooks") is True:
-        blocker = ("token_oracle=True" if options.get("token_oracle") else
-                   "check_before_forward=True" if config.check_before_forward else
-                   "fault injection" if config.injecting else None)
-        if blocker:
-            why["late_hooks"] = f"with {blocker} (the hooks run before the forward)"
-    needs = {"fused_steps": ("step_graphs", "late_hooks"), "in_graph_waits": ("step_graphs", "fused_steps"),
-             "bucket_batches": ("step_graphs",)}
-    for name, required in needs.items():
-        off = [r for r in required if options.get(r) is False]
-        if options.get(name) is True and off:
-            why[name] = f"with {off[0]}=False"
-    for name, text in why.items():
+    early = ("token_oracle=True" if options.get("token_oracle") else
+             "check_before_forward=True" if config.check_before_forward else
+             "fault injection" if config.injecting else None)
+    for name, text in StepOptions.ineffective(options, early).items():
         warnings.warn(f"kv-canary: attach option {name}=True has no effect {text}", UserWarning, stacklevel=3)
 
 
