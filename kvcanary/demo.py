@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcanary.sim.hf_reach import attach_with, cb_config, sdpa_name
+
 DEFAULT_BUG = "early-free"
 TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, vocab_size=512, max_position_embeddings=512)
@@ -21,8 +23,6 @@ BLOCK_SIZE = 4
 def build_tiny_model(device: str = "cpu", seed: int = 0, sliding_window: int | None = None):
     """Llama-shaped model with seeded random weights (Qwen2 with one sliding layer when ``sliding_window``)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    from kvcanary.integrations.transformers.layout import sdpa_name
 
     torch.manual_seed(seed)
     if sliding_window:
@@ -38,8 +38,6 @@ def build_tiny_model(device: str = "cpu", seed: int = 0, sliding_window: int | N
 
 def load_local_model(path: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
-
-    from kvcanary.integrations.transformers.layout import sdpa_name
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     model = model.to(device).eval()
@@ -76,8 +74,6 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
     """Run the demo workload once on continuous batching, optionally with the canary and a planted bug."""
     from transformers import GenerationConfig
     from kvcanary.sim.hf_bugs import plant
-    from kvcanary.integrations.transformers.layout import cb_config
-    from kvcanary.integrations.transformers import attach_with
 
     vocab = model.config.get_text_config().vocab_size
     prompts = demo_prompts(vocab) if prompts is None else prompts

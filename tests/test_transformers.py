@@ -16,8 +16,8 @@ from kvcanary.demo import build_tiny_model, demo_prompts, run_workload  # noqa: 
 from kvcanary.format import FailReason, oracle_token  # noqa: E402
 from kvcanary.sim import hf_bugs  # noqa: E402
 from kvcanary.integrations.transformers.layouts import layout_of  # noqa: E402
-from kvcanary.sim.hf_reach import reach  # noqa: E402
-from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, attach_with, check_version  # noqa: E402
+from kvcanary.sim.hf_reach import attach_with, reach  # noqa: E402
+from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, check_version  # noqa: E402
 from kvcanary.runtime.report import MISSING_TOKEN  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402

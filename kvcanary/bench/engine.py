@@ -58,7 +58,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from kvcanary.integrations.transformers import attach_with
+    from kvcanary.sim.hf_reach import attach_with
 
     sync = torch.cuda.synchronize if wl.device.type == "cuda" else (lambda: None)
     gen = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1)

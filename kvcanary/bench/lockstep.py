@@ -62,7 +62,7 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from kvcanary.integrations.transformers import attach_with
+    from kvcanary.sim.hf_reach import attach_with
 
     cuda = wl.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -84,6 +84,35 @@ class PoolSpec:
             raise TypeError(f"kv-canary: PoolSpec swa must be a SwaSpec or None, got {type(self.swa).__name__}")
 
 
+def layer_sources(keys, values, check_v: bool) -> tuple[tuple[RealKvSource, ...], tuple[RealKvSource, ...]]:
+    """(K buffer sources, V buffer sources) of a pool's real-KV hash, from its per-layer K and V tensors
+    (``keys[j]``: layer j's rows, one per slot): more than one layer, K and V.
+
+    Without V buffers the K record hashes the first layer's K and the last layer's V (2 sources:
+    each source is a few more tensor ops per launch on the CPU), so a copy that skips V, skips K,
+    or moves only the first or only the last layer changes the hash. With V buffers, K records
+    hash the K of up to 4 layers (first, last and evenly spaced between) and V records the V of
+    the same layers.
+    """
+    n = len(keys)
+    if check_v:
+        layers = sorted({round(i * (n - 1) / 3) for i in range(4)}) if n > 1 else [0]
+        return (tuple(s for j in layers for s in row_sources(keys[j])),
+                tuple(s for j in layers for s in row_sources(values[j])))
+    return row_sources(keys[0]) + row_sources(values[n - 1]), ()
+
+
+def row_sources(tensor: torch.Tensor | None) -> tuple[RealKvSource, ...]:
+    """One real-KV source over a cache tensor (one slot per row), or none when its rows are not 16-byte multiples."""
+    if tensor is None:
+        return ()
+    rows = tensor.view(tensor.shape[0], -1)
+    nbpt = rows.shape[1] * rows.element_size()
+    if nbpt % 16:
+        return ()
+    return (RealKvSource(rows, page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt),)
+
+
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
     # bool is an int subclass; a float or a string would only fail later, deep inside an allocation.
     if not isinstance(value, int) or isinstance(value, bool):

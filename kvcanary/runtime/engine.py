@@ -103,3 +103,20 @@ class StepOptions:
         """The options named in ``options`` (others ignored), the rest at their defaults."""
         return cls(**{f.name: bool(options[f.name]) for f in dataclasses.fields(cls)
                       if options.get(f.name) is not None})
+
+    # the toggles each one builds on: set False, they leave it without effect
+    NEEDS = {"fused_steps": ("step_graphs", "late_hooks"), "in_graph_waits": ("step_graphs", "fused_steps"),
+             "bucket_batches": ("step_graphs",)}
+
+    @classmethod
+    def ineffective(cls, options: dict, early: str | None = None) -> dict[str, str]:
+        """``{name: why}`` for each toggle ``options`` sets True that takes no effect: one it builds on is set
+        False, or (late_hooks) ``early`` names what runs a step's hooks before the forward."""
+        why = {}
+        if options.get("late_hooks") is True and early:
+            why["late_hooks"] = f"with {early} (the hooks run before the forward)"
+        for name, required in cls.NEEDS.items():
+            off = [r for r in required if options.get(r) is False]
+            if options.get(name) is True and off:
+                why[name] = f"with {off[0]}=False"
+        return why

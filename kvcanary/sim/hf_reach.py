@@ -5,15 +5,61 @@ These are test and zoo tooling, not the adapter: the adapter's ``EngineLayout`` 
 layout.py``) describes what the canary guards; a reach adds what a planted bug breaks (free lists, fork
 copies, the prefix-cache key) and the plain CPU swap pool that tests and soak runs give the engine. A reach
 reads everything else (the layout's block tables, slots, sizes) through its layout.
+
+The project's demo, benchmarks, soak runs and tests also take their transformers set-up from here: the
+version's paged SDPA name (``sdpa_name``), its ``ContinuousBatchingConfig`` (``cb_config``) and ``attach``
+with one flat set of keywords (``attach_with``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import torch
 
-__all__ = ["reach"]
+__all__ = ["attach_with", "cb_config", "reach", "sdpa_name"]
 
 FULL = "full_attention"
+
+
+def sdpa_name() -> str:
+    """The paged SDPA attention's name for the installed transformers: 5.17 needs ``paged|sdpa``; from 5.18
+    plain ``sdpa`` is paged under continuous batching (the prefix logs a FutureWarning)."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    return "sdpa" if hasattr(PagedAttentionCache, "perform_cache_copy") else "paged|sdpa"
+
+
+def cb_config(**kwargs):
+    """A ``ContinuousBatchingConfig`` for the installed transformers: ``block_size`` is ``page_size`` from 5.18
+    (the old name logs a deprecation warning per config)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    if "block_size" in kwargs and hasattr(ContinuousBatchingConfig, "page_size"):
+        kwargs["page_size"] = kwargs.pop("block_size")
+    return ContinuousBatchingConfig(**kwargs)
+
+
+def attach_with(model_or_manager, **options):
+    """Private: ``attach`` with one flat set of keywords, for the project's demo, benchmarks, soak and tests:
+    ``attach``'s own, ``CanaryConfig`` fields (onto ``config`` or the environment's) and ``tuned`` toggles."""
+    from kvcanary.integrations.transformers.handle import TUNING_OPTIONS, attach, tuned
+    from kvcanary.runtime import CanaryConfig
+
+    tuning = {k: options.pop(k) for k in TUNING_OPTIONS if k in options}
+    public = set(inspect.signature(attach).parameters) - {"model_or_manager"}
+    config_fields = {f.name for f in dataclasses.fields(CanaryConfig)}
+    fields = {k: options.pop(k) for k in list(options) if k in config_fields and k not in public}
+    unknown = sorted(set(options) - public)
+    if unknown:
+        raise TypeError(f"kv-canary: attach got unknown options {unknown}; expected attach's keywords, "
+                        f"CanaryConfig fields or {list(TUNING_OPTIONS)}")
+    if fields:
+        config = options.get("config")
+        options["config"] = CanaryConfig.from_env(**fields) if config is None else config.replace(**fields)
+    with tuned(**tuning):
+        return attach(model_or_manager, **options)
 
 
 def reach(layout):

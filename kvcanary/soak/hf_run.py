@@ -57,7 +57,7 @@ def generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None, *
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from kvcanary.sim.hf_bugs import plant
-    from kvcanary.integrations.transformers import attach_with
+    from kvcanary.sim.hf_reach import attach_with
 
     if w.greedy:
         # forks need sampling in transformers' batching; top_k=1 keeps it greedy and deterministic

@@ -9,7 +9,8 @@ runtime's step runner, ``kvcanary.runtime.step``, which ``batch.BatchBuilder`` f
   request's row and token history;
 - ``layout``, ``layouts``, ``cache_blocks``, ``cache_sectors``: the paged cache's layout, one class per
   cache generation (5.17; 5.18 and later);
-- ``moves``: KV moves between steps (fork copies, offload and restore, sweeps).
+- ``moves``: KV moves between steps (fork copies, offload and restore, sweeps);
+- ``events``: the engine's request and block events (mode abort, the allocator check, poison on free).
 
 The engine bugs planted for the demo and tests live in ``kvcanary.sim.hf_bugs`` (with the engine internals
 they reach, ``sim.hf_reach``), the benchmarks' varlen attention in ``kvcanary.bench.varlen_attention``.
@@ -18,8 +19,8 @@ they reach, ``sim.hf_reach``), the benchmarks' varlen attention in ``kvcanary.be
 import importlib
 
 # Loaded on first use: importing the package imports no torch.
-_HANDLE_NAMES = ("SUPPORTED_RANGE", "TUNING_OPTIONS", "TransformersHandle", "attach", "attach_with", "check_version",
-                 "live_handle", "tuned")
+_HANDLE_NAMES = ("SUPPORTED_RANGE", "TUNING_OPTIONS", "TransformersHandle", "attach", "check_version", "live_handle",
+                 "tuned")
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
 

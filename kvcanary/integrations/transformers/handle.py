@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-import inspect
 import threading
 import warnings
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ from collections.abc import Iterator
 from kvcanary.integrations.transformers.layout import SUPPORTED_RANGE, Patcher, check_engine, check_version
 from kvcanary.integrations.transformers.session import Session
 from kvcanary.runtime import CanaryConfig, Violation
+from kvcanary.runtime.engine import StepOptions
 
 __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
@@ -35,7 +34,6 @@ __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 # defaults are what users run, and each path gives the same results.
 TUNING_OPTIONS = ("timing", "step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "bucket_batches")
 _TUNING: contextvars.ContextVar[dict] = contextvars.ContextVar("kvcanary_tuning", default={})
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(CanaryConfig)}
 
 
 @contextlib.contextmanager
@@ -119,23 +117,6 @@ def attach(model_or_manager, config: CanaryConfig | None = None, *, mode: str | 
     return handle
 
 
-def attach_with(model_or_manager, **options) -> TransformersHandle:
-    """Private: ``attach`` with one flat set of keywords, for the project's demo, benchmarks and tests:
-    ``attach``'s own, ``CanaryConfig`` fields (onto ``config`` or the environment's) and ``tuned`` toggles."""
-    tuning = {k: options.pop(k) for k in TUNING_OPTIONS if k in options}
-    public = set(inspect.signature(attach).parameters) - {"model_or_manager"}
-    fields = {k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS and k not in public}
-    unknown = sorted(set(options) - public)
-    if unknown:
-        raise TypeError(f"kv-canary: attach got unknown options {unknown}; expected attach's keywords, "
-                        f"CanaryConfig fields or {list(TUNING_OPTIONS)}")
-    if fields:
-        config = options.get("config")
-        options["config"] = CanaryConfig.from_env(**fields) if config is None else config.replace(**fields)
-    with tuned(**tuning):
-        return attach(model_or_manager, **options)
-
-
 _FLAG_OPTIONS = (*TUNING_OPTIONS, "token_history", "token_oracle", "allow_unsupported_version")
 # The instance attributes a live handle installs: attach reads them to find an engine already guarded.
 _HOOKED = {"model": ("init_continuous_batching", "generate_batch"), "manager": ("_create_batch_processor", "stop")}
@@ -157,20 +138,10 @@ def _check_options(options: dict) -> None:
 
 def _warn_unused(options: dict, config: CanaryConfig) -> None:
     """One warning per option set explicitly where the rest of the set-up gives it no effect."""
-    why = {}
-    if options.get("late_hooks") is True:
-        blocker = ("token_oracle=True" if options.get("token_oracle") else
-                   "check_before_forward=True" if config.check_before_forward else
-                   "fault injection" if config.injecting else None)
-        if blocker:
-            why["late_hooks"] = f"with {blocker} (the hooks run before the forward)"
-    needs = {"fused_steps": ("step_graphs", "late_hooks"), "in_graph_waits": ("step_graphs", "fused_steps"),
-             "bucket_batches": ("step_graphs",)}
-    for name, required in needs.items():
-        off = [r for r in required if options.get(r) is False]
-        if options.get(name) is True and off:
-            why[name] = f"with {off[0]}=False"
-    for name, text in why.items():
+    early = ("token_oracle=True" if options.get("token_oracle") else
+             "check_before_forward=True" if config.check_before_forward else
+             "fault injection" if config.injecting else None)
+    for name, text in StepOptions.ineffective(options, early).items():
         warnings.warn(f"kv-canary: attach option {name}=True has no effect {text}", UserWarning, stacklevel=3)
 
 

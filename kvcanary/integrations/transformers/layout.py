@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.ops.types import RealKvSource
+from kvcanary.runtime.batch import layer_sources
 
 log = logging.getLogger("kvcanary")
 
@@ -49,24 +50,6 @@ def check_version(version: str | None = None, allow_unsupported: bool = False) -
                            f"the integration hooks were verified there), got {version}; pass "
                            "allow_unsupported_version=True to try anyway")
     return version
-
-
-def sdpa_name() -> str:
-    """The paged SDPA attention's name for the installed transformers: 5.17 needs ``paged|sdpa``; from 5.18
-    plain ``sdpa`` is paged under continuous batching (the prefix logs a FutureWarning)."""
-    from transformers.generation.continuous_batching.cache import PagedAttentionCache
-
-    return "sdpa" if hasattr(PagedAttentionCache, "perform_cache_copy") else "paged|sdpa"
-
-
-def cb_config(**kwargs):
-    """A ``ContinuousBatchingConfig`` for the installed transformers: ``block_size`` is ``page_size`` from 5.18
-    (the old name logs a deprecation warning per config)."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    if "block_size" in kwargs and hasattr(ContinuousBatchingConfig, "page_size"):
-        kwargs["page_size"] = kwargs.pop("block_size")
-    return ContinuousBatchingConfig(**kwargs)
 
 
 class Patcher:
@@ -164,21 +147,9 @@ class EngineLayout:
 
     def real_kv_sources(self, check_v: bool,
                         swa: bool = False) -> tuple[tuple[RealKvSource, ...], tuple[RealKvSource, ...]]:
-        """(K buffer sources, V buffer sources) of the real-KV hash of one group: more than one layer, K and V.
-
-        Without V buffers the K record hashes the first layer's K and the last layer's V (2 sources:
-        each source is a few more tensor ops per launch on the CPU), so a copy that skips V, skips K,
-        or moves only the first or only the last layer changes the hash. With V buffers, K records
-        hash the K of up to 4 layers (first, last and evenly spaced between) and V records the V of
-        the same layers.
-        """
+        """(K sources, V sources) of one group's real-KV hash (``runtime.batch.layer_sources``)."""
         keys, values = (self.swa_keys, self.swa_values) if swa else (self.keys, self.values)
-        n = len(keys)
-        if check_v:
-            layers = sorted({round(i * (n - 1) / 3) for i in range(4)}) if n > 1 else [0]
-            return (tuple(s for j in layers for s in kv_sources(keys[j])),
-                    tuple(s for j in layers for s in kv_sources(values[j])))
-        return kv_sources(keys[0]) + kv_sources(values[n - 1]), ()
+        return layer_sources(keys, values, check_v)
 
     def slot(self, block: int, offset: int, group: int | None = None) -> int:
         """The slot of token ``offset`` of block ``block`` (of the full group unless ``group``)."""
@@ -229,17 +200,6 @@ class EngineLayout:
         dst_slots, blocks)``), offloads to CPU memory (``session._on_offload(victims, done, slots)``) and
         restores (``session._on_restore(slots)``), each after the engine's own work."""
         raise NotImplementedError
-
-
-def kv_sources(tensor: torch.Tensor | None) -> tuple[RealKvSource, ...]:
-    """One real-KV source over a cache tensor (one slot per row), or none when its rows are not 16-byte multiples."""
-    if tensor is None:
-        return ()
-    rows = tensor.view(tensor.shape[0], -1)
-    nbpt = rows.shape[1] * rows.element_size()
-    if nbpt % 16:
-        return ()
-    return (RealKvSource(rows, page_size=1, num_bytes_per_token=nbpt, read_bytes=nbpt),)
 
 
 def fill_swa_table(lay, table, io, prefix_t, extend_t, width: int, T: int, out_cache_loc, arange) -> None:

@@ -19,10 +19,8 @@ import time
 import torch
 
 from kvcanary.format import oracle_token
-from kvcanary.integrations.transformers.abort import EngineAborts
-from kvcanary.integrations.transformers.allocator import watch_allocator
 from kvcanary.integrations.transformers.batch import BatchBuilder
-from kvcanary.integrations.transformers.freed import FreedBlocks
+from kvcanary.integrations.transformers.events import EngineAborts, watch_blocks
 from kvcanary.integrations.transformers.moves import KvMoves
 from kvcanary.integrations.transformers.layout import Patcher
 from kvcanary.integrations.transformers.layouts import layout_of
@@ -65,7 +63,8 @@ class Session(KvMoves):
         self.step_syncs = io.compute_stream is not None and type(io).__name__ == "ContinuousBatchingIOs"
         self.patcher = Patcher()
         self._install()
-        self.freed = FreedBlocks.install(self)  # poison_on_free: the blocks the engine frees (freed.py)
+        # the allocator check's snapshots and frees (docs/allocator.md); poison_on_free: the blocks freed
+        self.freed = watch_blocks(self)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_canary(self) -> Canary:
@@ -171,7 +170,6 @@ class Session(KvMoves):
         p.set(bp, "update_batch", update_batch)
         p.set(cache, "search_prefix_match", search_prefix_match)
         self.layout.install_hooks(p, self)
-        watch_allocator(self, p)  # the allocator check's snapshots and frees (docs/allocator.md)
         if self.handle.options.get("token_oracle"):
             orig_sample = runner._sample
 
