@@ -196,27 +196,10 @@ def llama():
 
 
 def planted(model, planter):
-    """Plant a test-local engine bug on every batch processor (``bugs.on_new_processors``); returns the undo."""
-    from kvcanary.integrations.transformers.layouts import layout_of
-    from kvcanary.sim.hf_bugs import on_new_processors
-    from kvcanary.sim.hf_reach import reach
+    """Plant a test-local engine bug on every batch processor (``hf_bugs.plant_with``); returns the undo."""
+    from kvcanary.sim.hf_bugs import plant_with
 
-    state = {"fired": False, "warming_up": False}
-
-    def plant(bp):
-        planter(bp, reach(layout_of(bp.cache)), state)  # (the internals a bug reaches)
-        warmup = getattr(bp, "warmup", None)  # (its fake requests come before any real one: not planted there)
-        if warmup is not None:
-            def quiet_warmup(*args, **kwargs):
-                state["warming_up"] = True
-                try:
-                    return warmup(*args, **kwargs)
-                finally:
-                    state["warming_up"] = False
-
-            bp.warmup = quiet_warmup
-
-    return on_new_processors(model, plant, "_test_slots_bug")
+    return plant_with(model, planter, "_test_slots_bug")
 
 
 def _once(state) -> bool:

@@ -46,11 +46,23 @@ def plant(model, name: str) -> Callable[[], None]:
     """Plant bug ``name`` into every batch processor ``model`` creates; returns the undo function."""
     if name not in BUGS:
         raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {name!r}")
+    planter = _PLANTERS[name.replace("-", "_")]
+
+    def zeroed(bp, lay, state) -> None:
+        _zero_pool(bp)
+        planter(bp, lay, state)
+
+    return plant_with(model, zeroed, "_kvcanary_bug")
+
+
+def plant_with(model, planter: Callable, tag: str) -> Callable[[], None]:
+    """Run ``planter(bp, layout, state)`` on every batch processor ``model`` creates (``layout``: the cache's
+    layout with the internals a bug reaches; ``state``: the bug's, with ``warming_up`` set during the engine's
+    warm-up, which a bug waits out: ``_once``); returns the undo. Tests plant bugs of their own with it."""
     state = {"fired": False, "warming_up": False}
 
     def planted(bp) -> None:
-        _zero_pool(bp)
-        _PLANTERS[name.replace("-", "_")](bp, _layout(bp), state)
+        planter(bp, _layout(bp), state)
         warmup = getattr(bp, "warmup", None)  # (5.18+: fake requests, then a cache reset that undoes a bug)
         if warmup is not None:
             def quiet_warmup(*args, **kwargs):
@@ -62,7 +74,7 @@ def plant(model, name: str) -> Callable[[], None]:
 
             bp.warmup = quiet_warmup
 
-    return on_new_processors(model, planted, "_kvcanary_bug")
+    return on_new_processors(model, planted, tag)
 
 
 def on_new_processors(model, fn: Callable, tag: str) -> Callable[[], None]:
