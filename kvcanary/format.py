@@ -69,6 +69,7 @@ class FailReason(enum.IntFlag):
     RESERVED_SLOT_READ = 64
     RESERVED_SLOT_WRITE = 128
     NONFINITE_KV = 256
+    READ_PAST_LENGTH = 512
 
 
 def reason_label(bits: int) -> str:

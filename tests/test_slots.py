@@ -222,6 +222,28 @@ def read_slot0(bp, lay, state):
     cm.get_read_indices = get_read_indices
 
 
+def read_past_length(bp, lay, state):
+    """Once, a decode's key length is taken from its last block's end, not its length: the read index lists
+    (and attention reads: its key length follows, the mask is causal from the end) the block's unused tail."""
+    cm = lay.full_allocator()
+    orig_len, orig_read, B = cm.get_seqlen_k, cm.get_read_indices, cm.tokens_per_page
+
+    def get_seqlen_k(past_length, query_length):  # (called for each request just before its read indices)
+        n = orig_len(past_length, query_length)
+        if query_length == 1 and past_length >= 3 and n % B and _once(state):
+            state["tail"] = (past_length, query_length)
+            return n + B - n % B
+        return n
+
+    def get_read_indices(request_id, past_length, query_length):
+        if state.pop("tail", None) == (past_length, query_length):
+            n = past_length + query_length
+            return orig_read(request_id, n + B - n % B - query_length, query_length)  # the block's whole tail
+        return orig_read(request_id, past_length, query_length)
+
+    cm.get_seqlen_k, cm.get_read_indices = get_seqlen_k, get_read_indices
+
+
 def nan_write(bp, lay, state):
     cm = lay.full_allocator()
     orig = cm.update
@@ -282,6 +304,16 @@ def test_transformers_read_of_slot0_is_reported(llama):
     assert first.reasons == ("reserved_slot_read",) and first.slot == 0 and first.position == 1
     assert first.reader_request is not None
     assert run(llama, read_slot0, reserved_check=False).violations == []
+
+
+def test_transformers_read_past_a_request_length_is_reported(llama):
+    r = run(llama, read_past_length)
+    first = r.violations[0]
+    assert first.reasons == ("read_past_length",) and first.launch_tag == "HEAD_K_FULL"
+    assert first.expected_aux > first.position > 0 and first.slot > 0  # listed > the batch's live positions
+    assert "read index lists" in first.block()
+    # that step's report: the rows the record checks add (the extra cells hold no write of the request) come after
+    assert all(v.step >= first.step for v in r.violations)
 
 
 def test_transformers_nan_write_is_reported_with_its_writer(llama):

@@ -92,3 +92,47 @@ def test_a_source_takes_only_the_configurations_it_describes():
 def test_step_options_take_the_named_toggles_only():
     opts = StepOptions.of({"fused_steps": False, "token_history": True, "late_hooks": None})
     assert opts == StepOptions(fused_steps=False) and opts.late_hooks
+
+
+def read_past_the_batch(engine: SimEngine, at_step: int) -> list:
+    """At step ``at_step`` the read index lists one cell past the batch's last request's length (its
+    table's next cell, as a read of a partial page's unused tail): a read no record check sees, the cells
+    of every request being where the read table expects them. Returns [the extra cell's slot, the total,
+    the forward's step, whether the fused path took it]."""
+    src, seen = engine.source, []
+    set_step = src.set_step
+
+    def reading_past(works):
+        set_step(works)
+        if engine.step_no == at_step:
+            io, w = src.inputs, works[-1]
+            n = io.true_read_sizes[0]
+            io.read_index_storage[0, n] = int(engine.pool.table[w.row, w.start + w.n])
+            io.true_read_sizes[0] = n + 1
+            seen[:] = [int(io.read_index_storage[0, n]), n, engine.canary.step + 1]
+
+    src.set_step = reading_past
+    return seen
+
+
+def test_a_read_index_longer_than_the_batch_is_reported_on_every_path(steady):
+    for steps in ("eager", "captured", "fused"):
+        cfg = SimConfig(**CFG)
+        e = SimEngine(cfg, default_canary_config(cfg).replace(backend="triton", allocator_check_interval=0),
+                      steps=steps)
+        seen = read_past_the_batch(e, 13)
+        before = e.runner.before
+
+        def noting_path(late=False):  # (which path the planted step took)
+            batch = before(late)
+            if len(seen) == 3:  # (set by the planted step's set_step, just before this call)
+                seen.append(e.runner.graphs is not None and e.runner.graphs.fused_now)
+            return batch
+
+        e.runner.before = noting_path
+        e.run()
+        slot, total, step, fused = seen
+        assert [(v.reasons, v.step, v.slot, v.position, v.expected_aux) for v in e.canary.violations] == [
+            (("read_past_length",), step, slot, total, total + 1)], steps
+        assert e.canary.violations[0].reader_request is None and e.canary.violations[0].writer_request is None
+        assert fused == (steps == "fused")  # (the fused run's planted step was a fused one)

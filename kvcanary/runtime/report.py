@@ -9,7 +9,8 @@ from kvcanary.format import FailReason, LaunchTag, ViolationField as F, reason_l
 
 WRITE_REASONS = int(FailReason.WRITE_TOKEN | FailReason.WRITE_POSITION)
 # the slot checks' reasons (runtime/slots.py): rows with layouts of their own (docs/slots.md)
-SLOT_REASONS = int(FailReason.RESERVED_SLOT_READ | FailReason.RESERVED_SLOT_WRITE | FailReason.NONFINITE_KV)
+SLOT_REASONS = int(FailReason.RESERVED_SLOT_READ | FailReason.RESERVED_SLOT_WRITE | FailReason.NONFINITE_KV
+                   | FailReason.READ_PAST_LENGTH)
 # Expected token of a position the engine's token history does not cover (an adapter sets it when a
 # request's history is shorter than its positions): never equal to a stored token, so it is reported.
 MISSING_TOKEN = -2
@@ -143,6 +144,13 @@ class Violation:
 
     def _slot_lines(self) -> list[str]:
         """The readable lines of a slot-check row (runtime/slots.py; row layouts in docs/slots.md)."""
+        if self.fail_reason & FailReason.READ_PAST_LENGTH:
+            listed = to_signed(self.expected_aux)
+            first = "" if self.slot < 0 else f" (the first extra one: slot {self.slot})"
+            return [f"  the engine's read index lists {listed} slots for the batch's {self.position} live positions "
+                    f"(prefix + new tokens over its requests): {listed - self.position} past the lengths{first}",
+                    "  -> attention reads cells past a request's length (a partial block's unused tail, a key length "
+                    "taken from allocated blocks): KV no write of the request made"]
         if self.fail_reason & FailReason.RESERVED_SLOT_READ:
             who = "" if self.reader_request is None else f" of request {self.reader_request}"
             return [f"  position {self.position}{who} is read from slot {self.slot}, a reserved slot (slot 0 or an "

@@ -1,4 +1,4 @@
-"""Reserved, poisoned and non-finite slots: three checks beside the record ops (docs/slots.md).
+"""Reserved, poisoned and non-finite slots, reads past a length: checks beside the record ops (docs/slots.md).
 
 The verify op skips slot 0 (SPEC 4.4: the padding slot), so a live token whose table cell is 0
 reads the padding slot's KV unseen, and a chain check whose predecessor cell is 0 is skipped too.
@@ -13,7 +13,10 @@ matching record and intact bytes, so a read of it after its free passes. ``SlotC
   IEEE width works): one ``nonfinite_kv`` row per forward, for its first such token and source;
 - poison on free (``poison_on_free``): ``poison_slots`` fills freed slots' bytes in every real-KV
   source of the full group with ``POISON``, NaN in every float format; a later read fails its
-  real-KV check at TAIL, and the report recognises the pattern (``Violation.poisoned``).
+  real-KV check at TAIL, and the report recognises the pattern (``Violation.poisoned``);
+- reads past the batch's length (always on): an adapter whose engine lists more read-index cells than the
+  batch's live positions (``read_past_length``, from host numbers the adapter has: the step runner's
+  ``StepTables.check_read_length``) pushes one ``read_past_length`` row for the forward.
 
 Findings are violation rows appended to the canary's ring, on the stream HEAD and TAIL append to,
 from static buffers only (no host sync on an accelerator), so they are drained, logged, counted
@@ -28,7 +31,7 @@ import torch
 from kvcanary.format import VIOLATION_COUNT_LIMIT, FailReason
 from kvcanary.ops.torch_ops import _push
 from kvcanary.runtime.checks import slots_tensor
-from kvcanary.runtime.report import SLOT_REASONS  # noqa: F401  (the three reasons' bits, for Monitor)
+from kvcanary.runtime.report import SLOT_REASONS  # noqa: F401  (the slot checks' reasons' bits, for Monitor)
 
 # The poison: little-endian 16-bit words 0x7FF5, a NaN in float16, bfloat16, float32 and float64 alike (each
 # width's exponent bits all ones, a non-zero mantissa), with a payload no arithmetic produces: a computed NaN
@@ -37,6 +40,7 @@ from kvcanary.runtime.report import SLOT_REASONS  # noqa: F401  (the three reaso
 POISON = (0xF5, 0x7F)  # (even bytes, odd bytes)
 READ, WRITE, NONFINITE = (int(FailReason.RESERVED_SLOT_READ), int(FailReason.RESERVED_SLOT_WRITE),
                           int(FailReason.NONFINITE_KV))
+READ_PAST = int(FailReason.READ_PAST_LENGTH)
 # exponent bits of each float width, read on a same-width integer view (bfloat16 is told apart below)
 _EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
              torch.float64: 0x7FF0000000000000}
@@ -45,7 +49,8 @@ _NP_INT = {2: np.int16, 4: np.int32, 8: np.int64}
 
 
 class SlotChecks:
-    """The three checks of one ``Canary`` (``canary.slots``); each is off when its config field is."""
+    """The slot checks of one ``Canary`` (``canary.slots``); each is off when its config field is (the
+    read-length report, ``read_past_length``, is always on)."""
 
     def __init__(self, canary):
         self.c = canary
@@ -116,6 +121,25 @@ class SlotChecks:
         rows = torch.stack([torch.full_like(slot, launch_tag), slot, entries.position[:n], minus,
                             entries.expected_token[:n], entries.prev[:n], zero, torch.where(hit, READ, 0)], 1)
         self._push(rows, hit)
+
+    def read_past_length(self, position: int, listed: int, slot=None) -> None:
+        """Report a forward whose engine reads ``listed`` cells of its read index for ``position`` live
+        positions (prefix + new over the batch; ``listed > position``): one ``read_past_length`` row, its
+        SLOT ``slot`` (a 1-element tensor, the first extra cell's slot, copied on the device: no host read;
+        None: -1). The request is unknown (a length over the whole batch)."""
+        c = self.c
+        if not c.enabled:
+            return
+        if listed <= position or position < 0:
+            raise ValueError(f"kv-canary: read_past_length expects listed > position >= 0, got listed={listed}, "
+                             f"position={position}")
+        with c.launcher.side():
+            # (filled with scalars, not built from a host list: a pageable host-to-device copy waits for the stream)
+            row = torch.full((1, 8), -1, dtype=torch.int64, device=c.device)
+            row[0, 0], row[0, 2], row[0, 6], row[0, 7] = c.groups[0].tag("head", "k"), position, listed, READ_PAST
+            if slot is not None:
+                row[0, 1:2].copy_(slot.reshape(-1)[:1])
+            self._push(row, torch.ones(1, dtype=torch.bool, device=c.device))
 
     def _host(self) -> bool:
         """Whether values may be read on the host: the CPU, outside a recorded step (an adapter's captured step
@@ -234,6 +258,8 @@ class SlotChecks:
     def attribution(self, row: list[int], step: int, monitor) -> dict:
         """What a report adds to a row of these checks (``Monitor._decode``)."""
         bits = row[7]
+        if bits & READ_PAST:
+            return {}  # (a length over the whole batch: no request, no writer)
         if bits & READ:
             return monitor._reader(row, step, "full", "k", "head")
         out = {"writer_request": row[5] if row[5] >= 0 else None, "writer_step": step}

@@ -24,7 +24,8 @@ from kvcanary.sim.engine import SimResult, run_sim
 SHORT_REASONS = {"verify_chain_hash": "chain", "verify_position": "pos", "verify_real_kv_hash": "real_kv",
                  "verify_token": "token", "write_token": "w_token", "write_position": "w_pos",
                  "shared_req_row": "row", "reserved_slot_read": "reserved", "reserved_slot_write": "w_reserved",
-                 "nonfinite_kv": "nonfinite", "live_block_free": "live_free", "free_list_duplicate": "free_dup",
+                 "nonfinite_kv": "nonfinite", "read_past_length": "past_len",
+                 "live_block_free": "live_free", "free_list_duplicate": "free_dup",
                  "refcount_mismatch": "refcount", "free_block_write": "free_write", "shared_write_slot": "shared_write"}
 
 

@@ -117,6 +117,7 @@ class StepRunner:
         if graphs is not None and c.enabled and (late or graphs.usable(self.source.inputs)):
             h = self.source.host_part(copy=False, padded=True)
             c.padding_tokens = h.pad
+            self.tables.check_read_length(h)
             self.batch = graphs.before(h, self.engine_stream)
         else:
             c.padding_tokens = 0

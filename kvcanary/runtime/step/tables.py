@@ -74,6 +74,7 @@ class StepTables:
         """This step's batch, its device work issued eagerly."""
         src = self.source
         h = src.host_part()
+        self.check_read_length(h)
         batch = self._cpu_batch(h) if self.device.type == "cpu" else self.assemble(h)
         self.fill_read_table(batch, h)
         src.finish(batch, h, self._arange)
@@ -188,6 +189,22 @@ class StepTables:
             log.warning("kv-canary: the engine's read index lists %d slots for %d prefix + new positions",
                         listed, total)
         return min(total, listed)
+
+    def check_read_length(self, h: HostStep) -> None:
+        """Report a read index that lists more cells than the batch has live positions (``read_past_length``):
+        attention reads as many keys as the index lists, so the extra cells are read as live although they lie
+        past the requests' lengths (a partial block's unused tail). Host numbers only (the listed count and
+        ``h.total``); the first extra cell's slot goes into the row on the device. A total over the batch: an
+        extra cell in one request and a missing one in another cancel here (the missing one is still reported,
+        as a never-written cell: ``_have``). Every path calls it (eager ``build``, the runner's captured and
+        fused steps), before the step's checks."""
+        io = h.io
+        if io.use_block_table or io.max_kv_read == 0:
+            return  # the fast path reads through the block table; no cache read at all
+        listed = io.true_read_sizes[self.group]
+        if listed > h.total:
+            extra = io.read_index_storage[self.group, h.total:h.total + 1]
+            self.canary.slots.read_past_length(h.total, listed, extra if extra.shape[0] else None)
 
     def _read_limits(self, have: int, total: int, n_read: int) -> tuple[int, int, int]:
         """The read-table loops' (clamp_max, limit, fill): a read index listing all ``total`` slots is read up
