@@ -10,7 +10,8 @@ Five arms run the same workload through ``model.generate_batch`` in one process,
 - ``graphs``: CUDA graphs on, async batching off (the canary refuses async batching), no canary;
 - ``canary_graphs``: the same with ``attach(model)``: the fastest configuration the canary accepts;
 - ``canary_graphs_noslots``: the same with the slot checks off (``reserved_check``, ``nonfinite_check``:
-  docs/slots.md), for their share of the cost (an opt-in arm: ``--arms``).
+  docs/slots.md), for their share of the cost; ``canary_graphs_poison``: with the debug ``poison_on_free`` on
+  (opt-in arms: ``--arms``).
 
 Each call of ``generate_batch`` is timed whole (the engine's set-up and graph captures included: that is
 what a user's call costs). Reported per workload: tokens/s per arm (median over rounds), the ratios
@@ -42,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvcanary.bench.workload import VOCAB, build_model  # noqa: E402
 
 ARMS = ("fast", "sync", "canary", "graphs", "canary_graphs")
-EXTRA_ARMS = ("canary_graphs_noslots",)
+EXTRA_ARMS = ("canary_graphs_noslots", "canary_graphs_poison")
+CANARY_GRAPH_ARMS = ("canary_graphs",) + EXTRA_ARMS  # (graphs on, the canary attached)
 BLOCK = 32
 
 
@@ -74,20 +76,20 @@ def run_arm(model, arm: str, prompts, new_tokens) -> dict:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     fast = arm == "fast"
-    graphs = fast or arm in ("graphs", "canary_graphs", "canary_graphs_noslots")
+    graphs = fast or arm in ("graphs",) + CANARY_GRAPH_ARMS
     longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
     blocks = len(prompts) * (longest // BLOCK + 2) + 16
     cbc = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=blocks, max_batch_tokens=1024,
                                    use_cuda_graph=graphs, use_async_batching=fast, scheduler_type="fifo")
     gen = GenerationConfig(max_new_tokens=max(new_tokens), eos_token_id=-1, do_sample=False)
     handle = None
-    if arm in ("canary", "canary_graphs", "canary_graphs_noslots"):
+    if arm in ("canary",) + CANARY_GRAPH_ARMS:
         from kvcanary import CanaryConfig
         from kvcanary.integrations.transformers import attach
 
-        config = None if arm != "canary_graphs_noslots" else CanaryConfig.from_env(reserved_check=False,
-                                                                                  nonfinite_check=False)
-        handle = attach(model, config, mode="log")
+        fields = {"canary_graphs_noslots": dict(reserved_check=False, nonfinite_check=False),
+                  "canary_graphs_poison": dict(poison_on_free=True)}.get(arm)
+        handle = attach(model, None if fields is None else CanaryConfig.from_env(**fields), mode="log")
     _sync()
     t0 = time.perf_counter()
     try:
@@ -175,6 +177,7 @@ def main(argv=None) -> int:
             "canary_graphs_over_graphs": spread([c / g for c, g in zip(tps["canary_graphs"], tps["graphs"])]),
             "graphs_over_fast": spread([g / f for g, f in zip(tps["graphs"], tps["fast"])]),
             "canary_graphs_noslots_over_fast": spread([c / f for c, f in zip(tps["canary_graphs_noslots"], tps["fast"])]),
+            "canary_graphs_poison_over_graphs": spread([c / g for c, g in zip(tps["canary_graphs_poison"], tps["graphs"])]),
             "tokens_identical_canary_graphs_vs_graphs": all(x["tokens"] == runs["graphs"][0]["tokens"]
                                                             for x in runs["canary_graphs"]) if runs["graphs"] else None,
             "tokens_identical_canary_vs_sync": all(x["tokens"] == first("sync") for x in runs["canary"]),
@@ -182,8 +185,7 @@ def main(argv=None) -> int:
             "tokens_identical_sync_vs_sync": all(x["tokens"] == first("sync") for x in runs["sync"]),
             "tokens_identical_fast_vs_sync": all(x["tokens"] == first("sync") for x in runs["fast"]),
             "tokens_identical_fast_vs_fast": all(x["tokens"] == first("fast") for x in runs["fast"]),
-            "violations": sum(x["violations"] for x in runs["canary"] + runs["canary_graphs"]
-                              + runs["canary_graphs_noslots"]),
+            "violations": sum(x["violations"] for arm in ("canary",) + CANARY_GRAPH_ARMS for x in runs[arm]),
         }
         w = result["workloads"][name]
         print(f"[{name}] tok/s fast {w['tokens_per_s']['fast']['median']:.0f}, sync "
