@@ -28,13 +28,15 @@ def _bound(count: torch.Tensor, static: int) -> int:
     return max(0, min(int(count.reshape(-1)[0]), static))
 
 
-def _push(ring, rows: torch.Tensor, flag: torch.Tensor) -> None:
-    """Append ``rows[flag]`` in order at ``write_index++``, storing those that land below capacity."""
+def _push(ring, rows: torch.Tensor, flag: torch.Tensor, host_reads: bool | None = None) -> None:
+    """Append ``rows[flag]`` in order at ``write_index++``, storing those that land below capacity.
+    ``host_reads=False`` keeps every value on the device on the CPU too (a recorded step replays tensor ops
+    only): the ring's whole capacity of candidate rows is written, as on an accelerator."""
     cum = torch.cumsum(flag.long(), 0)
     total = cum[-1:] if cum.numel() else torch.zeros(1, dtype=torch.int64, device=flag.device)
     base = ring.write_index.long()
     lo, hi = 0, ring.capacity
-    if _host_reads(flag.device):
+    if _host_reads(flag.device) if host_reads is None else host_reads:
         lo, hi = min(int(base), hi), min(int(base + total), hi)
     if hi > lo and rows.shape[0]:
         # Ring row k holds the (k - base)-th flagged row: the first whose inclusive cumsum passes it.

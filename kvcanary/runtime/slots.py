@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcanary.format import VIOLATION_COUNT_LIMIT, FailReason
+from kvcanary.format import FailReason
 from kvcanary.ops.torch_ops import _push
 from kvcanary.runtime.checks import slots_tensor
 from kvcanary.runtime.report import SLOT_REASONS  # noqa: F401  (the slot checks' reasons' bits, for Monitor)
@@ -147,19 +147,9 @@ class SlotChecks:
         return self._cpu and self.c.launcher.host_ops
 
     def _push(self, rows: torch.Tensor, flag: torch.Tensor) -> None:
-        """Append ``rows[flag]`` to the ring (``ops.torch_ops._push``; where values stay on the device, a
-        static-size twin: the ring's capacity of candidate cells, no host read)."""
-        ring = self.c.ring
-        if self._host() or not self._cpu:  # (torch_ops' push reads no value off the CPU)
-            _push(ring, rows, flag)
-            return
-        cum = torch.cumsum(flag.long(), 0)
-        total, base = cum[-1:], ring.write_index.long()
-        m = torch.arange(ring.capacity, device=cum.device) - base  # ring row k takes flagged row m = k - base
-        take = (m >= 0) & (m < total)
-        src = torch.searchsorted(cum, m + 1).clamp(0, rows.shape[0] - 1)
-        ring.rows.copy_(torch.where(take[:, None], rows[src], ring.rows))
-        ring.write_index.copy_((base + total).clamp(max=VIOLATION_COUNT_LIMIT))
+        """Append ``rows[flag]`` to the ring (``ops.torch_ops._push``), reading no value on the host where
+        ``_host`` says none may be read."""
+        _push(self.c.ring, rows, flag, host_reads=self._host())
 
     def names_reserved(self, slot) -> bool:
         """CPU: whether the numpy array ``slot`` names a reserved slot (False with the check off)."""

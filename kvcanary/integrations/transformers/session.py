@@ -101,7 +101,7 @@ class Session(KvMoves):
         return canary
 
     def _step_runner(self, graph_type=None) -> StepRunner:
-        """The step runner over this session's builder (tests pass ``graph_type``, a CPU stand-in, to take the
+        """The step runner over this processor's builder (tests pass ``graph_type``, a CPU stand-in, to take the
         captured and fused paths on the CPU)."""
         return StepRunner(self.canary, self.builder, StepOptions.of(self.handle.options), graph_type)
 
