@@ -20,8 +20,7 @@ from kvcanary.runtime.abort import Aborts
 from kvcanary.runtime.allocator import is_allocator_row
 from kvcanary.runtime.batch import batch_lists, verified_cells
 from kvcanary.runtime.observer import NUM_SLOTS, HostObserver, Observation
-from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError, Violation
-from kvcanary.runtime.slots import SLOT_REASONS
+from kvcanary.runtime.report import SLOT_REASONS, KvCanaryHealthError, KvCanaryViolationError, Violation
 
 log = logging.getLogger("kvcanary")
 # Batches remembered for reader attribution of late observations: a step's observation is drained at

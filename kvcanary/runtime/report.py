@@ -87,8 +87,8 @@ class Violation:
     def never_written(self) -> bool:
         """A verify row whose record is empty: no write reached the slot (a written record's
         prev hash is a hash output, never 0 in practice)."""
-        return (not self.is_write_check and not self.fail_reason & SLOT_REASONS and self.stored_chain_hash == 0 and self.stored_token == 0
-                and self.position == 0)
+        return (not self.is_write_check and not self.fail_reason & SLOT_REASONS and self.stored_chain_hash == 0
+                and self.stored_token == 0 and self.position == 0)
 
     def block(self) -> str:
         """A readable multi-line explanation."""

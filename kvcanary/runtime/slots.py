@@ -31,7 +31,6 @@ import torch
 from kvcanary.format import FailReason
 from kvcanary.ops.torch_ops import _push
 from kvcanary.runtime.checks import slots_tensor
-from kvcanary.runtime.report import SLOT_REASONS  # noqa: F401  (the slot checks' reasons' bits, for Monitor)
 
 # The poison: little-endian 16-bit words 0x7FF5, a NaN in float16, bfloat16, float32 and float64 alike (each
 # width's exponent bits all ones, a non-zero mantissa), with a payload no arithmetic produces: a computed NaN
