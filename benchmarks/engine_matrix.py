@@ -94,7 +94,9 @@ def run(names: list[str], budget_s: float, out_dir: Path, rounds: int, options: 
             print(f"[{i + 1}/{len(names)}] {name}: {results[-1]['error']}", file=sys.stderr, flush=True)
             continue
         print(f"[{i + 1}/{len(names)}] {name}: share {share:.0f} s ...", file=sys.stderr, flush=True)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # the checkout first, then whatever the caller put on the path: a carried transformers wheel
+        # (benchmarks/gpu_wheels.sh) must reach the workload's process, or it runs the image's release
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                                   timeout=min(hard, max(60.0, 3 * share)))
@@ -118,7 +120,8 @@ def line(d: dict) -> str:
     ci = f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""
     return (f"{d['step_without_canary']['median_ms']:.2f} -> {d['step_with_canary']['median_ms']:.2f} ms "
             f"({d.get('overhead_pct', float('nan')):+.2f}%, paired {d.get('overhead_pct_paired') or 0:+.2f}%{ci}), "
-            f"host {p.get('total', 0):.0f} us, rounds {d['workload']['rounds']}")
+            f"host {p.get('total', 0):.0f} us, rounds {d['workload']['rounds']}, "
+            f"transformers {d.get('environment', {}).get('transformers', '?')}")
 
 
 def table(results: list[dict]) -> str:

@@ -44,4 +44,4 @@ sys.setprofile(None); threading.setprofile(None)
 s = steps[0]
 print("files", len(s), "functions", sum(len(v) for v in s.values()))
 for f, fns in sorted(s.items()):
-    print(f"  {f}: {len(fns)}")
+    print(f"  {f}: {len(fns)}", sorted(fns) if "-v" in sys.argv else "")
