@@ -362,3 +362,15 @@ def test_engine_bench_stagger_measures_the_shrinking_batch_steps(tmp_path, capsy
     row = engine_matrix.table([{"name": "tiny", **r}]).splitlines()[2]
     assert "decode, batch 4, 0K, shrinking by one request every 2 steps" in row
     assert engine_matrix.MATRIX["1b-decode-b16-c2k-shrink2"][4][:6] == ["--steps", "24", "--skip", "0", "--stagger", "2"]
+
+
+def test_canary_options_reach_fields_set_in_code_only(monkeypatch):
+    # reserved_check has no KV_CANARY_* variable: an option routed through the environment was ignored
+    monkeypatch.delenv("KV_CANARY_RING_CAPACITY", raising=False)
+    cfg = canary_config(["reserved_check=false", "nonfinite_check=off", "ring_capacity=2048"])
+    assert (cfg.reserved_check, cfg.nonfinite_check, cfg.ring_capacity) == (False, False, 2048)
+    assert canary_config([]).reserved_check is True
+    with pytest.raises(ValueError, match="reserved_check must be a boolean"):
+        canary_config(["reserved_check=maybe"])
+    with pytest.raises(ValueError, match="KEY a CanaryConfig field"):
+        canary_config(["no_such_field=1"])

@@ -101,18 +101,24 @@ def generated(manager, bp) -> dict:
 
 
 def canary_config(options: list[str] | None):
-    """The canary's configuration: ``KV_CANARY_*`` variables, then ``KEY=VALUE`` options (field names)."""
-    from kvcanary.runtime.config import ENV_PREFIX, CanaryConfig
+    """The canary's configuration: ``KV_CANARY_*`` variables, then ``KEY=VALUE`` options (any field: most are
+    set in code only, so an option goes in as an argument, never through a variable the config ignores)."""
+    from kvcanary.runtime.config import CanaryConfig, ConfigError, _parse
 
-    fields = [f.name for f in dataclasses.fields(CanaryConfig)]
-    env = dict(os.environ)
+    by_name = {f.name: f for f in dataclasses.fields(CanaryConfig)}
+    overrides, raws = {}, {}
     for opt in options or []:
         key, sep, value = opt.partition("=")
-        if not sep or key not in fields:
+        if not sep or key not in by_name:
             raise ValueError(f"kv-canary: bench_engine --canary-option must be KEY=VALUE with KEY a CanaryConfig "
-                             f"field ({', '.join(fields)}), got {opt!r}")
-        env[ENV_PREFIX + key.upper()] = value
-    return CanaryConfig.from_env(env)
+                             f"field ({', '.join(by_name)}), got {opt!r}")
+        overrides[key], raws[key] = _parse(by_name[key], value, name=f"--canary-option {key}"), value
+    try:
+        return CanaryConfig.from_env(dict(os.environ), **overrides)
+    except ConfigError as e:
+        if e.field not in raws:
+            raise
+        raise ValueError(f"kv-canary: --canary-option {e.field} must be {e.expectation}, got {raws[e.field]!r}") from None
 
 
 def attach_options(options: list[str] | None) -> dict:

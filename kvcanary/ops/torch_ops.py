@@ -28,23 +28,31 @@ def _bound(count: torch.Tensor, static: int) -> int:
     return max(0, min(int(count.reshape(-1)[0]), static))
 
 
-def _push(ring, rows: torch.Tensor, flag: torch.Tensor, host_reads: bool | None = None) -> None:
+def _push(ring, rows, flag: torch.Tensor, host_reads: bool | None = None) -> None:
     """Append ``rows[flag]`` in order at ``write_index++``, storing those that land below capacity.
+    ``rows``: the candidate rows [n, 8], or a function of an index tensor giving those rows, so only the
+    rows that can land in the ring are built (n may be a plan's whole entry capacity).
     ``host_reads=False`` keeps every value on the device on the CPU too (a recorded step replays tensor ops
     only): the ring's whole capacity of candidate rows is written, as on an accelerator."""
+    n = flag.shape[0]
     cum = torch.cumsum(flag.long(), 0)
     total = cum[-1:] if cum.numel() else torch.zeros(1, dtype=torch.int64, device=flag.device)
     base = ring.write_index.long()
     lo, hi = 0, ring.capacity
     if _host_reads(flag.device) if host_reads is None else host_reads:
         lo, hi = min(int(base), hi), min(int(base + total), hi)
-    if hi > lo and rows.shape[0]:
+    if hi > lo and n:
         # Ring row k holds the (k - base)-th flagged row: the first whose inclusive cumsum passes it.
         k = torch.arange(lo, hi, device=flag.device)
         m = k - base
         take = (m >= 0) & (m < total)
-        src = count_le(cum, lo - base, hi - lo).clamp(max=rows.shape[0] - 1)
-        ring.rows[lo:hi] = torch.where(take[:, None], rows[src], ring.rows[lo:hi])
+        if flag.device.type == "cpu":
+            src = count_le(cum, lo - base, hi - lo)
+        else:  # (the count's bins collide on a GPU: atomics on one bin cost hundreds of microseconds there)
+            src = torch.searchsorted(cum, m, right=True)
+        src = src.clamp(max=n - 1)
+        picked = rows(src) if callable(rows) else rows[src]
+        ring.rows[lo:hi] = torch.where(take[:, None], picked, ring.rows[lo:hi])
     ring.write_index.copy_((base + total).clamp_(max=VIOLATION_COUNT_LIMIT))  # saturates (format.py)
 
 

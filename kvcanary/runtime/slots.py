@@ -98,10 +98,12 @@ class SlotChecks:
             slot = loc[:n].long()
             live = torch.arange(n, device=slot.device) < g.plan.write_offsets[c.launcher.key[0]]
             hit = live & self._is_reserved(slot)
-            minus = torch.full_like(slot, -1)
-            rows = torch.stack([torch.full_like(slot, g.tag("head", "k")), slot, x.positions[:n].long(),
-                                x.input_ids[:n].long(), minus, self._request_ids(n, slot.device), minus,
-                                torch.where(hit, WRITE, 0)], 1)
+            tag = g.tag("head", "k")
+
+            def rows(i):  # (only the rows that can land in the ring: _push)
+                minus = torch.full_like(i, -1)
+                return torch.stack([torch.full_like(i, tag), slot[i], x.positions[i].long(), x.input_ids[i].long(),
+                                    minus, self._request_ids(i), minus, torch.where(hit[i], WRITE, 0)], 1)
             self._push(rows, hit)
 
     def check_entries(self, entries, launch_tag: int) -> None:
@@ -115,10 +117,14 @@ class SlotChecks:
             if not n or not self._any_reserved(entries.slot[:n].numpy()):
                 return
         slot = entries.slot[:n]
-        hit = (torch.arange(n, device=slot.device) < entries.count) & (entries.enable != 0) & self._is_reserved(slot)
-        zero, minus = torch.zeros_like(slot), torch.full_like(slot, -1)
-        rows = torch.stack([torch.full_like(slot, launch_tag), slot, entries.position[:n], minus,
-                            entries.expected_token[:n], entries.prev[:n], zero, torch.where(hit, READ, 0)], 1)
+        hit = ((torch.arange(n, device=slot.device) < entries.count) & (entries.enable[:n] != 0)
+               & self._is_reserved(slot))
+
+        def rows(i):  # (only the rows that can land in the ring: n is the plan's whole capacity on a GPU)
+            minus = torch.full_like(i, -1)
+            return torch.stack([torch.full_like(i, launch_tag), slot[i], entries.position[i], minus,
+                                entries.expected_token[i], entries.prev[i], torch.zeros_like(i),
+                                torch.where(hit[i], READ, 0)], 1)
         self._push(rows, hit)
 
     def read_past_length(self, position: int, listed: int, slot=None) -> None:
@@ -145,7 +151,7 @@ class SlotChecks:
         replays tensor ops only, ``Canary.use_graphs(host_ops=False)``), where the device path runs instead."""
         return self._cpu and self.c.launcher.host_ops
 
-    def _push(self, rows: torch.Tensor, flag: torch.Tensor) -> None:
+    def _push(self, rows, flag: torch.Tensor) -> None:
         """Append ``rows[flag]`` to the ring (``ops.torch_ops._push``), reading no value on the host where
         ``_host`` says none may be read."""
         _push(self.c.ring, rows, flag, host_reads=self._host())
@@ -171,15 +177,14 @@ class SlotChecks:
             return loc.shape[0]
         return min(loc.shape[0], int(c.groups[0].plan.write_offsets[c.launcher.key[0]]))
 
-    def _request_ids(self, n: int, device) -> torch.Tensor:
-        """Each of the first ``n`` tokens' request id (-1 without ids)."""
+    def _request_ids(self, i: torch.Tensor) -> torch.Tensor:
+        """The request id of each token index in ``i`` (-1 without ids)."""
         c = self.c
         ids = c.launcher.inputs.writer_ids
         offs = c.groups[0].plan.write_offsets[1:c.launcher.key[0] + 1]
         if ids is None or offs.shape[0] == 0:
-            return torch.full((n,), -1, dtype=torch.int64, device=device)
-        req = torch.searchsorted(offs, torch.arange(n, device=device), right=True).clamp(max=offs.shape[0] - 1)
-        return ids[req].long()
+            return torch.full_like(i, -1)
+        return ids[torch.searchsorted(offs, i, right=True).clamp(max=offs.shape[0] - 1)].long()
 
     # -- TAIL: non-finite KV -------------------------------------------------------------------------
     def after(self) -> None:
@@ -206,7 +211,7 @@ class SlotChecks:
             t, s = (first // bad.shape[1]).view(1), (first % bad.shape[1]).view(1)
             found = flat.any().view(1)
             row = torch.stack([self._tags[s], slot[t], x.positions[:n].long()[t], x.input_ids[:n].long()[t],
-                               torch.full_like(t, -1), self._request_ids(n, slot.device)[t], self._index[s],
+                               torch.full_like(t, -1), self._request_ids(t), self._index[s],
                                torch.where(found, NONFINITE, 0)], 1)
             self._push(row, found)
 
