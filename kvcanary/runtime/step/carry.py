@@ -27,7 +27,7 @@ import torch
 
 from kvcanary.runtime.streams import record_event
 
-__all__ = ["Carry", "check", "history_need"]
+__all__ = ["Carry", "PairInputs", "check", "history_need"]
 
 
 def history_need(need: int, carried: bool) -> int:
@@ -112,3 +112,23 @@ class Carry:
         record_event(ev, at)
         self.last_done = ev
         return ev
+
+
+class PairInputs:
+    """The ``StepInputs`` of one of an engine's two input storage sets (async batching): the storages and sizes
+    of the set's device half, the requests of its host half (``requests_in_batch``: the device half never gets
+    them) and the engine's one compute stream, which serves both sets. A source hands the runner the view of
+    the set its current step uses, while that step runs (the engine switches sets once the forward is
+    enqueued)."""
+
+    def __init__(self, device, host, compute_stream):
+        self._device, self._host, self.compute_stream = device, host, compute_stream
+
+    @property
+    def requests_in_batch(self) -> list:
+        return self._host.requests_in_batch
+
+    def __getattr__(self, name: str):  # (the storages and sizes: the device half's, as they are now)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._device, name)
