@@ -51,7 +51,7 @@ class StepInputs(Protocol):
     """The device inputs of one forward, as the engine's forward reads them (names as transformers' IO object
     has them; storages are per layer group: row ``g`` serves group ``g``)."""
 
-    input_ids: torch.Tensor  # [>= T] the new tokens' ids
+    input_ids: torch.Tensor  # [>= T] the new tokens' ids (under ``EngineSource.carries``: final after the forward)
     position_ids: torch.Tensor  # [>= T] their positions
     write_index_storage: torch.Tensor  # [groups, >= T] the slot each new token's KV is written to
     read_index_storage: torch.Tensor  # [groups, >= total] per request, the slots of positions [0, prefix + extend)
@@ -70,6 +70,10 @@ class EngineSource(Protocol):
     num_slots: int  # the pool's slots (an out-of-range cell: a read index listing fewer slots than read)
     windowed: bool  # a sliding-window group exists (its table is filled by ``finish``; steps stay eager)
     oracle: bool  # the token oracle runs (the sampler reads what the before work computes: eager steps)
+    # the forward rewrites some input ids on the device (async batching's carry-over): read them after it. The
+    # runner then takes every step late, and the engine calls its ``forward_enqueued`` and ``done_event``
+    # (runtime/step/carry.py); optional, False if absent
+    carries: bool
     stage: object  # set by the runner: the ``Staging`` that ``host_part`` sends its values through
     pad_cap: int  # set by the runner: decode batches padded to their size bucket up to this (0: none)
 

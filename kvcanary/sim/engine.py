@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 
 import torch
 
@@ -33,6 +32,7 @@ from kvcanary.sim.offload import HostCache
 from kvcanary.sim.radix import RadixCache
 from kvcanary.sim.scheduler import Scheduler, Work
 from kvcanary.sim.spec import Speculator
+from kvcanary.sim.carry_source import CarrySource
 from kvcanary.sim.step_source import SimSource
 from kvcanary.sim.workload import make_workload
 
@@ -93,11 +93,15 @@ class SimEngine:
         steps: None (the plain ``before_forward`` / ``after_forward`` hooks) or how the runtime's step runner
             takes each forward (``step_source.SimSource``): "eager", "captured" (a graph per batch shape) or
             "fused" (steady decode steps as one graph), the graphs being the CPU stand-in ``DispatchGraph``.
+        carry: (with ``steps``) forwards alternate two input storage sets and carry the last forward's sampled
+            tokens into their input ids, as async batching does (``carry_source.CarrySource``).
     """
 
-    def __init__(self, cfg: SimConfig, canary_config: CanaryConfig | None = None, steps: str | None = None):
-        if steps not in STEP_PATHS:
-            raise ValueError(f"kv-canary: SimEngine steps must be one of {list(STEP_PATHS)}, got {steps!r}")
+    def __init__(self, cfg: SimConfig, canary_config: CanaryConfig | None = None, steps: str | None = None,
+                 carry: bool = False):
+        if steps not in STEP_PATHS or (carry and steps is None):
+            raise ValueError(f"kv-canary: SimEngine steps must be one of {list(STEP_PATHS)} (not None with carry=True),"
+                             f" got steps={steps!r}, carry={carry}")
         if steps is not None and (cfg.spec_tokens or cfg.swa_window):
             raise ValueError(f"kv-canary: SimEngine steps={steps!r} needs spec_tokens=0 and swa_window=0 (the step "
                              f"source describes neither), got spec_tokens={cfg.spec_tokens}, "
@@ -130,7 +134,7 @@ class SimEngine:
         self.canary.mark_ready()
         self.source = self.runner = None
         if steps is not None:
-            self.source = SimSource(self)
+            self.source = (CarrySource if carry else SimSource)(self)
             self.runner = StepRunner(self.canary, self.source, StepOptions(step_graphs=steps != "eager",
                                                                            fused_steps=steps == "fused"),
                                      graph_type=None if steps == "eager" else DispatchGraph)
@@ -219,11 +223,9 @@ class SimEngine:
         try:
             if not late:
                 batch = runner.before()
-            io = self.source.inputs
-            n = sum(w.n for w in works)
-            self.run_model(SimpleNamespace(out_cache_loc=io.write_index_storage[0, :n], input_ids=io.input_ids[:n],
-                                           positions=io.position_ids[:n]))
+            self.run_model(self.source.forward_inputs(sum(w.n for w in works)))
             self._nan_write(works)
+            runner.forward_enqueued()
             if late:
                 batch = runner.before(late=True)
         except SharedRowError as e:

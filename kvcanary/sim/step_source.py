@@ -23,6 +23,7 @@ import torch
 
 from kvcanary.runtime.engine import HostStep
 from kvcanary.runtime.report import MISSING_TOKEN
+from kvcanary.runtime.step.carry import history_need
 
 __all__ = ["SimSource"]
 
@@ -31,6 +32,7 @@ class SimSource:
     """The step runner's view of a ``SimEngine`` (an ``EngineSource``); ``set_step`` describes the next forward."""
 
     windowed = False
+    carries = False  # (carry_source.CarrySource: the forward carries ids over)
     oracle = False  # (the write-input expectations are the plain sim's: the runner's steps carry none)
     stage = None  # the runner's Staging (set by the runner)
     pad_cap = 0  # (set by the runner; the sim does not pad its batches for the runner)
@@ -40,15 +42,21 @@ class SimSource:
         self.engine = engine
         self.group, self.block_size, self.num_slots = 0, cfg.page_size, cfg.num_slots
         self.want_history = canary.config.token_check
-        tokens, reads = canary.max_tokens, canary.max_batch * cfg.max_context
-        # static buffers, as an engine that captures its forward keeps them: a captured step reads their addresses
-        self.inputs = SimpleNamespace(
+        self.inputs = self.new_inputs()
+        self.sent: dict[int, tuple[int, int]] = {}  # row -> (its request id, tokens its token-table row holds)
+        self.works: list = []
+        self.carried: set = set()  # request ids whose newest input id the forward carries over (carry_source.py)
+
+    def new_inputs(self) -> SimpleNamespace:
+        """A set of static input buffers, as an engine that captures its forward keeps them: a captured step
+        reads their addresses."""
+        canary = self.engine.canary
+        tokens, reads = canary.max_tokens, canary.max_batch * self.engine.cfg.max_context
+        return SimpleNamespace(
             input_ids=torch.zeros(tokens, dtype=torch.int64), position_ids=torch.zeros(tokens, dtype=torch.int64),
             write_index_storage=torch.zeros(1, tokens, dtype=torch.int64),
             read_index_storage=torch.zeros(1, reads, dtype=torch.int64), true_read_sizes=[0], max_kv_read=0,
             use_block_table=False, block_table=None, compute_stream=None)
-        self.sent: dict[int, tuple[int, int]] = {}  # row -> (its request id, tokens its token-table row holds)
-        self.works: list = []
 
     def set_step(self, works: list) -> None:
         """The engine's next forward: its inputs written into the static buffers."""
@@ -70,6 +78,12 @@ class SimSource:
         io.read_index_storage[0, :total] = read.to(torch.int64)
         io.true_read_sizes[0] = total
         io.max_kv_read = sum(w.start for w in works)
+
+    def forward_inputs(self, n: int) -> SimpleNamespace:
+        """What the model's forward reads for the step's ``n`` new tokens (views of the static buffers)."""
+        io = self.inputs
+        return SimpleNamespace(out_cache_loc=io.write_index_storage[0, :n], input_ids=io.input_ids[:n],
+                               positions=io.position_ids[:n])
 
     def host_part(self, copy: bool = True, padded: bool = False) -> HostStep:
         """The forward's host part (``runtime.engine.HostStep``), staged through the runner's ``Staging``."""
@@ -93,16 +107,18 @@ class SimSource:
         another request starts again from position 0."""
         valid, cell_rows, cell_cols, cell_tokens = [], [], [], []
         for w in works:
-            need = w.start + w.n
+            carried = w.req.rid in self.carried
+            need = history_need(w.start + w.n, carried)
             valid.append(need)
             rid, have = self.sent.get(w.row, (None, 0))
             if rid != w.req.rid:
                 have = 0
             if have < need:
                 tokens = w.req.tokens
+                known = w.start if carried else len(tokens)  # (a carried token is on the device only)
                 cell_rows += [w.row] * (need - have)
                 cell_cols += range(have, need)
-                cell_tokens += [tokens[p] if p < len(tokens) else MISSING_TOKEN for p in range(have, need)]
+                cell_tokens += [tokens[p] if p < known else MISSING_TOKEN for p in range(have, need)]
                 have = need
             self.sent[w.row] = (w.req.rid, have)
         return valid + cell_rows + cell_cols + cell_tokens

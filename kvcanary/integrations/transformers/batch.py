@@ -20,9 +20,10 @@ from operator import add, attrgetter, getitem, sub
 import numpy as np
 import torch
 
-from kvcanary.integrations.transformers.layout import fill_swa_table
 from kvcanary.runtime.engine import HostStep
 from kvcanary.runtime.report import MISSING_TOKEN
+from kvcanary.runtime.step.carry import PairInputs, history_need
+from kvcanary.runtime.step.window import fill_swa_table
 from kvcanary.runtime.step.tables import bucket
 
 __all__ = ["BatchBuilder", "NAME", "TokenRows"]
@@ -86,8 +87,11 @@ class TokenRows:
                 return cells
         valid, cell_rows, cell_cols, cell_tokens, sent = [], [], [], [], self.sent
         runs = []  # (row, have, need, tokens) of requests with many new cells (prefill chunks)
+        # async: the requests whose newest token the last forward sampled (carried over: on the device only)
+        aio = self.s.bp.inputs_and_outputs
+        carried = aio.io_pairs[1 - aio.current_pair].host_io.req_id_to_new_token_position if self.carries else {}
         for fs, name, row, p, q in zip(reqs, names, rows, prefix, extend):
-            need = p + q
+            need = history_need(p + q, name in carried)
             valid.append(need)
             have = sent[name]
             if have >= need:
@@ -207,7 +211,7 @@ class TokenRows:
     def forget_finished(self) -> list[str]:
         """Release the rows of requests that finished this step; returns their names."""
         done = []
-        reqs = self.s.bp.inputs_and_outputs.requests_in_batch
+        reqs = self.inputs.requests_in_batch  # (async: the pair being updated, the engine swapped to it)
         try:
             statuses = list(map(_STATUS_FIELD, reqs))
         except AttributeError:  # (a request state without the field: its property)
@@ -284,11 +288,18 @@ class BatchBuilder(TokenRows):
         # most this many requests, 0 = no padding
         self.pad_cap = 0
         self.iota_np = np.arange(256, dtype=np.int64)
+        # async batching (docs/notes/async_batching.md): the forward carries the last one's tokens over into its
+        # input ids; two storage sets in turn, one view each (their requests: the host half's)
+        aio = session.bp.inputs_and_outputs
+        self.carries = hasattr(aio, "io_pairs")
+        self.pairs = [PairInputs(p.device_io, p.host_io, aio.compute_stream) for p in aio.io_pairs] \
+            if self.carries else None
 
     @property
     def inputs(self):
-        """The engine's inputs and outputs of the step (``runtime.engine.StepInputs``)."""
-        return self.s.bp.inputs_and_outputs
+        """The engine's inputs and outputs of the step (``runtime.engine.StepInputs``; async: its pair's view)."""
+        io = self.s.bp.inputs_and_outputs
+        return io if self.pairs is None else self.pairs[io.current_pair]
 
     def finish(self, batch, h: HostStep, arange) -> None:
         """An eager step's extras: the token oracle's expectations, the sliding-window group's table."""
@@ -310,13 +321,13 @@ class BatchBuilder(TokenRows):
         request), and a batch of the same requests as the last step reuses its rows and ids.
         """
         s = self.s
-        io = s.bp.inputs_and_outputs
+        io = self.inputs
         reqs = io.requests_in_batch
         bs = len(reqs)
         states = list(map(STATE, reqs))
         # the same request states as the last step (compared by identity first: one C loop), each one position
         # further (``_steady`` checks the offsets, which the engine advanced by each request's query length)
-        if states == self.last_states:
+        if states == self.last_states and not self.carries:  # (async: a carried token's cell waits a step)
             h = self._steady(io, reqs, states, copy, padded)
             if h is not None:
                 return h

@@ -22,7 +22,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 
-from kvcanary.integrations.transformers.layout import SUPPORTED_RANGE, Patcher, check_engine, check_version
+from kvcanary.integrations.transformers.layout import SUPPORTED_RANGE, check_engine, check_version, patcher
 from kvcanary.integrations.transformers.session import Session
 from kvcanary.runtime import CanaryConfig, Violation
 from kvcanary.runtime.engine import StepOptions
@@ -182,7 +182,7 @@ class TransformersHandle:
         self.sessions: list[Session] = []
         self.errors: list[BaseException] = []
         self._raised: set[int] = set()
-        self._patcher = Patcher()
+        self._patcher = patcher()
         self._attached = True
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -218,8 +218,8 @@ class TransformersHandle:
     def _hook_manager(self, manager) -> None:
         if self._patcher.patched(manager, "_create_batch_processor"):
             return
-        check_engine(manager.model.config.get_text_config(), manager.continuous_batching_config,
-                     token_oracle=bool(self.options.get("token_oracle")))
+        check_engine(manager.model.config.get_text_config(), manager.continuous_batching_config, canary=self.config,
+                     token_oracle=bool(self.options.get("token_oracle")), device=manager.model.device)
         if manager.distributed_helper.tp_size > 1:
             raise ValueError(f"kv-canary: tensor parallelism is not supported, got tp_size="
                              f"{manager.distributed_helper.tp_size}")

@@ -20,6 +20,7 @@ import torch
 
 from kvcanary.ops.types import RealKvSource
 from kvcanary.runtime.batch import layer_sources
+from kvcanary.runtime.patch import Patcher
 
 log = logging.getLogger("kvcanary")
 
@@ -29,6 +30,13 @@ log = logging.getLogger("kvcanary")
 # adapter's tests. Later releases are refused unless allow_unsupported_version.
 _RANGES = (((5, 17), (5, 25)),)
 SUPPORTED_RANGE = " or ".join(f">={a[0]}.{a[1]},<{b[0]}.{b[1]}" for a, b in _RANGES)
+# async batching's IO as 5.24 has it (docs/notes/async_batching.md; its instances' io_pairs, current_pair, h2d_stream)
+_ASYNC_IO = ("get_cb_kwargs", "carry_over_tokens", "swap_io_pairs", "get_model_kwargs")
+
+
+def patcher() -> Patcher:
+    """A ``Patcher`` whose errors name the transformers versions the hooks were verified on."""
+    return Patcher(f"transformers {SUPPORTED_RANGE}")
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -52,32 +60,6 @@ def check_version(version: str | None = None, allow_unsupported: bool = False) -
     return version
 
 
-class Patcher:
-    """Per-instance rebinding with an exact undo: restores a pre-existing instance attribute, else deletes ours."""
-
-    def __init__(self):
-        self._undo: list[tuple[object, str, bool, object]] = []
-
-    def set(self, obj, name: str, value) -> None:
-        if not callable(getattr(obj, name, None)):
-            raise RuntimeError(f"kv-canary: {type(obj).__name__}.{name} must be a method to hook, got "
-                               f"{type(getattr(obj, name, None)).__name__} (transformers {SUPPORTED_RANGE} expected)")
-        had = name in vars(obj)
-        self._undo.append((obj, name, had, vars(obj).get(name)))
-        setattr(obj, name, value)
-
-    def patched(self, obj, name: str) -> bool:
-        return any(o is obj and n == name for o, n, _, _ in self._undo)
-
-    def restore(self) -> None:
-        for obj, name, had, old in reversed(self._undo):
-            if had:
-                setattr(obj, name, old)
-            else:
-                vars(obj).pop(name, None)
-        self._undo.clear()
-
-
 def layer_types(config) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types is None:
@@ -86,12 +68,20 @@ def layer_types(config) -> list[str]:
     return list(types)
 
 
-def check_engine(config, cb_config, *, token_oracle: bool) -> None:
+def check_engine(config, cb_config, *, token_oracle: bool, device=None, canary=None) -> None:
     """Raise ``ValueError`` for engine set-ups the integration does not support (before anything runs)."""
     if getattr(cb_config, "use_async_batching", False):
-        raise ValueError("kv-canary: continuous batching must run synchronously, got use_async_batching=True; pass "
-                         "ContinuousBatchingConfig(use_async_batching=False) (async batching prepares step N+1 "
-                         "before step N's tokens are known)")
+        from transformers.generation.continuous_batching import input_outputs
+
+        aio = getattr(input_outputs, "ContinuousBatchingAsyncIOs", None)
+        early = [n for n, on in (("token_oracle", token_oracle),
+                                 ("check_before_forward", canary is not None and canary.check_before_forward),
+                                 ("fault injection", canary is not None and canary.injecting)) if on]
+        if aio is None or not all(hasattr(aio, n) for n in _ASYNC_IO) or getattr(device, "type", None) != "cuda" \
+                or early:
+            raise ValueError(f"kv-canary: async batching needs transformers 5.24's async IO on CUDA and no work before "
+                             f"the forward, got device {device}{', ' if early else ''}{' and '.join(early)}; pass "
+                             "ContinuousBatchingConfig(use_async_batching=False) (docs/transformers.md, async)")
     # CUDA graphs are accepted: the engine replays its forward inside compute_batch, which the canary's
     # hooks wrap (its own work runs after the replay is enqueued, never inside the capture); the warm-up's
     # fake requests write blocks that the cache's reset frees before any request, and padding tokens write
@@ -200,36 +190,3 @@ class EngineLayout:
         dst_slots, blocks)``), offloads to CPU memory (``session._on_offload(victims, done, slots)``) and
         restores (``session._on_restore(slots)``), each after the engine's own work."""
         raise NotImplementedError
-
-
-def fill_swa_table(lay, table, io, prefix_t, extend_t, width: int, T: int, out_cache_loc, arange) -> None:
-    """Synthetic full->SWA table ``table`` of a step, from the read and write indices of both groups
-    (``BatchBuilder.build``; ``arange(n)``: the builder's cached index row).
-
-    The sliding group's read index lists, per request, the rolling-buffer slots of its last
-    ``c = min(prefix, W - 1)`` positions (then a sentinel per new token); the full group's read
-    index the full slots of the same positions. Each such full slot maps to the sliding slot the
-    forward reads, except positions this forward overwrites (``p < prefix + extend - W``), which
-    map to 0 = evicted (their HEAD verify ran before the write; TAIL would see the new token).
-    New tokens map their full write slot to their sliding write slot (0 for the write trash).
-    """
-    W = lay.window + 1
-    table.zero_()
-    if width:
-        g, sg = lay.full_group, lay.swa_group
-        c = prefix_t.clamp(max=lay.window)
-        k = arange(width)  # [bs, width] grid of window cells; k >= c are not read
-        full_start = torch.cumsum(prefix_t + extend_t, 0) - extend_t - c  # first window position, full read
-        swa_start = torch.cumsum(c + extend_t, 0) - extend_t - c
-        fr, sr = io.read_index_storage[g], io.read_index_storage[sg]
-        full = fr.index_select(0, (full_start.unsqueeze(1) + k).view(-1).clamp_(max=fr.shape[0] - 1))
-        swa = sr.index_select(0, (swa_start.unsqueeze(1) + k).view(-1).clamp_(max=sr.shape[0] - 1))
-        p = (prefix_t - c).unsqueeze(1) + k
-        keep = (p >= (prefix_t + extend_t - W).unsqueeze(1)).view(-1)
-        inside = (k < c.unsqueeze(1)).view(-1)
-        # Cells outside the window go to slot 0 (padding, never a real slot), cleared again below.
-        table[torch.where(inside, full, 0)] = torch.where(keep, swa, 0)
-        table[0] = 0
-    if T:
-        swa_w = io.write_index_storage[lay.swa_group, :T]
-        table[out_cache_loc] = torch.where(swa_w == lay.write_trash, torch.zeros_like(swa_w), swa_w)

@@ -67,7 +67,7 @@ class KvMoves:
         block; and a copy of each request's table: the update may remap entries in place (a block
         completed and shared). Per-request work runs in C loops (``map``): a decode step adds no
         block to most tables, so the Python loop below visits only the tables that grew."""
-        io, lay = self.bp.inputs_and_outputs, self.layout
+        io, lay = self.builder.inputs, self.layout  # (async: the pair being updated)
         if not lay.shares_blocks():
             # Without block sharing a freed block is never kept for reuse (no sweep reads its positions)
             # and no table entry is remapped: nothing to record, at no per-request cost.

@@ -22,7 +22,7 @@ from kvcanary.format import oracle_token
 from kvcanary.integrations.transformers.batch import BatchBuilder
 from kvcanary.integrations.transformers.events import EngineAborts, watch_blocks
 from kvcanary.integrations.transformers.moves import KvMoves
-from kvcanary.integrations.transformers.layout import Patcher
+from kvcanary.integrations.transformers.layout import patcher
 from kvcanary.integrations.transformers.layouts import layout_of
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 from kvcanary.runtime.engine import StepOptions
@@ -57,11 +57,12 @@ class Session(KvMoves):
         self.canary = self._build_canary()
         self.builder = BatchBuilder(self)
         self.runner = self._step_runner()
+        self.done = [None, None] if self.builder.carries else None  # async: per pair (compute_batch_done)
         # the engine's step ends in a synchronize of its compute stream (transformers' synchronous inputs and
         # outputs): whatever that stream waited for before the step's forward is complete afterwards (step)
         io = bp.inputs_and_outputs
         self.step_syncs = io.compute_stream is not None and type(io).__name__ == "ContinuousBatchingIOs"
-        self.patcher = Patcher()
+        self.patcher = patcher()
         self._install()
         # the allocator check's snapshots and frees (docs/allocator.md); poison_on_free: the blocks freed
         self.freed = watch_blocks(self)
@@ -139,11 +140,14 @@ class Session(KvMoves):
             self._guarded(self._before)  # (with _late still set: the runner knows the step is usable)
             self._late = False
             self._guarded(self._after)
+            if self.done is not None:  # async: the pair's next H2D waits for this step's canary work (below)
+                self.done[bp.inputs_and_outputs.current_pair] = self.runner.done_event()
 
         def compute_batch(model, batch_data):
             t0 = time.perf_counter()
             self._ranged("engine_forward", orig_compute, model, batch_data)
             if self._late:
+                self.runner.forward_enqueued()  # (async: HEAD reads the ids the forward carried over)
                 self._fwd_s = time.perf_counter() - t0  # (the step's timing row is made inside: _after)
                 compute_batch_done()
 
@@ -151,11 +155,13 @@ class Session(KvMoves):
             t0 = time.perf_counter()
             snap = self._guarded(self._before_update)
             t1 = time.perf_counter()
+            # the update's fork copies and the next batch's inputs come after the last fused step's reads (async:
+            # the step after the one updated, whose forward is enqueued already)
+            self.runner.join()
             orig_update()
             t2 = time.perf_counter()
             self._guarded(self._after_update, snap)
             self._guarded(self.aborts.apply)
-            self.runner.join()  # (the next batch's inputs are prepared next: after the last fused step's reads)
             if self.timings:
                 self.timings[-1]["update_s"] = t1 - t0 + time.perf_counter() - t2
 
@@ -169,6 +175,16 @@ class Session(KvMoves):
         p.set(runner, "compute_batch", compute_batch)
         p.set(bp, "update_batch", update_batch)
         p.set(cache, "search_prefix_match", search_prefix_match)
+        if self.done is not None:  # async: H2D of a pair waits for the canary work of the step that last read it
+            aio = bp.inputs_and_outputs
+            orig_kwargs = aio.get_model_kwargs
+
+            def get_model_kwargs(*args, **kwargs):
+                if self.done[aio.current_pair] is not None:
+                    aio.h2d_stream.wait_event(self.done[aio.current_pair])
+                return orig_kwargs(*args, **kwargs)
+
+            p.set(aio, "get_model_kwargs", get_model_kwargs)
         self.layout.install_hooks(p, self)
         if self.handle.options.get("token_oracle"):
             orig_sample = runner._sample

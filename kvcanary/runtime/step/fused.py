@@ -77,6 +77,9 @@ class FusedSteps:
         # the graphs' first nodes wait for the inputs and the forward (_capture_waiting); off: eager waits
         self.in_graph_waits = cuda and self.s.options.in_graph_waits
         self.run: Run | None = None  # the steady run of one shape: its pairs' entries and graphs (repeat)
+        # the run of the other input storage set, where the engine alternates two (async batching: select)
+        self.other: Run | None = None
+        self.repeats = 0  # steps ``repeat`` ran (a run's repeats, of either storage set)
 
     def usable(self) -> bool:
         """This step may run fused (its hooks late): the runtime has nothing to run between HEAD and TAIL."""
@@ -97,13 +100,22 @@ class FusedSteps:
             self.entries[fkey] = f
             while len(self.entries) > MAX_FUSED:
                 self.entries.popitem(last=False)
-                run = None  # (a dropped graph may be one of the run's: the run starts again)
+                run = self.other = None  # (a dropped graph may be one of the run's: the run starts again)
         else:
             self.entries.move_to_end(fkey)
+        if run is not None and self.run is not None and run.ptrs is not self.run.ptrs:
+            self.other = self.run  # (the other storage set's run stays for its next step: select)
         self.run = run
         if run is not None:
             run.pairs[self.s.stage.last_ptr, index] = (e, f)
         return self._launch(e, f, slot, obs)
+
+    def select(self, ptrs: tuple) -> None:
+        """Make the kept run of the input storage set ``ptrs`` (``StepGraphs._storages``) the current one, where
+        the engine alternates two sets (async batching) and the run kept aside is that set's."""
+        run, other = self.run, self.other
+        if run is not None and run.ptrs is not ptrs and other.ptrs is ptrs:
+            self.run, self.other = other, run
 
     def repeat(self, h):
         """Run steady step ``h`` fused with the entry and graph the run found for its (turn, slot) pair, if
@@ -113,6 +125,7 @@ class FusedSteps:
         pair = self.run.pairs.get((self.s.stage.last_ptr, index))
         if pair is None:
             return None
+        self.repeats += 1
         return self._launch(pair[0], pair[1], None if index is None else obs.slots[index], obs)
 
     def _launch(self, e, f: "_Fused", slot, obs):

@@ -114,6 +114,7 @@ class StepGraphs:
         self.fused_now = False  # this step ran fused: its after hook has nothing left to do
         self.last_fused = False  # the last step ran fused (the next one likely will: Session._late_step)
         self._ptrs = None  # (the engine's four input storages, their data pointers): before's shape key
+        self._other_ptrs = None  # the same of the other storage set, if the engine alternates two (_storages)
         if runner.stage.depth != STAGING_TURNS:  # (the CPU's one turn: a graph per turn reads its own)
             runner.source.stage = Staging(runner.device)
         # decode steps padded to their size bucket (tables.bucket): a changing batch keeps its graphs
@@ -138,6 +139,8 @@ class StepGraphs:
         self.inline = False
         fused = self.fused
         ptrs = self._storages(io)
+        if fused is not None and fused.other is not None:
+            fused.select(ptrs)  # (two storage sets: each keeps its steady run)
         if fused is not None and fused.run is not None and s.late and fused.run.matches(h, io, ptrs) \
                 and fused.usable():
             # a repeat of the steady run's shape: its pair's graph without keys (FusedSteps.repeat)
@@ -198,10 +201,18 @@ class StepGraphs:
     def _storages(self, io) -> tuple:
         """The data pointers of the engine's input storages, asked of torch only when a storage tensor is
         not the one seen before (transformers allocates them once): each ``data_ptr`` is a tensor call,
-        tens of microseconds together inside the engine's step."""
+        tens of microseconds together inside the engine's step. Two sets are remembered: an engine that
+        alternates two storage sets (async batching, ``carry.py``) asks torch nothing either, and each set
+        keeps its tuple (``Run.matches`` compares it by identity)."""
         p, a, b, c, d = self._ptrs or (None,) * 5
         if a is not io.input_ids or b is not io.position_ids or c is not io.read_index_storage \
                 or d is not io.write_index_storage:
+            other = self._other_ptrs
+            self._other_ptrs = self._ptrs
+            if other is not None and other[1] is io.input_ids and other[2] is io.position_ids \
+                    and other[3] is io.read_index_storage and other[4] is io.write_index_storage:
+                self._ptrs = other
+                return other[0]
             a, b, c, d = io.input_ids, io.position_ids, io.read_index_storage, io.write_index_storage
             # (whole storages: a row view per step costs a tensor call)
             p = (a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr())
@@ -215,10 +226,11 @@ class StepGraphs:
         c = self.s.canary
         launcher = c.launcher
         c.host_before(e.batch, checked=True)  # (the captured batch: shapes checked then) drains, opens the forward
-        if self.quiet != (launcher.streams.current(), self.s.engine_calls):
+        if self.quiet != (launcher.streams.current(), self.s.engine_calls) or self.s.carries:
             # the last close was not an inline one on this stream, or canary work ran on the compute stream
             # since (copies, saves of records): wait for all of it (with late hooks: all of it before the
-            # forward, which is enqueued there already)
+            # forward, which is enqueued there already; under carries, the forward too: HEAD reads the ids
+            # it carried over)
             if self.s.ready is not None:
                 launcher.streams.wait(launcher.streams.current(), self.s.ready)
             else:

@@ -26,6 +26,7 @@ import torch
 
 from kvcanary.runtime.engine import StepOptions
 from kvcanary.runtime.graphs import CudaGraphs
+from kvcanary.runtime.step.carry import Carry
 from kvcanary.runtime.step.graphs import StepGraphs
 from kvcanary.runtime.step.staging import Staging
 from kvcanary.runtime.step.tables import StepTables
@@ -60,8 +61,11 @@ class StepRunner:
         self._compute = None  # (the engine's compute stream, its raw handle, its stream cache): engine_stream
         self.engine_calls = 0  # engine_stream calls so far
         self.batch = None  # the step's ForwardBatch (before -> after)
+        # the forward rewrites some input ids on the device (async batching): every step late (carry.py)
+        self.carries = bool(getattr(source, "carries", False))
         self.graphs = self._step_graphs(graph_type)
         self.fused = None if self.graphs is None else self.graphs.fused
+        self.carry = Carry(self) if self.carries else None
 
     @property
     def stage(self) -> Staging:
@@ -79,7 +83,8 @@ class StepRunner:
             return None
         if not self.canary.launcher.streams.overlap:
             return None  # the whole-step graph runs on the side stream: overlap off keeps every launch eager
-        self.canary.use_graphs(CudaGraphs(self.device, max_graphs=32))
+        # (two input storage sets under carries: each shape's graphs twice)
+        self.canary.use_graphs(CudaGraphs(self.device, max_graphs=64 if self.carries else 32))
         return StepGraphs(self)
 
     # -- per step --------------------------------------------------------------------------------
@@ -89,6 +94,8 @@ class StepRunner:
         oracle (the sampler reads what the before work computes), fault injection or ``late_hooks=False``;
         on CUDA only with step graphs on a usable step (their HEAD runs off the forward's stream, after the
         compute stream's position before the forward: ``ready``)."""
+        if self.carry is not None:
+            return self.carry.late_step()
         c = self.canary
         self.ready = None
         if (not self.options.late_hooks or not c.enabled or self.source.oracle or c.injector is not None
@@ -114,7 +121,8 @@ class StepRunner:
         forward is enqueued (the step is usable for graphs)."""
         self.late = late
         c, graphs = self.canary, self.graphs
-        if graphs is not None and c.enabled and (late or graphs.usable(self.source.inputs)):
+        # (late implies usable, except under carries, where every step is late: carry.py)
+        if graphs is not None and c.enabled and ((late and not self.carries) or graphs.usable(self.source.inputs)):
             h = self.source.host_part(copy=False, padded=True)
             c.padding_tokens = h.pad
             self.tables.check_read_length(h)
@@ -139,6 +147,16 @@ class StepRunner:
         else:
             with self.engine_stream():
                 self.canary.after_forward(self.batch)
+
+    def forward_enqueued(self) -> None:
+        """The engine enqueued the step's forward (under ``carries``: a late captured step starts after it)."""
+        if self.carry is not None:
+            self.carry.forward_enqueued()
+
+    def done_event(self):
+        """Under ``carries``, on CUDA: an event after this step's canary work (one per input storage set), which
+        the engine's next rewrite of the step's input storages waits for; else None."""
+        return None if self.carry is None else self.carry.done_event()
 
     # -- streams ---------------------------------------------------------------------------------
     def engine_stream(self):

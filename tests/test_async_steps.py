@@ -1,0 +1,137 @@
+"""The step runner under async batching's carry-over (``runtime/step/carry.py``), driven by the simulated engine's
+carrying source (``SimEngine(steps=..., carry=True)``: two input storage sets, the ids carried over inside the
+forward, the host's ids and token history one step behind), through the eager, captured and fused paths on
+the CPU stand-in graph. Planted variants (test-only monkeypatches) show what each part of the design guards."""
+
+import pytest
+import torch
+
+from kvcanary.format import RecordField as R
+from kvcanary.runtime.step import carry as carry_mod
+from kvcanary.runtime.step.fused import FusedSteps
+from kvcanary.runtime.step.graphs import StepGraphs
+from kvcanary.sim import step_source
+from kvcanary.sim.config import SimConfig
+from kvcanary.sim.engine import SimEngine, default_canary_config
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1")
+
+# a steady decode batch of four (as tests/test_step_runner.py), short
+CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=16, max_steps=30,
+           graph_sizes=(1, 2, 3, 4))
+PATHS = ("eager", "captured", "fused")
+
+
+@pytest.fixture
+def steady(monkeypatch):
+    """Every decode shape takes the graph-per-turn or fused path at once (a short run reaches them)."""
+    from kvcanary.runtime.step import graphs
+
+    monkeypatch.setattr(graphs, "STEADY_SIGHTINGS", 0)
+
+
+def engine(steps, carry=True, cfg=None, **canary):
+    cfg = SimConfig(**{**CFG, **(cfg or {})})
+    # (no allocator check: a step it checks closes unfused, and the fused path is under test here)
+    config = default_canary_config(cfg).replace(backend="triton", allocator_check_interval=0, **canary)
+    return SimEngine(cfg, config, steps=steps, carry=carry)
+
+
+def stored_tokens_match(e: SimEngine) -> list:
+    """After each step: the running requests' positions whose HEAD or TAIL record holds another token than the
+    one sampled (the request's token at that position). Returns the list the checks append mismatches to."""
+    bad, step = [], e.step
+    g = e.canary.groups[0]
+
+    def checking():
+        step()
+        for r in e.sched.running:
+            slots = torch.tensor(r.slots, dtype=torch.int64)
+            want = torch.tensor(r.tokens[:len(r.slots)], dtype=torch.int64)
+            for phase in ("head", "tail"):
+                got = g.bufs[phase, "k"].view(torch.int64)[slots][:, R.TOKEN]
+                bad.extend((phase, r.rid, p) for p in torch.nonzero(got != want).flatten().tolist())
+
+    e.step = checking
+    return bad
+
+
+@pytest.mark.parametrize("steps", PATHS)
+def test_carried_steps_run_clean_and_store_the_sampled_tokens(steady, steps):
+    e = engine(steps)
+    bad = stored_tokens_match(e)
+    result = e.run()
+    assert e.source.carries_done > 20  # (the forwards carried ids over: the path under test was taken)
+    assert [v.block() for v in e.canary.violations] == [] and not bad
+    # the same records as the synchronous source's run of the same path
+    sync = engine(steps, carry=False)
+    sync_result = sync.run()
+    assert result.tokens_protected == sync_result.tokens_protected
+    for key, buf in e.canary.groups[0].bufs.items():
+        assert torch.equal(buf, sync.canary.groups[0].bufs[key]), key
+    graphs = e.runner.graphs
+    if steps != "eager":  # graphs captured for both storage sets and replayed
+        assert graphs.captures > 0 and graphs.replays + (graphs.fused.replays if graphs.fused else 0) > 0
+        sets = {p for p in (graphs._ptrs, graphs._other_ptrs) if p is not None}
+        assert len(sets) == 2
+
+
+@pytest.mark.parametrize("steps", PATHS)
+def test_head_before_the_forward_reads_the_host_ids_and_is_reported(steady, steps, monkeypatch):
+    # planted: the step's before work at the pre-forward point (the synchronous order): HEAD records the
+    # host's placeholder ids (the previous position's token), not the carried ones
+    monkeypatch.setattr(carry_mod.Carry, "late_step", lambda self: False)
+    e = engine(steps)
+    e.run()
+    reasons = {r for v in e.canary.violations for r in v.reasons}
+    assert "verify_token" in reasons, steps
+
+
+@pytest.mark.parametrize("steps", ("captured", "fused"))
+def test_graphs_keyed_without_the_storage_set_are_reported(steps, monkeypatch):
+    # planted: step graphs keyed as if one storage set served every step: a replay reads the other set's ids.
+    # (Not steady: a per-turn graph's key holds its staging turn, and with an even number of turns each turn
+    # serves one storage set only, which hides the missing address; the shape graphs read one static copy.)
+    one_set = (1, 2, 3, 4)
+    monkeypatch.setattr(StepGraphs, "_storages", lambda self, io: one_set)
+    e = engine(steps)
+    e.run()
+    assert e.canary.violations, steps
+
+
+@pytest.mark.parametrize("steps", PATHS)
+def test_a_carried_cell_sent_at_prepare_time_is_reported_deferred_it_is_not(steady, steps, monkeypatch):
+    # planted: the carried request's newest cell sent from the host when the step is prepared (it has no
+    # token yet there: MISSING_TOKEN); the deferral (history_need) is the clean runs above
+    monkeypatch.setattr(step_source, "history_need", lambda need, carried: need)
+    e = engine(steps)
+    e.run()
+    missing = [v for v in e.canary.violations if v.expected_token == -2]
+    assert missing and all("verify_token" in v.reasons for v in missing), steps
+
+
+def test_fused_steps_repeat_across_alternating_storage_sets(steady, monkeypatch):
+    longer = dict(max_output=40, max_steps=60)  # (runs of one read-table width long enough to repeat)
+    repeats = {}
+    for carry in (False, True):
+        e = engine("fused", carry, longer)
+        e.run()
+        repeats[carry] = e.runner.graphs.fused.repeats
+        assert not e.canary.violations
+    assert repeats[True] == repeats[False] > 0  # as many repeats as the one storage set's run
+    # planted: one steady run kept (the other storage set's forgotten): every step starts a run again
+    monkeypatch.setattr(FusedSteps, "select", lambda self, ptrs: None)
+    e = engine("fused", True, longer)
+    e.run()
+    assert e.runner.graphs.fused.repeats == 0 and not e.canary.violations
+
+
+@pytest.mark.parametrize("canary, what", [(dict(check_before_forward=True), "check_before_forward"),
+                                          (dict(inject_kv_prob=0.5), "fault injection")])
+def test_what_must_precede_the_forward_is_refused(canary, what):
+    with pytest.raises(ValueError, match=f"carries input ids over .* got {what}"):
+        engine("eager", **canary)
+    with pytest.raises(ValueError, match="not None with carry=True"):
+        SimEngine(SimConfig(**CFG), carry=True)

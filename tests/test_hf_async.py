@@ -1,0 +1,43 @@
+"""transformers' async batching under the canary (CUDA only: transformers refuses async batching on the CPU).
+The step's canary work runs once the forward (and its carry-over of the last forward's tokens) is enqueued
+(``runtime/step/carry.py``); the carrying path itself is tested on the CPU through the sim
+(tests/test_async_steps.py). Written without a GPU at hand: the integrator runs it on the H200."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from conftest import DEVICE  # noqa: E402
+from kvcanary.demo import build_tiny_model, run_workload  # noqa: E402
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cuda", reason="async batching needs CUDA")
+
+DEV = str(DEVICE)
+# the engine's CUDA graphs and async batching; sdpa needs an attention mask, which async batching's default
+# resolution refuses, but an explicit use_async_batching=True takes it (a paged attention of the GPU image's)
+ASYNC = {"use_cuda_graph": True, "use_async_batching": True}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_tiny_model(DEV)
+
+
+def test_async_clean_run_matches_a_canaryless_async_run(llama):
+    base = run_workload(llama, canary=False, cb=ASYNC, device=DEV, num_return_sequences=1, max_new_tokens=16)
+    run = run_workload(llama, cb=ASYNC, device=DEV, num_return_sequences=1, max_new_tokens=16)
+    assert run.violations == [], run.report
+    assert run.tokens == base.tokens and run.stats["forwards"] > 0
+    assert run.tokens == run_workload(llama, canary=False, device=DEV, num_return_sequences=1,
+                                      max_new_tokens=16).tokens  # (greedy: async changes no token)
+
+
+@pytest.mark.parametrize("bug", ["flip-kv", "wrong-read-index"])
+def test_a_planted_bug_is_reported_under_async(llama, bug):
+    run = run_workload(llama, bug=bug, cb=ASYNC, device=DEV)
+    assert run.violations, f"{bug}: no violation under async batching"
+
+
+def test_what_must_precede_the_forward_is_refused_under_async(llama):
+    with pytest.raises(Exception, match="token_oracle"):
+        run_workload(llama, cb=ASYNC, device=DEV, token_oracle=True)
