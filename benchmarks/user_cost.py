@@ -11,7 +11,8 @@ Five arms run the same workload through ``model.generate_batch`` in one process,
 - ``canary_graphs``: the same with ``attach(model)``: the fastest configuration the canary accepts;
 - ``canary_graphs_noslots``: the same with the slot checks off (``reserved_check``, ``nonfinite_check``:
   docs/slots.md), for their share of the cost; ``canary_graphs_poison``: with the debug ``poison_on_free`` on
-  (opt-in arms: ``--arms``).
+  (opt-in arms: ``--arms``); ``canary_fast``: the fastest configuration (graphs and async) with ``attach(model)``
+  (opt-in: the canary's async support, docs/transformers.md "Async batching").
 
 Each call of ``generate_batch`` is timed whole (the engine's set-up and graph captures included: that is
 what a user's call costs). Reported per workload: tokens/s per arm (median over rounds), the ratios
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvcanary.bench.workload import VOCAB, build_model  # noqa: E402
 
 ARMS = ("fast", "sync", "canary", "graphs", "canary_graphs")
-EXTRA_ARMS = ("canary_graphs_noslots", "canary_graphs_poison")
+EXTRA_ARMS = ("canary_graphs_noslots", "canary_graphs_poison", "canary_fast")
 CANARY_GRAPH_ARMS = ("canary_graphs",) + EXTRA_ARMS  # (graphs on, the canary attached)
 BLOCK = 32
 
@@ -75,7 +76,7 @@ def run_arm(model, arm: str, prompts, new_tokens) -> dict:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    fast = arm == "fast"
+    fast = arm in ("fast", "canary_fast")
     graphs = fast or arm in ("graphs",) + CANARY_GRAPH_ARMS
     longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
     blocks = len(prompts) * (longest // BLOCK + 2) + 16
@@ -177,6 +178,9 @@ def main(argv=None) -> int:
             "canary_graphs_over_graphs": spread([c / g for c, g in zip(tps["canary_graphs"], tps["graphs"])]),
             "graphs_over_fast": spread([g / f for g, f in zip(tps["graphs"], tps["fast"])]),
             "canary_graphs_noslots_over_fast": spread([c / f for c, f in zip(tps["canary_graphs_noslots"], tps["fast"])]),
+            "canary_fast_over_fast": spread([c / f for c, f in zip(tps["canary_fast"], tps["fast"])]),
+            "tokens_identical_canary_fast_vs_graphs": all(x["tokens"] == runs["graphs"][0]["tokens"]
+                                                          for x in runs["canary_fast"]) if runs["graphs"] else None,
             "canary_graphs_poison_over_graphs": spread([c / g for c, g in zip(tps["canary_graphs_poison"], tps["graphs"])]),
             "tokens_identical_canary_graphs_vs_graphs": all(x["tokens"] == runs["graphs"][0]["tokens"]
                                                             for x in runs["canary_graphs"]) if runs["graphs"] else None,
