@@ -56,8 +56,10 @@ def fill_read_table(out, rows, prefix, extend, read, clamp_max, limit, fill):
 @jit
 def read_table(out, rows, prefix, extend, read, clamp_max, limit=NO_LIMIT, fill=0):
     """``read_table_ops``' loop: every bound checked before the first cell is written (an IndexError)."""
+    if clamp_max < 0 or clamp_max >= read.shape[0]:
+        raise IndexError("kv-canary: read table clamp outside the read index")
     if not read_table_fits(out, rows, read, clamp_max):
-        raise IndexError("kv-canary: read table row or clamp outside its arrays")
+        raise IndexError("kv-canary: read table row outside the table")
     fill_read_table(out, rows, prefix, extend, read, clamp_max, limit, fill)
 
 
