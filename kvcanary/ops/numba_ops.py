@@ -23,7 +23,8 @@ from kvcanary.ops import numba_kernels as k
 from kvcanary.ops import torch_ops
 from kvcanary.ops.numba_views import _EMPTY64, _EMPTY_TABLE, _Args, _i64, _np, _np64, _raw, _storage_bytes, _words
 
-__all__ = ["accept_rewrites", "fingerprint", "head", "plan", "scatter_req_token_ids", "tail", "verify", "write"]
+__all__ = ["accept_rewrites", "fingerprint", "head", "head_args", "plan", "scatter_req_token_ids", "tail", "tail_args",
+           "verify", "write"]
 
 def _fingerprints(slots: np.ndarray, sources, real_kv_mode: int) -> np.ndarray:
     """int64 real-KV hash of each slot (SPEC 3.4), source by source like the reference."""
@@ -196,11 +197,26 @@ def head(plan_kw: dict, verify_kw: dict, write_kw: dict) -> bool:
     Inside an engine's step each op call costs tens of microseconds of Python and dispatch against a
     few of kernel: the HEAD sequence pays it once instead of three times.
     """
+    a = head_args(plan_kw, verify_kw, write_kw)
+    if a is None:
+        return False
+    w, args = write_kw, a.call()
+    args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
+    args[a.requests], args[a.write_tag] = int(w["num_requests"]), int(w["launch_tag"])
+    args[a.chain] = a.chain_view is not None and int(a.chain_view[0]) != 0
+    args[a.step] = -1 if a.step_view is None else int(a.step_view[0])
+    k.head(*args)
+    return True
+
+
+def head_args(plan_kw: dict, verify_kw: dict, write_kw: dict) -> _Args | None:
+    """``head``'s kept arguments (its per-call values left to fill: ``check``, ``tag``, ``requests``,
+    ``write_tag``, ``chain``, ``step``), or None where ``head`` would return False."""
     out, e = plan_kw["out"], verify_kw["entries"]
     if (e is not out.entries or verify_kw.get("sources") or write_kw.get("sources")
             or int(verify_kw.get("real_kv_mode", 0)) or int(write_kw.get("real_kv_mode", 0))
             or verify_kw["buf"] is not write_kw["buf"]):
-        return False
+        return None
     p, w, buf, ring, counters = plan_kw, write_kw, verify_kw["buf"], verify_kw["ring"], verify_kw["counters"]
     chain_check, step = w.get("chain_check"), w.get("step")
     tensors = (p["req_pool_indices"], p["prefix_lens"], p["extend_lens"], p["req_to_token"], p.get("full_to_swa"),
@@ -234,16 +250,7 @@ def head(plan_kw: dict, verify_kw: dict, write_kw: dict) -> bool:
         return a
 
     # (token_offset and window are ints the plan reads: the kept arguments hold them)
-    a = _packed(f"head {int(p.get('token_offset', 0))} {int(p.get('window', 0))}", tensors, make)
-    if a is None:
-        return False
-    args = a.call()
-    args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
-    args[a.requests], args[a.write_tag] = int(w["num_requests"]), int(w["launch_tag"])
-    args[a.chain] = a.chain_view is not None and int(a.chain_view[0]) != 0
-    args[a.step] = -1 if a.step_view is None else int(a.step_view[0])
-    k.head(*args)
-    return True
+    return _packed(f"head {int(p.get('token_offset', 0))} {int(p.get('window', 0))}", tensors, make)
 
 
 def _accepts_with(accept_kw: dict | None, w: dict) -> bool:
@@ -265,13 +272,32 @@ def tail(verify_kw: dict, write_kw: dict, accept_kw: dict | None = None) -> bool
     the write's ``step`` + 1 as one compiled call, with the same bits; False (nothing done) where the
     separate calls would take another path or the write carries the HEAD-only asserts (expected inputs,
     chain positions)."""
+    a = tail_args(verify_kw, write_kw, accept_kw)
+    if a is None:
+        return False
+    w, args = write_kw, a.call()
+    slot, locs = args[a.slots], args[a.locs]
+    # the entries' own count bounds the fingerprint pass (the kernel re-reads enable and count itself)
+    n = max(0, min(int(a.count[0]), slot.shape[0])) if a.enable[0] else 0
+    args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
+    args[a.verify_fp] = _fingerprints(slot[:n], verify_kw.get("sources", ()), int(verify_kw.get("real_kv_mode", 0)))
+    args[a.requests], args[a.step] = int(w["num_requests"]), int(a.steps[0])
+    args[a.write_fp] = _fingerprints(locs, w.get("sources", ()), int(w.get("real_kv_mode", 0)))
+    args[a.write_tag] = int(w["launch_tag"])
+    k.tail(*args)
+    return True
+
+
+def tail_args(verify_kw: dict, write_kw: dict, accept_kw: dict | None = None) -> _Args | None:
+    """``tail``'s kept arguments (its per-call values left to fill: ``check``, ``tag``, ``verify_fp``,
+    ``requests``, ``step``, ``write_fp``, ``write_tag``), or None where ``tail`` would return False."""
     e, w = verify_kw["entries"], write_kw
     cap = e.slot.shape[0]
     if (any(t.shape[0] != cap for t in (e.position, e.prev, e.expected_token)) or w.get("expected_input_ids") is not None
             or w.get("expected_positions") is not None or w.get("chain_check") is not None
             or verify_kw["buf"] is not w["buf"] or w.get("step") is None
             or not _accepts_with(accept_kw, w)):
-        return False
+        return None
     ring, counters, buf = verify_kw["ring"], verify_kw["counters"], verify_kw["buf"]
     head_buf = buf if accept_kw is None else accept_kw["head_buf"]
     rewrites = None if accept_kw is None else accept_kw.get("rewrites")
@@ -311,17 +337,4 @@ def tail(verify_kw: dict, write_kw: dict, accept_kw: dict | None = None) -> bool
         a.add(_words(head_buf), accept_kw is not None, _EMPTY64 if counter is None else counter, counter is not None)
         return a
 
-    a = _packed("tail" if accept_kw is None else "tail accept", tensors, make)
-    if a is None:
-        return False
-    args = a.call()
-    slot, locs = args[a.slots], args[a.locs]
-    # the entries' own count bounds the fingerprint pass (the kernel re-reads enable and count itself)
-    n = max(0, min(int(a.count[0]), slot.shape[0])) if a.enable[0] else 0
-    args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
-    args[a.verify_fp] = _fingerprints(slot[:n], verify_kw.get("sources", ()), int(verify_kw.get("real_kv_mode", 0)))
-    args[a.requests], args[a.step] = int(w["num_requests"]), int(a.steps[0])
-    args[a.write_fp] = _fingerprints(locs, w.get("sources", ()), int(w.get("real_kv_mode", 0)))
-    args[a.write_tag] = int(w["launch_tag"])
-    k.tail(*args)
-    return True
+    return _packed("tail" if accept_kw is None else "tail accept", tensors, make)

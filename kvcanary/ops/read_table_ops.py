@@ -94,57 +94,23 @@ def numpy_read_table(out: np.ndarray, rows: np.ndarray, prefix: np.ndarray, exte
     out[rows] = np.where((rows == 0)[:, None], out[0], cells)
 
 
-def _loop(out, rows, prefix, extend, read, clamp_max, limit=NO_LIMIT, fill=0):  # pragma: no cover (compiled)
-    # Rows and the clamp are bounds-checked, all before the first cell is written: the adapter calls this
-    # unvalidated, and a value the numpy body would reject must be an IndexError here too, never a write
-    # outside the table.
-    n_rows, width, n_read = out.shape[0], out.shape[1], read.shape[0]
-    if clamp_max < 0 or clamp_max >= n_read:
-        raise IndexError("kv-canary: read table clamp outside the read index")
-    for i in range(rows.shape[0]):
-        if rows[i] < 0 or rows[i] >= n_rows:
-            raise IndexError("kv-canary: read table row outside the table")
-    start = 0
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        if r != 0:  # (row 0, the padding row: never filled)
-            for c in range(width):
-                j = start + c
-                out[r, c] = fill if j >= limit else read[min(max(j, 0), clamp_max)]
-        start += prefix[i] + extend[i]
-
-
 @functools.lru_cache(maxsize=None)
 def compiled_loop():
-    """The loop compiled by numba, on numpy arrays (``out`` 2-D int32/int64, the others 1-D int arrays):
-    the adapter's host path calls it on its reused views. Cached on disk like the other numba kernels."""
-    import numba
+    """The loop compiled by numba (``numba_steady.read_table``), on numpy arrays (``out`` 2-D int32/int64, the
+    others 1-D int arrays): rows and the clamp are bounds-checked before the first cell is written (an
+    IndexError: the adapter calls it unvalidated, every decode step). Cached on disk like the other kernels."""
+    from kvcanary.ops.numba_steady import read_table
 
-    return numba.njit(cache=True, nogil=True)(_loop)
-
-
-def _new_reads_match(rtt, rows, token_req, positions, loc):  # pragma: no cover (compiled)
-    n_rows, width, n = rtt.shape[0], rtt.shape[1], loc.shape[0]
-    if token_req.shape[0] != n or positions.shape[0] != n:
-        return -1
-    for t in range(n):
-        i = token_req[t]
-        if i < 0 or i >= rows.shape[0]:
-            return -1
-        r, p = rows[i], positions[t]
-        if r < 0 or r >= n_rows or p < 0 or p >= width:
-            return -1
-        if rtt[r, p] != loc[t]:
-            return 0
-    return 1
+    return read_table
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_new_reads_match():
-    """``_new_reads_match`` compiled by numba, on numpy arrays (the module's docstring)."""
-    import numba
+    """The new tokens' read-check shortcut compiled by numba (``numba_steady.new_reads_match``; the module's
+    docstring)."""
+    from kvcanary.ops.numba_steady import new_reads_match
 
-    return numba.njit(cache=True, nogil=True)(_new_reads_match)
+    return new_reads_match
 
 
 def numba_read_table(out: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor,

@@ -20,10 +20,10 @@ from kvcanary.format import RealKvMode, launch_tag
 from kvcanary.runtime.abort import AbortHandler, check_abort_handler
 from kvcanary.runtime.allocator import AllocatorCheck, AllocatorProvider
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec, check_distinct_rows
-from kvcanary.runtime.checks import canary_device, check_batch_sizes, check_batch_values, check_canary_args
+from kvcanary.runtime.checks import canary_device, check_batch, check_batch_sizes, check_batch_values, check_canary_args
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.inject import Injector
-from kvcanary.runtime.launch import ForwardLauncher, check_batch
+from kvcanary.runtime.launch import ForwardLauncher
 from kvcanary.runtime.monitor import Monitor
 from kvcanary.runtime.moves import RecordMoves
 from kvcanary.runtime.report import Violation, memory_bytes

@@ -77,6 +77,47 @@ def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, ma
                                f"{max(lens)} tokens")
 
 
+def check_batch(batch, device: torch.device) -> None:
+    """The checks the public ops would make on the engine's tensors, from metadata only."""
+    v.check_vector(OP, "req_pool_indices", batch.req_pool_indices, v.INDEX_DTYPES)
+    bs = batch.req_pool_indices.shape[0]
+    v.check_vector(OP, "prefix_lens", batch.prefix_lens, v.INDEX_DTYPES, length=bs)
+    v.check_vector(OP, "extend_lens", batch.extend_lens, v.INDEX_DTYPES, length=bs)
+    v.check_ndim(OP, "req_to_token", batch.req_to_token, 2)
+    v.check_dtype(OP, "req_to_token", batch.req_to_token, v.INDEX_DTYPES)
+    v.check_vector(OP, "out_cache_loc", batch.out_cache_loc, v.INDEX_DTYPES)
+    n = batch.out_cache_loc.shape[0]
+    for name in ("input_ids", "positions"):
+        v.check_vector(OP, name, getattr(batch, name), v.INDEX_DTYPES, length=n)
+    for name in ("expected_input_ids", "expected_positions"):
+        if getattr(batch, name) is not None:
+            v.check_vector(OP, name, getattr(batch, name), v.INDEX_DTYPES, length=n)
+    if batch.request_ids is not None:
+        v.check_vector(OP, "request_ids", batch.request_ids, (torch.int64,), min_length=bs)
+    hist = batch.token_history
+    if isinstance(hist, TokenAppend):
+        v.check_vector(OP, "token_history.cell_rows", hist.cell_rows, v.INDEX_DTYPES)
+        n = hist.cell_rows.shape[0]
+        for name in ("cell_cols", "cell_tokens"):
+            v.check_vector(OP, f"token_history.{name}", getattr(hist, name), v.INDEX_DTYPES, length=n)
+        v.check_vector(OP, "token_history.valid_lens", hist.valid_lens, v.INDEX_DTYPES, length=bs)
+        tensors = {f"token_history.{k}": getattr(hist, k) for k in ("cell_rows", "cell_cols", "cell_tokens",
+                                                                    "valid_lens")}
+    elif hist is not None:
+        v.check_vector(OP, "token_history.flat", hist.flat, v.INDEX_DTYPES)
+        v.check_vector(OP, "token_history.offsets", hist.offsets, v.INDEX_DTYPES, length=bs + 1)
+        tensors = {"token_history.flat": hist.flat, "token_history.offsets": hist.offsets}
+    else:
+        tensors = {}
+    if batch.token_offset not in (0, 1):
+        raise v.fail_value(OP, "token_offset", "0 or 1", repr(batch.token_offset))
+    v.check_device(OP, device, req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
+                   extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out_cache_loc=batch.out_cache_loc,
+                   input_ids=batch.input_ids, positions=batch.positions, request_ids=batch.request_ids,
+                   expected_input_ids=batch.expected_input_ids, expected_positions=batch.expected_positions,
+                   **tensors)
+
+
 def _check_append(hist: TokenAppend, num_rows: int, max_context: int) -> None:
     for name, t, hi in (("cell_rows", hist.cell_rows, num_rows), ("cell_cols", hist.cell_cols, max_context),
                         ("valid_lens", hist.valid_lens, max_context + 1)):
@@ -177,51 +218,19 @@ def check_injection(cfg, canary) -> None:
         raise ValueError("kv-canary: inject_swap_prob needs the write-input assert, got input_check=False")
 
 
-_kernel = None  # the compiled pass once built; False where numba does not import
+_kernel = None  # the compiled pass once imported; False where numba does not import
 
 
 def _compiled():
     global _kernel
     if _kernel is None:
         try:
-            import numba
-        except Exception:  # (absent, or built for another numpy)
+            from kvcanary.ops.numba_steady import batch_values_ok
+        except Exception:  # (numba absent, or built for another numpy)
             _kernel = False
         else:
-            _kernel = numba.njit(cache=True, nogil=True)(_batch_values_ok)
+            _kernel = batch_values_ok
     return _kernel
-
-
-def _batch_values_ok(rows, pre, ext, row_limit, cols, n, loc, num_slots, cell_rows, cell_cols, valid_lens,
-                     num_rows, max_context):  # pragma: no cover (compiled; check_batch_values' loop, as a yes or no)
-    padding = False
-    total = written = 0
-    for i in range(rows.shape[0]):
-        row, p, e = rows[i], pre[i], ext[i]
-        if row < 0 or row >= row_limit or p < 0 or e < 0 or p + e > cols:
-            return False
-        if (row == 0 and p > 0) or (row != 0 and padding):
-            return False
-        padding = padding or (row == 0 and e > 0)
-        total += e
-        if row != 0:
-            written += e
-    if total != n:
-        return False
-    for i in range(written):  # (the padding requests' tokens, last, are never written)
-        if loc[i] >= num_slots:
-            return False
-    # (three loops, not one over a tuple: the views' array types may differ, which numba cannot iterate)
-    for i in range(cell_rows.shape[0]):
-        if cell_rows[i] < 0 or cell_rows[i] >= num_rows:
-            return False
-    for i in range(cell_cols.shape[0]):
-        if cell_cols[i] < 0 or cell_cols[i] >= max_context:
-            return False
-    for i in range(valid_lens.shape[0]):
-        if valid_lens[i] < 0 or valid_lens[i] > max_context:
-            return False
-    return True
 
 
 def batch_ok(batch: ForwardBatch, num_rows: int, num_slots: int, max_context: int) -> bool:

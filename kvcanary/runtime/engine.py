@@ -93,7 +93,8 @@ class StepOptions:
     step_graphs: replay each batch shape's canary launches from CUDA graphs (a stand-in graph type on the CPU);
     late_hooks: a step's canary work runs once the engine has enqueued the forward; fused_steps: a steady decode
     step's canary work as one graph replayed after the forward; in_graph_waits: that graph waits for the engine's
-    events itself; bucket_batches: decode batches padded to size buckets.
+    events itself; bucket_batches: decode batches padded to size buckets; steady_steps: on the CPU (numba), a
+    decode step shaped like one taken before runs from the plan bound to it (``runtime/step/steady.py``).
     """
 
     step_graphs: bool = True
@@ -101,6 +102,7 @@ class StepOptions:
     fused_steps: bool = True
     in_graph_waits: bool = True
     bucket_batches: bool = True
+    steady_steps: bool = True
 
     @classmethod
     def of(cls, options: dict) -> StepOptions:

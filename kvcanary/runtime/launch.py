@@ -20,53 +20,10 @@ import torch
 
 from kvcanary.format import ATTRIBUTION_STRIDE, RealKvMode
 from kvcanary.ops import api
-from kvcanary.ops import validate as v
 from kvcanary.runtime.batch import TokenAppend
+from kvcanary.runtime.checks import check_batch
 from kvcanary.runtime.graphs import EagerGraphs, eager, graphs_for
 from kvcanary.runtime.streams import streams_for
-
-OP = "forward batch"
-
-
-def check_batch(batch, device: torch.device) -> None:
-    """The checks the public ops would make on the engine's tensors, from metadata only."""
-    v.check_vector(OP, "req_pool_indices", batch.req_pool_indices, v.INDEX_DTYPES)
-    bs = batch.req_pool_indices.shape[0]
-    v.check_vector(OP, "prefix_lens", batch.prefix_lens, v.INDEX_DTYPES, length=bs)
-    v.check_vector(OP, "extend_lens", batch.extend_lens, v.INDEX_DTYPES, length=bs)
-    v.check_ndim(OP, "req_to_token", batch.req_to_token, 2)
-    v.check_dtype(OP, "req_to_token", batch.req_to_token, v.INDEX_DTYPES)
-    v.check_vector(OP, "out_cache_loc", batch.out_cache_loc, v.INDEX_DTYPES)
-    n = batch.out_cache_loc.shape[0]
-    for name in ("input_ids", "positions"):
-        v.check_vector(OP, name, getattr(batch, name), v.INDEX_DTYPES, length=n)
-    for name in ("expected_input_ids", "expected_positions"):
-        if getattr(batch, name) is not None:
-            v.check_vector(OP, name, getattr(batch, name), v.INDEX_DTYPES, length=n)
-    if batch.request_ids is not None:
-        v.check_vector(OP, "request_ids", batch.request_ids, (torch.int64,), min_length=bs)
-    hist = batch.token_history
-    if isinstance(hist, TokenAppend):
-        v.check_vector(OP, "token_history.cell_rows", hist.cell_rows, v.INDEX_DTYPES)
-        n = hist.cell_rows.shape[0]
-        for name in ("cell_cols", "cell_tokens"):
-            v.check_vector(OP, f"token_history.{name}", getattr(hist, name), v.INDEX_DTYPES, length=n)
-        v.check_vector(OP, "token_history.valid_lens", hist.valid_lens, v.INDEX_DTYPES, length=bs)
-        tensors = {f"token_history.{k}": getattr(hist, k) for k in ("cell_rows", "cell_cols", "cell_tokens",
-                                                                    "valid_lens")}
-    elif hist is not None:
-        v.check_vector(OP, "token_history.flat", hist.flat, v.INDEX_DTYPES)
-        v.check_vector(OP, "token_history.offsets", hist.offsets, v.INDEX_DTYPES, length=bs + 1)
-        tensors = {"token_history.flat": hist.flat, "token_history.offsets": hist.offsets}
-    else:
-        tensors = {}
-    if batch.token_offset not in (0, 1):
-        raise v.fail_value(OP, "token_offset", "0 or 1", repr(batch.token_offset))
-    v.check_device(OP, device, req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
-                   extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out_cache_loc=batch.out_cache_loc,
-                   input_ids=batch.input_ids, positions=batch.positions, request_ids=batch.request_ids,
-                   expected_input_ids=batch.expected_input_ids, expected_positions=batch.expected_positions,
-                   **tensors)
 
 
 class _Inputs:
@@ -247,17 +204,22 @@ class ForwardLauncher:
     def _fused(self, phase: str, *lead) -> bool:
         """The compiled CPU backend's whole phase in one call: plan + HEAD verify + HEAD write (``numba_ops.head``),
         or accept_rewrites + TAIL verify + write + step (``numba_ops.tail``); False: one by one."""
-        fused = getattr(self.impl, phase, None)
-        at = None if fused is None else self._fusable()  # (Triton and torch have no fused calls)
+        kw = self.fused_kw(phase, *lead)
+        return kw is not None and getattr(self.impl, phase)(*kw)
+
+    def fused_kw(self, phase: str, *lead) -> tuple | None:
+        """The keyword dicts of ``phase``'s fused call (``lead``: HEAD's plan dict) for the current inputs, or
+        None where the phase runs op by op (a CPU steady step binds them: ``runtime/step/steady.py``)."""
+        at = None if getattr(self.impl, phase, None) is None else self._fusable()  # (Triton, torch: none)
         if at is None:
-            return False
+            return None
         (g, kv), c, tail = at, self.c, phase == "tail"
         verify = dict(buf=g.bufs[phase, kv], entries=g.plan.entries, ring=c.ring, counters=c.counters,
                       launch_tag=g.tag(phase, kv), sources=g.sources[kv] if tail else (),
                       real_kv_mode=c._mode(g, kv) if tail else 0)
         loc = self.inputs.loc[0]
         accept = (self._accept_kw(g, loc, kv),) if tail else ()
-        return fused(*lead, verify, self._write_kw(phase, g, loc, kv), *accept)
+        return (*lead, verify, self._write_kw(phase, g, loc, kv), *accept)
 
     def after(self, batch) -> None:
         """TAIL verify with real-KV hash, TAIL write, device step + 1 (on the side stream, after the forward)."""

@@ -10,6 +10,8 @@ everything is read at once.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -20,27 +22,22 @@ from kvcanary.runtime.streams import event_query, event_synchronize, record_even
 NUM_SLOTS = 3  # snapshots in flight before the oldest must be waited for
 
 
-class Observation:
-    """One closed step as the host read it: violations found, the rows kept, the small tensors."""
+class Observation(NamedTuple):
+    """One closed step as the host read it: violations found, the rows kept, the small tensors. A tuple: the
+    CPU's steady step (``runtime/step/steady.py``) makes one per step without a call into this module."""
 
-    __slots__ = ("step", "host_meta", "count", "rows", "small", "layout", "_values")
-
-    def __init__(self, step: int, host_meta: dict, count: int, rows: list[list[int]], small: list[int],
-                 layout: dict):
-        self.step = step  # host step the snapshot closed
-        self.host_meta = host_meta  # host-side facts recorded with it (forwards seen, sweeps asked for)
-        self.count = count  # violations found in the step (may exceed rows stored)
-        self.rows = rows  # stored violation rows
-        self.small, self.layout = small, layout  # the watched tensors, flattened (values unflattens them)
-        self._values = None
+    step: int  # host step the snapshot closed
+    host_meta: dict  # host-side facts recorded with it (forwards seen, sweeps asked for)
+    count: int  # violations found in the step (may exceed rows stored)
+    rows: list  # stored violation rows
+    small: list  # the watched tensors, flattened (values unflattens them by layout)
+    layout: dict
 
     @property
     def values(self) -> dict[str, list]:
-        """The small tensors by name, as ``tolist`` gives them (made on first use: most steps never need them)."""
-        if self._values is None:
-            small = self.small
-            self._values = {k: _unflatten(small[at:at + n], shape) for k, (at, n, shape) in self.layout.items()}
-        return self._values
+        """The small tensors by name, as ``tolist`` gives them (made per use: most steps never need them)."""
+        small = self.small
+        return {k: _unflatten(small[at:at + n], shape) for k, (at, n, shape) in self.layout.items()}
 
 
 class _Slot:

@@ -32,7 +32,8 @@ __all__ = ["SUPPORTED_RANGE", "TransformersHandle", "attach", "check_version"]
 
 # The adapter's step-path toggles: private (``tuned``), for benchmarks and tests that compare paths; the
 # defaults are what users run, and each path gives the same results.
-TUNING_OPTIONS = ("timing", "step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "bucket_batches")
+TUNING_OPTIONS = ("timing", "step_graphs", "late_hooks", "fused_steps", "in_graph_waits", "bucket_batches",
+                  "steady_steps")
 _TUNING: contextvars.ContextVar[dict] = contextvars.ContextVar("kvcanary_tuning", default={})
 
 
@@ -44,7 +45,7 @@ def tuned(**toggles: bool) -> Iterator[None]:
     canary launches from CUDA graphs; late_hooks: run a step's canary work once the engine has enqueued the
     forward; fused_steps: a steady decode step's canary work as one graph replayed after the forward;
     in_graph_waits: that graph waits for the engine's events itself; bucket_batches: pad decode batches to
-    size buckets. All default True except timing (docs/transformers.md).
+    size buckets; steady_steps: the CPU's bound steady steps. All default True except timing (docs/transformers.md).
     """
     unknown = sorted(set(toggles) - set(TUNING_OPTIONS))
     if unknown:

@@ -9,7 +9,9 @@ A step is one of:
   graph (a CUDA graph; the CPU stand-in ``runtime.graphs.DispatchGraph`` in tests), and the after work's
   TAIL and snapshot likewise;
 - **fused** (``fused.FusedSteps``): a steady decode step's whole canary work as one graph replayed after
-  the forward.
+  the forward;
+- **steady** (``steady.SteadyStep``, the CPU's eager steps with numba): a step shaped like one taken before
+  runs from the plan bound to it then (the full eager path wherever anything differs).
 
 The engine calls ``late_step`` when it starts a step (whether the canary work may wait until the forward is
 enqueued), ``before`` and ``after`` around (or after) the forward, ``engine_stream`` around canary work of
@@ -29,6 +31,7 @@ from kvcanary.runtime.graphs import CudaGraphs
 from kvcanary.runtime.step.carry import Carry
 from kvcanary.runtime.step.graphs import StepGraphs
 from kvcanary.runtime.step.staging import Staging
+from kvcanary.runtime.step.steady import SteadyStaging, SteadyStep
 from kvcanary.runtime.step.tables import StepTables
 from kvcanary.runtime.streams import event_wait, record_event, stream_cache
 
@@ -55,7 +58,7 @@ class StepRunner:
         # reads a batch after the next step refilled its buffer, and a reused batch (StepTables._cpu_batch)
         # serves every step of its shape, not one step in each of the turns (StepGraphs restores the turns:
         # its CPU stand-in replays as CUDA does)
-        source.stage = Staging(self.device, 1) if self.device.type == "cpu" else Staging(self.device)
+        source.stage = SteadyStaging(self.device, 1) if self.device.type == "cpu" else Staging(self.device)
         self.late = False  # this step's canary work waits for the forward's enqueue (late_step)
         self.ready = self._ready_event = None  # CUDA, late: the compute stream before the forward (late_step)
         self._compute = None  # (the engine's compute stream, its raw handle, its stream cache): engine_stream
@@ -66,6 +69,8 @@ class StepRunner:
         self.graphs = self._step_graphs(graph_type)
         self.fused = None if self.graphs is None else self.graphs.fused
         self.carry = Carry(self) if self.carries else None
+        # the CPU's steady decode steps from a bound plan (steady.py; None: every step takes the eager path)
+        self.steady = SteadyStep(self) if SteadyStep.applies(self) else None
 
     @property
     def stage(self) -> Staging:
@@ -129,11 +134,18 @@ class StepRunner:
             self.batch = graphs.before(h, self.engine_stream)
         else:
             c.padding_tokens = 0
+            steady = self.steady
             with self.engine_stream():
-                self.batch = self.tables.build()
-                c.before_forward(self.batch, check_now=False)  # (checked below, new reads included)
-                if c.enabled:
-                    self.tables.verify_new_reads(self.batch)
+                h = self.source.host_part()
+                batch = None if steady is None else steady.before(h)
+                if batch is None:
+                    batch = self.tables.build(h)
+                    c.before_forward(batch, check_now=False)  # (checked below, new reads included)
+                    if c.enabled:
+                        self.tables.verify_new_reads(batch)
+                        if steady is not None:
+                            steady.bind(h, batch)
+                self.batch = batch
         if c.config.check_before_forward:  # (the new tokens' read check included)
             with self.engine_stream():
                 c.check_reads_now()
@@ -144,7 +156,7 @@ class StepRunner:
         self.late = False
         if self.graphs is not None and self.graphs.inline:
             self.graphs.after(self.batch)
-        else:
+        elif self.steady is None or not self.steady.after(self.batch):
             with self.engine_stream():
                 self.canary.after_forward(self.batch)
 

@@ -70,10 +70,10 @@ class StepTables:
         elif backend == "numba":  # (compiled on first use: numba imports then)
             self.host_table, self.new_reads_match = compiled_loop(), compiled_new_reads_match()
 
-    def build(self) -> ForwardBatch:
-        """This step's batch, its device work issued eagerly."""
+    def build(self, h: HostStep | None = None) -> ForwardBatch:
+        """This step's batch (from host part ``h``, made here if None), its device work issued eagerly."""
         src = self.source
-        h = src.host_part()
+        h = src.host_part() if h is None else h
         self.check_read_length(h)
         batch = self._cpu_batch(h) if self.device.type == "cpu" else self.assemble(h)
         self.fill_read_table(batch, h)

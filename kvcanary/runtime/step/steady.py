@@ -1,0 +1,200 @@
+"""The CPU's steady step: a decode step shaped like one the runner already took runs from a bound plan.
+
+The CPU analogue of the accelerator's fused step (``fused.py``). An eager step on the CPU with the compiled
+backend (numba) passes the builder, the canary's host checks, the launcher, the slot checks, the monitor and
+the observer, each resolving again what the step before resolved: views, argument lists, validation of
+tensors it validated then. Once such a step has run, ``SteadyStep.bind`` keeps its reused batch
+(``StepTables._cpu_batch``) with the compiled calls bound to it (``ops.numba_steady.SteadyCalls``); a later
+step with the same key (the same shape, read-table width bucket and storages) runs:
+
+- before the forward: the source's host part (staged into the batch's buffer: ``SteadyStaging``), then one
+  compiled pass for the checks ``host_before`` makes (values, distinct rows), the read table, the token cells,
+  HEAD (plan, verify, write) and the slot and new-read tests (``SteadyCalls.before``);
+- after it: TAIL (``SteadyCalls.after``), the non-finite KV test, and the step's close (the monitor's
+  bookkeeping and the observation the eager close would take).
+
+Whatever differs from the bound step goes the full way: a step whose key differs, or whose canary state is not
+the bound one (a forward open, work pending, observations queued); a check that fails (the full path then
+reports or raises it, from the start); a finding of the slot or new-read tests (their full paths run, and
+report it); a sweep, allocator check, health check or stats line due at the step's close; violations or a plan
+overflow in the closing observation. So every report, record and stat is the full path's (tests/test_steady_step.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcanary.runtime.batch import TokenAppend
+from kvcanary.runtime.monitor import KEEP_BATCHES
+from kvcanary.runtime.observer import Observation
+from kvcanary.runtime.slots import _EXPONENT, _NP_INT
+from kvcanary.runtime.step.staging import Staging
+from kvcanary.runtime.step.tables import CPU_WIDTH_STEP, table_width
+from kvcanary.runtime.streams import InlineStreams
+
+__all__ = ["SteadyStaging", "SteadyStep"]
+
+
+class SteadyStaging(Staging):
+    """The CPU's staging (one turn): a steady step's kept values (one memoryview) copied into the buffer view
+    kept for their size, with no call of ``Staging.send``; anything else is ``Staging.send``."""
+
+    def send(self, parts: list, copy: bool = True, last: int | None = None):
+        words = parts[0]
+        if len(parts) == 1 and type(words) is memoryview and last is not None:
+            views = self.views.get((0, len(words)))
+            if views is not None:
+                views[4][:] = words
+                self.last_ptr = views[3]
+                return views[0], len(words) - last
+        return Staging.send(self, parts, copy, last)
+
+
+class _Bound:
+    """One bound step: its key, its batch and what the launcher holds for it, the compiled calls."""
+
+    __slots__ = ("key", "lo", "width", "batch", "inputs", "launch_key", "calls", "tokens", "loc", "offs", "finite")
+
+
+class SteadyStep:
+    """The runner's steady steps on the CPU (``StepRunner.steady``); ``taken`` / ``closed``: steps whose before /
+    after work ran bound."""
+
+    def __init__(self, runner):
+        self.runner, self.canary, self.tables, self.source = runner, runner.canary, runner.tables, runner.source
+        self.group = runner.group
+        self.bound: _Bound | None = None
+        self.open = None  # the batch of a step whose before work ran bound (its after work may too)
+        self.taken = self.closed = 0
+        mon = self.canary.monitor
+        # each group's plan entry count in the closing observation, its capacity and name (Monitor._note_overflow)
+        self.counts = [(mon.observer.layout[key][0], g.plan.entries.capacity, g.name) for g, key in mon._count_keys]
+
+    @staticmethod
+    def applies(runner) -> bool:
+        """The CPU, eager steps, the compiled backend with its fused HEAD and TAIL calls, one group."""
+        c = runner.canary
+        return (c.device.type == "cpu" and runner.graphs is None and runner.options.steady_steps
+                and runner.tables.host_table is not None and len(c.groups) == 1)
+
+    # -- binding ---------------------------------------------------------------------------------
+    def bind(self, h, batch) -> None:
+        """After an eager step's before work: keep ``batch`` (built from host part ``h``) and its compiled calls
+        if every condition of a bound step holds for it (else keep what was bound)."""
+        c, io, launcher = self.canary, h.io, self.canary.launcher
+        b = self.bound
+        if b is not None and b.batch is batch:
+            return
+        width = batch.req_to_token.shape[1]
+        if (not c.enabled or not c._check_values or c.injector is not None or c.config.check_before_forward
+                or c.host_times is not None or type(launcher.streams) is not InlineStreams or not launcher.host_ops
+                or not c.monitor.observer.eager_read or c.monitor.observer._host_parts is None
+                or self.source.oracle or self.source.windowed or h.pad or not h.T or io.use_block_table
+                or not io.max_kv_read or io.true_read_sizes[self.group] != h.total or batch.token_offset
+                or batch.expected_input_ids is not None or getattr(batch, "host_views", None) is None
+                or table_width(h.width, c.max_context, CPU_WIDTH_STEP) != width
+                or not isinstance(batch.token_history, (TokenAppend, type(None)))):
+            return
+        g = c.groups[0]
+        hist = batch.token_history
+        head, tail = self._phase_kw(batch)
+        if head is None or tail is None:
+            return
+        from kvcanary.ops.numba_steady import SteadyCalls  # (imports numba)
+
+        read = io.read_index_storage[self.group]
+        calls = SteadyCalls.bind(batch=batch, read=read, clamp_max=read.shape[0] - 1, tokens=c.token_table,
+                                 has_cells=bool(c.config.token_check and hist is not None), reserved=c.slots.reserved,
+                                 num_rows=c.num_rows, num_slots=c.pool.num_slots, max_context=c.max_context,
+                                 head_kw=head, tail_kw=tail, sources=g.sources[g.kvs[0]],
+                                 real_kv_mode=c._mode(g, g.kvs[0]))
+        if calls is None:
+            return
+        b = _Bound()
+        b.key = (h.bs, h.T, h.small, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
+                 io.write_index_storage.data_ptr(), read.data_ptr())
+        b.lo, b.width, b.batch, b.calls = h.width, width, batch, calls
+        b.inputs, b.launch_key, b.tokens = launcher.inputs, launcher.key, batch.out_cache_loc.shape[0]
+        b.loc, b.offs = batch.out_cache_loc.numpy(), g.plan.write_offsets.numpy()
+        # the non-finite KV test's sources as the slot checks read them (``slots._finite_np``)
+        b.finite = [(src.num_slots, src.page_size, _EXPONENT[src.tensor.dtype],
+                     src.byte_rows().numpy().view(_NP_INT[src.tensor.dtype.itemsize]).reshape(
+                         src.tensor.shape[0], src.page_size, -1)) for _, _, src in c.slots.float_sources]
+        self.bound = b
+
+    def _phase_kw(self, batch):
+        """The launcher's fused HEAD and TAIL keyword dicts for ``batch`` (its inputs are the bound ones)."""
+        launcher, c, g = self.canary.launcher, self.canary, self.canary.groups[0]
+        hist = batch.token_history
+        table, valid = (c.token_table, hist.valid_lens) if c.config.token_check and hist is not None else (None, None)
+        plan = dict(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
+                    extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out=g.plan, window=g.window,
+                    full_to_swa=g.table, token_table=table, token_valid_lens=valid, token_offset=batch.token_offset)
+        return launcher.fused_kw("head", plan), launcher.fused_kw("tail")
+
+    # -- per step --------------------------------------------------------------------------------
+    def before(self, h):
+        """The step's before work from the bound plan; its batch, or None (nothing done: the full path)."""
+        b, c, io = self.bound, self.canary, h.io
+        if (b is None or c._open is not None or not b.lo <= h.width <= b.width or h.pad
+                or (h.bs, h.T, h.small, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
+                    io.write_index_storage.data_ptr(), io.read_index_storage[self.group].data_ptr()) != b.key
+                or io.use_block_table or not io.max_kv_read or io.true_read_sizes[self.group] != h.total
+                or c.monitor.observer.order or c.launcher.pending is not None):
+            return None
+        code = b.calls.before()
+        if code < 0:
+            return None
+        launcher, batch = c.launcher, b.batch
+        launcher.inputs, launcher.key, launcher.staged_now, launcher.checked = b.inputs, b.launch_key, False, None
+        c._open = batch
+        if code:  # (a finding: the full paths of the checks that found it report it)
+            if code == 1:
+                c.slots.before()
+            self.tables.verify_new_reads(batch)
+        self.open = batch
+        self.taken += 1
+        return batch
+
+    def after(self, batch) -> bool:
+        """The step's after work from the bound plan; False (nothing done) where the full path takes it."""
+        b, c = self.bound, self.canary
+        if self.open is not batch or b is None or b.batch is not batch or c._open is not batch:
+            self.open = None
+            return False
+        self.open = None
+        step, cfg = c.step + 1, c.config
+        if ((cfg.sweep_interval and c.sweep_provider is not None and step % cfg.sweep_interval == 0)
+                or (cfg.allocator_check_interval and c.allocator.provider is not None
+                    and step % cfg.allocator_check_interval == 0)
+                or (cfg.health_interval and step >= cfg.warmup_steps and step % cfg.health_interval == 0)
+                or (cfg.stats_interval and step % cfg.stats_interval == 0) or not b.calls.after()):
+            return False
+        if b.finite:
+            live = b.loc[:b.offs[b.launch_key[0]]]
+            for num_slots, ps, exp, rows in b.finite:
+                s = live[(live >= 1) & (live < num_slots)]
+                if s.shape[0] and ((rows[s // ps, s % ps] & exp) == exp).any():
+                    c.slots.after()  # (reports the first such token and source)
+                    break
+        mon = c.monitor
+        obs = mon.observer
+        small = np.concatenate(obs._host_parts).tolist()
+        eager = small[0] != 0
+        for at, capacity, name in self.counts:
+            eager = eager or small[at] > capacity or mon.overflowing[name]
+        if eager:
+            c.host_after(batch)  # (the eager close: it drains, logs and raises what the observation holds)
+            return True
+        # the eager close (Canary._end_forward, Monitor.note_forward, HostObserver._read_now), for a clean step
+        c._open = None
+        c.step = step
+        mon.forwards += 1
+        mon.tokens += b.tokens - c.padding_tokens
+        mon.batches[step] = batch
+        mon.batches.pop(step - KEEP_BATCHES, None)
+        c._sweeps_unsnapshotted = False
+        self.closed += 1
+        mon.last_observation = Observation(step, {"forwards": mon.forwards, "sweeps": dict(mon.sweeps)}, 0, [], small,
+                                           obs.layout)
+        return True
