@@ -161,12 +161,21 @@ def early_free(bp, lay, state) -> None:
     bp.update_batch = update_batch
 
 
+def _requests(bp) -> list:
+    """The requests of the batch the engine's IO holds now: under async batching (two IO pairs) the current
+    pair's host half, which alone keeps them."""
+    io = bp.inputs_and_outputs
+    if hasattr(io, "io_pairs"):
+        return io.io_pairs[io.current_pair].host_io.requests_in_batch
+    return io.requests_in_batch
+
+
 def early_free_unread(bp, lay, state) -> None:
     cm, orig = lay.full_allocator(), bp.prepare_next_batch
 
     def prepare_next_batch():
         ready = orig()
-        for fs in bp.inputs_and_outputs.requests_in_batch if ready else ():
+        for fs in _requests(bp) if ready else ():
             table = cm.block_table.get(fs.state.request_id, [])
             # (after the batch's allocations: nobody takes the block before this forward reads it)
             if fs.query_length == 1 and len(table) >= 2 and _once(state):
@@ -207,7 +216,7 @@ def flip_kv(bp, lay, state) -> None:
 
     def step(model):
         orig(model)
-        for fs in bp.inputs_and_outputs.requests_in_batch:
+        for fs in _requests(bp):
             st = fs.state
             table = lay.block_table(lay.full_group).get(st.request_id, [])
             # A token this forward read (in the prefix), not one it wrote.
@@ -293,11 +302,9 @@ def first_layer_fork_copy(bp, lay, state) -> None:
 
 def history_short(bp, lay, state) -> None:
     orig = bp.update_batch
-    io = bp.inputs_and_outputs
-
     def update_batch():
         orig()
-        for fs in io.requests_in_batch:
+        for fs in _requests(bp):
             st = fs.state
             if len(st.generated_tokens) >= 2 and st.status != 3 and _once(state):
                 del st.generated_tokens[-1]
