@@ -88,8 +88,7 @@ class TokenRows:
         valid, cell_rows, cell_cols, cell_tokens, sent = [], [], [], [], self.sent
         runs = []  # (row, have, need, tokens) of requests with many new cells (prefill chunks)
         # async: the requests whose newest token the last forward sampled (carried over: on the device only)
-        aio = self.s.bp.inputs_and_outputs
-        carried = aio.io_pairs[1 - aio.current_pair].host_io.req_id_to_new_token_position if self.carries else {}
+        carried = self._carried() if self.carries else {}
         for fs, name, row, p, q in zip(reqs, names, rows, prefix, extend):
             need = history_need(p + q, name in carried)
             valid.append(need)
@@ -271,6 +270,7 @@ class BatchBuilder(TokenRows):
     """The adapter's ``EngineSource``: each step's host part and inputs, and an eager step's extras."""
 
     stage = None  # the runner's Staging (set by the runner)
+    carries, pairs = False, None  # async batching's two IO pairs (__init__)
 
     def __init__(self, session):
         self.s = session
@@ -294,6 +294,11 @@ class BatchBuilder(TokenRows):
         self.carries = hasattr(aio, "io_pairs")
         self.pairs = [PairInputs(p.device_io, p.host_io, aio.compute_stream) for p in aio.io_pairs] \
             if self.carries else None
+
+    def _carried(self) -> dict:
+        """The requests whose newest token the last forward sampled (carried over: on the device only)."""
+        aio = self.s.bp.inputs_and_outputs
+        return aio.io_pairs[1 - aio.current_pair].host_io.req_id_to_new_token_position
 
     @property
     def inputs(self):
