@@ -11,22 +11,9 @@ pytest.importorskip("numba")
 from kvcanary.runtime.step.steady import SteadyStep  # noqa: E402
 from kvcanary.sim.config import SimConfig  # noqa: E402
 from kvcanary.sim.engine import SimEngine, default_canary_config  # noqa: E402
+from test_step_runner import flip_live_kv  # noqa: E402  (one plant for both files)
 
 CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=32, max_steps=60)
-
-
-def flip_live_kv(engine: SimEngine, at_step: int) -> None:
-    """Flip one byte of layer 0's K of a running request's first slot before step ``at_step``'s forward."""
-    step = engine.step
-
-    def flipping():
-        if engine.step_no + 1 == at_step:
-            r = next(r for r in engine.sched.running if r.slots)
-            slot, ps = r.slots[0], engine.cfg.page_size
-            engine.model.k[0][slot // ps, (slot % ps) * (engine.model.k[0].shape[1] // ps)] ^= 0x55
-        step()
-
-    engine.step = flipping
 
 
 def sim_run(steady: bool, bug=None, flip=False):
