@@ -177,6 +177,9 @@ class ForwardLauncher:
         x = self.inputs
         self.key = (batch.batch_size, batch.num_tokens, x.exp_ids is not None, x.exp_pos is not None,
                     x.writer_ids is not None)
+        # at most this many prefix entries in the step's plan (a row's prefix fits its table row): what a device
+        # pass over them needs to look at, not the plan's whole capacity (runtime/slots.py)
+        self.entry_bound = batch.batch_size * batch.req_to_token.shape[1]
         table, valid = self._refill_tokens(batch)
         plans = [dict(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
                       extend_lens=batch.extend_lens, req_to_token=batch.req_to_token, out=g.plan, window=g.window,

@@ -91,7 +91,7 @@ class SlotChecks:
                 read = self._slot_np[:max(0, min(int(self._count_np[0]), self._slot_np.shape[0]))]
                 if not self._any_reserved(read) and not self._any_reserved(loc.numpy()[:written]):
                     return
-            self.check_entries(g.plan.entries, g.tag("head", "k"))
+            self.check_entries(g.plan.entries, g.tag("head", "k"), c.launcher.entry_bound)
             n = self._live_tokens(loc)
             if not n:
                 return
@@ -106,12 +106,12 @@ class SlotChecks:
                                     minus, self._request_ids(i), minus, torch.where(hit[i], WRITE, 0)], 1)
             self._push(rows, hit)
 
-    def check_entries(self, entries, launch_tag: int) -> None:
+    def check_entries(self, entries, launch_tag: int, bound: int | None = None) -> None:
         """Report entries (read slots) that name a reserved slot: the verify op skips slot 0 silently. An
         adapter that verifies read entries of its own (new tokens' read cells) calls it after that verify."""
         if self.reserved is None:
             return
-        n = entries.capacity
+        n = entries.capacity if bound is None else max(0, min(entries.capacity, bound))
         if self._host():  # (the count is free to read there)
             n = min(n, max(0, int(entries.count[0])))
             if not n or not self._any_reserved(entries.slot[:n].numpy()):
