@@ -85,10 +85,10 @@ def run_workload(model, *, canary: bool = True, bug: str | None = None, device: 
           "use_async_batching": False, "use_cuda_graph": False, "scheduler_type": "fifo",
           "allow_block_sharing": not sliding, **(cb or {})}
     cbc = cb_config(**cb)
-    undo = plant(model, bug) if bug else None
-    handle = attach_with(model, **{"mode": "log", "sweep_interval": 4, **options}) if canary else None
-    t0 = time.perf_counter()
-    try:
+    undo, handle = plant(model, bug) if bug else None, None
+    try:  # (an attach that refuses its options leaves the model without the planted bug too)
+        handle = attach_with(model, **{"mode": "log", "sweep_interval": 4, **options}) if canary else None
+        t0 = time.perf_counter()
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc)
     finally:
         if handle is not None:

@@ -112,7 +112,19 @@ def test_sim_bug_only_some_schedules_expose_is_found_and_replays(tmp_path, capsy
 # -- transformers: a clean tiny run, and a planted bug ------------------------------------------------------
 @transformers_installed
 def test_transformers_clean_runs_have_no_finding():
+    from transformers import __version__
+
+    from kvcanary.integrations.transformers.layout import parse_version
+
     s = run_fuzz("transformers", workloads=2, perturbations=2, seed=0)
+    if parse_version(__version__) < (5, 18):
+        # transformers 5.17's own bug, which these schedules meet: a forked request (parallel sampling) whose whole
+        # prompt is cached blocks keeps one token to prefill, and the scheduler's fork rule then gives it a budget
+        # of 0 tokens: a forward of none fails it. The engine fails alike without the canary; nothing is reported.
+        assert s["findings"] and s["engine_own_failures"] == len(s["findings"]), s["findings"]
+        assert all("cannot reshape tensor of 0 elements" in f["findings"][0] for f in s["findings"]), s["findings"]
+        assert s["violations"] == 0 and s["token_mismatches"] == 0 and s["runs"] == 6
+        return
     assert s["findings"] == [], s["findings"]
     assert s["ok"] and s["violations"] == 0 and s["token_mismatches"] == 0 and s["runs"] == 6
 
@@ -139,8 +151,7 @@ def test_near_tie_is_the_logit_margin_below_the_tolerance():
     assert margin("req_1", 2, 11, 11) == 0.0  # a token against itself: a tie
     import torch
 
-    with torch.no_grad():
-        logits = model(torch.tensor([list(w.prompts[1]) + [5, 6]])).logits[0, -1]
+    logits = hf_fuzz.plain_logits(model, torch.tensor([list(w.prompts[1]) + [5, 6]]))[0, -1]
     top, bottom = int(logits.argmax()), int(logits.argmin())
     assert margin("req_1", 2, top, bottom) is None  # far apart: a real divergence
 

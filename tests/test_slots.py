@@ -226,10 +226,9 @@ def read_past_length(bp, lay, state):
     """Once, a decode's key length is taken from its last block's end, not its length: the read index lists
     (and attention reads: its key length follows, the mask is causal from the end) the block's unused tail."""
     cm = lay.full_allocator()
-    orig_len, orig_read, B = cm.get_seqlen_k, cm.get_read_indices, cm.tokens_per_page
+    orig_read, B = cm.get_read_indices, lay.block_size
 
-    def get_seqlen_k(past_length, query_length):  # (called for each request just before its read indices)
-        n = orig_len(past_length, query_length)
+    def seqlen_k(n, past_length, query_length):  # (asked for each request just before its read indices)
         if query_length == 1 and past_length >= 3 and n % B and _once(state):
             state["tail"] = (past_length, query_length)
             return n + B - n % B
@@ -241,21 +240,22 @@ def read_past_length(bp, lay, state):
             return orig_read(request_id, n + B - n % B - query_length, query_length)  # the block's whole tail
         return orig_read(request_id, past_length, query_length)
 
-    cm.get_seqlen_k, cm.get_read_indices = get_seqlen_k, get_read_indices
+    lay.wrap_seqlen_k(seqlen_k)
+    cm.get_read_indices = get_read_indices
 
 
 def nan_write(bp, lay, state):
-    cm = lay.full_allocator()
-    orig = cm.update
+    writer = lay.kv_writer()
+    orig = writer.update
 
-    def update(key_states, value_states, layer_idx, read_index, write_index):
+    def update(key_states, value_states, layer_idx, *args, **kwargs):
         state["layer0"] = state.get("layer0", 0) + (layer_idx == 0)
         if layer_idx == 0 and state["layer0"] == 4 and _once(state):
             key_states = key_states.clone()
             key_states[0, 0, 0] = float("nan")  # the first layer's K of the fourth forward's first token
-        return orig(key_states, value_states, layer_idx, read_index, write_index)
+        return orig(key_states, value_states, layer_idx, *args, **kwargs)
 
-    cm.update = update
+    writer.update = update
 
 
 def use_after_free(bp, lay, state):
@@ -293,7 +293,24 @@ def run(model, planter=None, **options):
             undo()
 
 
+def refused_on_517(model, **options) -> bool:
+    """On transformers 5.17 (no block pool) attach refuses poison on free, before it hooks anything: True there."""
+    from kvcanary.integrations.transformers.handle import live_handle
+    from kvcanary.sim.hf_reach import has_block_pool
+
+    if has_block_pool():
+        return False
+    version = __import__("transformers").__version__
+    with pytest.raises(ValueError, match=rf"poison_on_free needs transformers >= 5\.18.*got {version}"):
+        run(model, **options)
+    assert live_handle(model) is None and "init_continuous_batching" not in vars(model)
+    return True
+
+
 def test_transformers_clean_with_every_slot_check_and_poison(llama):
+    if refused_on_517(llama, poison_on_free=True):
+        assert run(llama).violations == []  # (every slot check but poison)
+        return
     r = run(llama, poison_on_free=True)
     assert r.violations == [] and r.stats["poisoned_slots"] > 0
 
@@ -324,6 +341,8 @@ def test_transformers_nan_write_is_reported_with_its_writer(llama):
 
 
 def test_transformers_read_of_a_freed_block_reads_poison(llama):
+    if refused_on_517(llama, planter=use_after_free, poison_on_free=True):
+        return
     r = run(llama, use_after_free, poison_on_free=True)
     poisoned = [v for v in r.violations if v.poisoned]
     assert poisoned and poisoned[0].reasons == ("verify_real_kv_hash",) and poisoned[0].reader_request is not None

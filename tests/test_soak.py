@@ -72,8 +72,11 @@ def test_transformers_slice_is_clean():
     for event in ("prefix_hits", "fork_block_copies", "soft_resets", "offloaded_requests", "restored_requests",
                   "sweeps"):
         assert s["events"][event]["workloads"] > 0, event
-    # and the allocator check ran in every workload (docs/allocator.md)
-    assert s["events"]["allocator_checks"]["workloads"] == HF_SLICE
+    # and the allocator check ran in every workload (docs/allocator.md), where the engine has a block pool: transformers
+    # 5.17 refuses it, and its workloads run without
+    from kvcanary.sim.hf_reach import has_block_pool
+
+    assert s["events"]["allocator_checks"]["workloads"] == (HF_SLICE if has_block_pool() else 0)
 
 
 def test_sim_slice_is_clean():

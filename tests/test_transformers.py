@@ -229,6 +229,19 @@ def test_version_gate_names_the_range():
     assert check_version("4.57.0", allow_unsupported=True) == "4.57.0"
 
 
+def test_block_pool_options_are_refused_below_5_18_naming_them_and_the_version():
+    from kvcanary.runtime import CanaryConfig
+
+    both = CanaryConfig(allocator_check_interval=1, poison_on_free=True)
+    with pytest.raises(ValueError, match=r"allocator_check_interval and poison_on_free need transformers >= 5\.18's "
+                                         r"block pool and ledger, got 5\.17\.0"):
+        check_version("5.17.0", config=both)
+    with pytest.raises(ValueError, match=r"^kv-canary: poison_on_free needs transformers >= 5\.18.*got 5\.17\.0"):
+        check_version("5.17.0", config=CanaryConfig(poison_on_free=True))
+    assert check_version("5.17.0", config=CanaryConfig()) == "5.17.0"
+    assert check_version("5.18.0", config=both) == "5.18.0" and check_version("5.24.0", config=both) == "5.24.0"
+
+
 @pytest.mark.parametrize("generation", ["blocks", "sectors"])
 def test_a_paged_cache_without_the_fields_read_is_named_not_an_attribute_error(generation):
     """allow_unsupported_version on a transformers whose paged cache moved a field: the session's layout

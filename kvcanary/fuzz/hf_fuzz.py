@@ -183,12 +183,29 @@ def near_tie(model, w: HfWorkload, reference: Run):
     def margin(key: str, index: int, want: int, got: int) -> float | None:
         prompt = list(w.prompts[int(key.split("__")[0].removeprefix("req_"))])
         ids = torch.tensor([prompt + reference.tokens[key][:index]], device=model.device)
-        with torch.no_grad():
-            logits = model(ids).logits[0, -1].float()
+        logits = plain_logits(model, ids)[0, -1].float()
         m = abs(float(logits[want] - logits[got]))
         return m if m < TIE_TOLERANCE else None
 
     return margin
+
+
+def plain_logits(model, ids):
+    """The logits of a plain forward (no cache) over ``ids``. The tiny models run transformers 5.17's
+    ``paged|sdpa``, which serves continuous batching's forwards only (a plain one raises), so its plain
+    ``sdpa`` runs this one; from 5.18 ``sdpa`` is both."""
+    import torch
+
+    impl = model.config._attn_implementation
+    plain = impl.removeprefix("paged|")
+    if plain != impl:
+        model.set_attn_implementation(plain)
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        if plain != impl:
+            model.set_attn_implementation(impl)
 
 
 def hf_schedules(seed: int, perturbations: list[int]) -> list[HfPerturbation]:

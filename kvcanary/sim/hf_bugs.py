@@ -179,7 +179,7 @@ def early_free_unread(bp, lay, state) -> None:
             table = cm.block_table.get(fs.state.request_id, [])
             # (after the batch's allocations: nobody takes the block before this forward reads it)
             if fs.query_length == 1 and len(table) >= 2 and _once(state):
-                bp.cache.pool.free_blocks(cm.index, [table[0]])
+                lay.free_now(table[0])
                 break
         return ready
 

@@ -18,7 +18,7 @@ import inspect
 
 import torch
 
-__all__ = ["attach_with", "cb_config", "reach", "sdpa_name"]
+__all__ = ["attach_with", "cb_config", "has_block_pool", "reach", "sdpa_name"]
 
 FULL = "full_attention"
 
@@ -29,6 +29,16 @@ def sdpa_name() -> str:
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     return "sdpa" if hasattr(PagedAttentionCache, "perform_cache_copy") else "paged|sdpa"
+
+
+def has_block_pool() -> bool:
+    """Whether the installed transformers' paged cache is 5.18's, with the block pool and ledger that the options
+    of ``layout.POOL_OPTIONS`` (the allocator check, poison on free) read; attach refuses them on 5.17."""
+    import transformers
+
+    from kvcanary.integrations.transformers.layout import parse_version
+
+    return parse_version(transformers.__version__) >= (5, 18)
 
 
 def cb_config(**kwargs):
@@ -89,6 +99,20 @@ class _Reach:
         """The object holding the full group's ``block_table``, ``get_read_indices``, ``get_write_indices``."""
         raise NotImplementedError
 
+    def kv_writer(self):
+        """The object whose ``update(key_states, value_states, layer_idx, ...)`` stores a forward's new K and V of
+        each full-attention layer (wrap it per instance to change what a write stores)."""
+        raise NotImplementedError
+
+    def wrap_seqlen_k(self, replace) -> None:
+        """Per instance: ``replace(n, past_length, query_length)`` gives a request's full-group key length ``n``
+        (the engine asks for it just before the request's read indices)."""
+        raise NotImplementedError
+
+    def free_now(self, block: int) -> None:
+        """Give a full-group block back as the engine frees one, whoever still maps it."""
+        raise NotImplementedError
+
     def zero_pool(self) -> None:
         raise NotImplementedError
 
@@ -141,6 +165,18 @@ class SectorReach(_Reach):
 
     def full_allocator(self):
         return self.cache.cache_allocators[FULL]
+
+    def kv_writer(self):
+        return self.full_allocator()
+
+    def wrap_seqlen_k(self, replace) -> None:
+        a = self.full_allocator()
+        orig = a.get_seqlen_k
+        a.get_seqlen_k = lambda past_length, query_length: replace(orig(past_length, query_length), past_length,
+                                                                   query_length)
+
+    def free_now(self, block: int) -> None:
+        self.cache.pool.free_blocks(self.full_allocator().index, [block])
 
     def zero_pool(self) -> None:
         self.cache.cache_tensor.zero_()
@@ -232,6 +268,25 @@ class BlockReach(_Reach):
 
     def full_allocator(self):
         return self.cache.group_cache_managers[self.full_group]
+
+    def kv_writer(self):
+        return self.cache  # (one update for every layer group)
+
+    def wrap_seqlen_k(self, replace) -> None:
+        cache = self.cache
+        orig = cache.get_seqlens_k  # (one dict of every attention type's length)
+
+        def get_seqlens_k(past_length, query_length):
+            lengths = orig(past_length, query_length)
+            lengths[FULL] = replace(lengths[FULL], past_length, query_length)
+            return lengths
+
+        cache.get_seqlens_k = get_seqlens_k
+
+    def free_now(self, block: int) -> None:
+        # (a complete shared block freed through the block manager would stay cached: its content kept, not free;
+        # the front of the free list is where the engine's next allocation takes it, as after a real free)
+        self.hand_out_next(block)
 
     def zero_pool(self) -> None:
         for t in (*self.cache.key_cache, *self.cache.value_cache):

@@ -56,8 +56,9 @@ def generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None, *
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    from kvcanary.integrations.transformers.layout import POOL_OPTIONS
     from kvcanary.sim.hf_bugs import plant
-    from kvcanary.sim.hf_reach import attach_with
+    from kvcanary.sim.hf_reach import attach_with, has_block_pool
 
     if w.greedy:
         # forks need sampling in transformers' batching; top_k=1 keeps it greedy and deterministic
@@ -69,7 +70,10 @@ def generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None, *
     cbc = ContinuousBatchingConfig(**{**engine_config(w, device), **(overrides or {})})
     undo_shims = wrap_processors(model, processor_shims(w, device, reserve_padding=not canary) + list(shims))
     undo_bug = plant(model, bug) if bug else None
-    handle = attach_with(model, mode="log", **dict(w.canary_options)) if canary else None
+    # (5.17's cache has no block pool: attach refuses the allocator check and poison on free there, so a workload
+    # runs without them)
+    options = {k: v for k, v in w.canary_options if has_block_pool() or k not in POOL_OPTIONS}
+    handle = attach_with(model, mode="log", **options) if canary else None
     try:
         out = model.generate_batch([list(p) for p in w.prompts], generation_config=gen,
                                    continuous_batching_config=cbc)

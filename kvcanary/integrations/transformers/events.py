@@ -7,7 +7,7 @@ a failed request to update. So ``EngineAborts.request`` only queues it, and ``ap
 delivered with the error (``FAILED``, the tokens generated so far), and it is cancelled, so the scheduler
 frees its blocks before the next batch.
 
-Blocks (transformers 5.18 and later; 5.17's block manager is left unchecked and unpoisoned): every block the
+Blocks (transformers 5.18 and later; on 5.17 attach refuses both users, ``layout.POOL_OPTIONS``): every block the
 cache gives back goes through ``cache.pool.free_blocks(index, blocks)`` (a finished or evicted request's
 blocks, evicted prefix-cache blocks, dedup duplicates), wrapped once by ``watch_blocks`` for two users:
 
@@ -68,7 +68,7 @@ class EngineAborts:
 def watch_blocks(session) -> FreedBlocks | None:
     """Give ``session``'s canary the full-attention allocator's state and wrap the pool's ``free_blocks``
     once, noting each full-group free for the allocator check and, with poison on free, for ``FreedBlocks``
-    (returned, else None). Nothing on a cache without a pool (5.17)."""
+    (returned, else None). Nothing on a cache without a pool (5.17, where attach refuses both users)."""
     cache = session.bp.cache
     pool = getattr(cache, "pool", None)
     full = getattr(cache, "cache_allocators", {}).get(FULL)

@@ -91,7 +91,6 @@ def attach(model_or_manager, config: CanaryConfig | None = None, *, mode: str | 
     except ImportError as e:
         raise ImportError(f"kv-canary: attach needs the transformers package, got an ImportError ({e}); install "
                           "it with pip install 'kv-canary[transformers]'") from e
-    check_version(allow_unsupported=allow_unsupported_version)
     live = live_handle(model_or_manager)
     if live is not None:
         # Two handles on one engine would stack their hooks; detaching them out of order reinstalls the
@@ -102,6 +101,7 @@ def attach(model_or_manager, config: CanaryConfig | None = None, *, mode: str | 
     overrides = {k: v for k, v in (("mode", mode), ("check_v", check_v), ("real_kv", real_kv),
                                    ("sweep_interval", sweep_interval)) if v is not None}
     config = CanaryConfig.from_env(**overrides) if config is None else config.replace(**overrides)
+    check_version(allow_unsupported=allow_unsupported_version, config=config)  # (before any hook)
     _warn_unused(options, config)
     handle = TransformersHandle(config, options)
     try:

@@ -32,6 +32,8 @@ _RANGES = (((5, 17), (5, 25)),)
 SUPPORTED_RANGE = " or ".join(f">={a[0]}.{a[1]},<{b[0]}.{b[1]}" for a, b in _RANGES)
 # async batching's IO as 5.24 has it (docs/notes/async_batching.md; its instances' io_pairs, current_pair, h2d_stream)
 _ASYNC_IO = ("get_cb_kwargs", "carry_over_tokens", "swap_io_pairs", "get_model_kwargs")
+# CanaryConfig fields that read 5.18's block pool and its allocators' ledger (5.17's block manager has neither)
+POOL_OPTIONS = ("allocator_check_interval", "poison_on_free")
 
 
 def patcher() -> Patcher:
@@ -47,8 +49,9 @@ def parse_version(text: str) -> tuple[int, int]:
     return tuple(parts + [0] * (2 - len(parts)))
 
 
-def check_version(version: str | None = None, allow_unsupported: bool = False) -> str:
-    """The installed transformers version; raises unless it is in ``SUPPORTED_RANGE``."""
+def check_version(version: str | None = None, allow_unsupported: bool = False, config=None) -> str:
+    """The installed transformers version; raises unless it is in ``SUPPORTED_RANGE``, and a ``ValueError``
+    naming the ``POOL_OPTIONS`` that ``config`` (a ``CanaryConfig``) turns on below 5.18."""
     if version is None:
         import transformers
 
@@ -57,6 +60,11 @@ def check_version(version: str | None = None, allow_unsupported: bool = False) -
         raise RuntimeError(f"kv-canary: transformers must be {SUPPORTED_RANGE} (the continuous-batching internals "
                            f"the integration hooks were verified there), got {version}; pass "
                            "allow_unsupported_version=True to try anyway")
+    on = " and ".join(name for name in POOL_OPTIONS if config is not None and getattr(config, name))
+    if on and parse_version(version) < (5, 18):
+        raise ValueError(f"kv-canary: {on} need{'' if ' and ' in on else 's'} transformers >= 5.18's block pool "
+                         f"and ledger, got {version}; turn it off on this version (docs/transformers.md, "
+                         "\"Two paged-cache generations\")")
     return version
 
 
