@@ -1,4 +1,4 @@
-"""Knobs of the simulated engine, and the named configurations the zoo runs.
+"""Knobs of the simulated engine, the named configurations the zoo runs, and what a run returns.
 
 A ``SimConfig`` fixes everything a run depends on: the KV layout (page size, an
 optional sliding-window pool), the scheduler features (chunked prefill, speculative
@@ -9,7 +9,7 @@ most one planted bug. Two runs with the same config are identical, step for step
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -134,3 +134,41 @@ MATRIX: dict[str, SimConfig] = {
 def matrix(seed: int = 0, **overrides) -> list[SimConfig]:
     """The zoo matrix with ``seed`` (and any overrides) applied to every configuration."""
     return [cfg.replace(seed=seed, **overrides) for cfg in MATRIX.values()]
+
+
+@dataclass
+class SimResult:
+    """What one run did and what the canary said about it."""
+
+    config: str
+    features: str
+    seed: int
+    bug: str | None
+    steps: int
+    planted_step: int | None  # first step the planted bug took effect (None: it never did)
+    bug_hits: int
+    violations: int  # total violations counted by the canary
+    first_detected_step: int | None
+    first_report: str | None  # launch tag and reasons of the first violation, e.g. "HEAD_K_FULL verify_token"
+    reasons: list[str]
+    launch_tags: list[str]
+    finished: int
+    aborted: int  # by the client (the workload)
+    retractions: int
+    cache_hit_tokens: int
+    offloads: int
+    loadbacks: int
+    tokens_protected: int
+    wall_s: float
+    health_problems: list[str] = field(default_factory=list)
+    # the canary's refusal of a forward whose batch gave one request row to two requests (SharedRowError):
+    # the run ends there, as an engine's would on that error
+    refused: str | None = None
+    failed: int = 0  # requests failed through the engine's error path: the canary's mode "abort"
+
+    @property
+    def detected(self) -> bool:
+        return self.violations > 0 or self.refused is not None
+
+    def to_dict(self) -> dict:
+        return asdict(self)

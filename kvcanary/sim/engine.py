@@ -12,7 +12,6 @@ instead, from the engine's inputs (``step_source.py``): the second source of its
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -25,7 +24,7 @@ from kvcanary.runtime.step import StepRunner
 from kvcanary.runtime.allocator import CACHE_HOLDER, AllocatorSnapshot, BlockTable
 from kvcanary.sim.bugs import BugSwitch
 from kvcanary.sim.cache import CacheManager
-from kvcanary.sim.config import SimConfig
+from kvcanary.sim.config import SimConfig, SimResult  # noqa: F401  (SimResult: the zoo imports it here)
 from kvcanary.sim.kvpool import KvPool
 from kvcanary.sim.model import WORDS, MockModel
 from kvcanary.sim.offload import HostCache
@@ -44,44 +43,6 @@ def default_canary_config(cfg: SimConfig) -> CanaryConfig:
     allocator check every step."""
     return CanaryConfig(mode="log", backend="torch", real_kv="partial", sweep_interval=cfg.sweep_interval,
                         report_blocks=0, health_interval=10, ring_capacity=32, allocator_check_interval=1)
-
-
-@dataclass
-class SimResult:
-    """What one run did and what the canary said about it."""
-
-    config: str
-    features: str
-    seed: int
-    bug: str | None
-    steps: int
-    planted_step: int | None  # first step the planted bug took effect (None: it never did)
-    bug_hits: int
-    violations: int  # total violations counted by the canary
-    first_detected_step: int | None
-    first_report: str | None  # launch tag and reasons of the first violation, e.g. "HEAD_K_FULL verify_token"
-    reasons: list[str]
-    launch_tags: list[str]
-    finished: int
-    aborted: int  # by the client (the workload)
-    retractions: int
-    cache_hit_tokens: int
-    offloads: int
-    loadbacks: int
-    tokens_protected: int
-    wall_s: float
-    health_problems: list[str] = field(default_factory=list)
-    # the canary's refusal of a forward whose batch gave one request row to two requests (SharedRowError):
-    # the run ends there, as an engine's would on that error
-    refused: str | None = None
-    failed: int = 0  # requests failed through the engine's error path: the canary's mode "abort"
-
-    @property
-    def detected(self) -> bool:
-        return self.violations > 0 or self.refused is not None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class SimEngine:
