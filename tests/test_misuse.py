@@ -405,9 +405,10 @@ def test_zoo_defaults_run_without_warnings(no_runs, capsys):
 
 def test_bench_timeout_without_engine_warns(monkeypatch, capsys):
     import kvcanary.bench.ops as bench
+    from kvcanary.cli import campaigns
 
     monkeypatch.setattr(bench, "bench_main", lambda args: {"meta": {}, "results": [{"workload": "w"}]})
-    monkeypatch.setattr(cli, "emit", lambda *a: None)
+    monkeypatch.setattr(campaigns, "emit", lambda *a: None)
     assert cli.main(["bench", "--timeout", "5", "--providers", "torch"]) == 0
     assert "kvcanary bench: warning: --timeout has no effect without --engine" in capsys.readouterr().err
 

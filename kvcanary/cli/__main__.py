@@ -1,0 +1,7 @@
+"""``python -m kvcanary.cli``: the ``kvcanary`` command."""
+
+import sys
+
+from kvcanary.cli import main
+
+sys.exit(main())
