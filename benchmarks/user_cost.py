@@ -74,13 +74,13 @@ def workload(name: str, seed: int = 0) -> tuple[list[list[int]], list[int]]:
 def run_arm(model, arm: str, prompts, new_tokens) -> dict:
     """One whole generation; returns seconds, generated tokens per request, violations."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from kvcanary.sim.hf_reach import cb_config
 
     fast = arm in ("fast", "canary_fast")
     graphs = fast or arm in ("graphs",) + CANARY_GRAPH_ARMS
     longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
     blocks = len(prompts) * (longest // BLOCK + 2) + 16
-    cbc = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=blocks, max_batch_tokens=1024,
+    cbc = cb_config(block_size=BLOCK, num_blocks=blocks, max_batch_tokens=1024,
                                    use_cuda_graph=graphs, use_async_batching=fast, scheduler_type="fifo")
     gen = GenerationConfig(max_new_tokens=max(new_tokens), eos_token_id=-1, do_sample=False)
     handle = None
@@ -153,7 +153,10 @@ def main(argv=None) -> int:
     for name in a.workloads.split(","):
         prompts, new = workload(name)
         for arm in arms:  # warm-up: kernels, allocator, autotuning
+            t = time.perf_counter()
             run_arm(model, arm, prompts, new)
+            # (a line per warm-up: a call cut by its time limit still says how far it got)
+            print(f"[{name}] warm-up {arm}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         runs = {arm: [] for arm in arms}
         for r in range(a.rounds):
             if r and time.perf_counter() - start > a.budget_s:

@@ -56,7 +56,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     the timed steps.
     """
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from kvcanary.sim.hf_reach import cb_config
 
     from kvcanary.sim.hf_reach import attach_with
 
@@ -72,7 +72,7 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     if wl.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(wl.device)
     try:
-        manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(**wl.cb))
+        manager = model.init_continuous_batching(gen, cb_config(**wl.cb))
         bp = manager._create_batch_processor()
         manager.batch_processor = bp
         for i, p in enumerate(wl.prompts):

@@ -60,7 +60,7 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
     ``(batch, tokens, measured, seconds by part)`` per step), outputs, the canary's host seconds per
     measured step (``parts``), violations found and the session's timing row of every step (``timings``)."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from kvcanary.sim.hf_reach import cb_config
 
     from kvcanary.sim.hf_reach import attach_with
 
@@ -73,7 +73,7 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
     parts, violations, timings = [], 0, []
     try:
         for c in (False, True):
-            m = model.init_continuous_batching(gen, ContinuousBatchingConfig(**wl.cb))
+            m = model.init_continuous_batching(gen, cb_config(**wl.cb))
             if c and attach_canary:
                 handle = attach_with(m, config=wl.canary_config, mode="log", timing=True, **wl.attach_options)
             bps[c] = m.batch_processor = m._create_batch_processor()
