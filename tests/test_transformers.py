@@ -171,21 +171,9 @@ def test_token_oracle_drives_generation(llama):
 
 def enable_cpu_pool(model, blocks=64):
     """transformers' CPU swap pool needs pinned memory; on a CPU-only machine give it plain tensors."""
-    orig_init = model.init_continuous_batching
-
-    def init(*a, **k):
-        manager = orig_init(*a, **k)
-        orig_create = manager._create_batch_processor
-
-        def create():
-            bp = orig_create()
-            reach(layout_of(bp.cache)).plain_cpu_swap_pool(bp.offloading_manager, blocks)
-            return bp
-
-        manager._create_batch_processor = create
-        return manager
-
-    return rebind(model, init)
+    return hf_bugs.on_new_processors(
+        model, lambda bp: reach(layout_of(bp.cache)).plain_cpu_swap_pool(bp.offloading_manager, blocks),
+        "_kvcanary_test_cpu_pool")
 
 
 PRESSURE = dict(prompts=[[(11 * k + 3 * i) % 512 for i in range(10 + k)] for k in range(8)], max_new_tokens=24,

@@ -23,8 +23,8 @@ from kvcanary.ops import numba_kernels as k
 from kvcanary.ops import torch_ops
 from kvcanary.ops.numba_views import _EMPTY64, _EMPTY_TABLE, _Args, _i64, _np, _np64, _raw, _storage_bytes, _words
 
-__all__ = ["accept_rewrites", "fingerprint", "head", "head_args", "plan", "scatter_req_token_ids", "tail", "tail_args",
-           "verify", "write"]
+__all__ = ["accept_rewrites", "fill_constants", "fingerprint", "head", "head_args", "head_state", "plan",
+           "scatter_req_token_ids", "tail", "tail_args", "verify", "write"]
 
 def _fingerprints(slots: np.ndarray, sources, real_kv_mode: int) -> np.ndarray:
     """int64 real-KV hash of each slot (SPEC 3.4), source by source like the reference."""
@@ -200,13 +200,23 @@ def head(plan_kw: dict, verify_kw: dict, write_kw: dict) -> bool:
     a = head_args(plan_kw, verify_kw, write_kw)
     if a is None:
         return False
-    w, args = write_kw, a.call()
+    k.head(*head_state(a, fill_constants(a, a.call(), verify_kw, write_kw)))
+    return True
+
+
+def fill_constants(a: _Args, args: list, verify_kw: dict, write_kw: dict) -> list:
+    """``args`` with the values HEAD and TAIL take from their keyword dicts (the same for every step of a bound
+    batch: ``numba_steady``): the verify's token check and tag, the write's request count and tag."""
     args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
-    args[a.requests], args[a.write_tag] = int(w["num_requests"]), int(w["launch_tag"])
+    args[a.requests], args[a.write_tag] = int(write_kw["num_requests"]), int(write_kw["launch_tag"])
+    return args
+
+
+def head_state(a: _Args, args: list) -> list:
+    """``args`` with HEAD's values read at call time: the chain check's switch and the step."""
     args[a.chain] = a.chain_view is not None and int(a.chain_view[0]) != 0
     args[a.step] = -1 if a.step_view is None else int(a.step_view[0])
-    k.head(*args)
-    return True
+    return args
 
 
 def head_args(plan_kw: dict, verify_kw: dict, write_kw: dict) -> _Args | None:
@@ -275,15 +285,13 @@ def tail(verify_kw: dict, write_kw: dict, accept_kw: dict | None = None) -> bool
     a = tail_args(verify_kw, write_kw, accept_kw)
     if a is None:
         return False
-    w, args = write_kw, a.call()
+    w, args = write_kw, fill_constants(a, a.call(), verify_kw, write_kw)
     slot, locs = args[a.slots], args[a.locs]
     # the entries' own count bounds the fingerprint pass (the kernel re-reads enable and count itself)
     n = max(0, min(int(a.count[0]), slot.shape[0])) if a.enable[0] else 0
-    args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
     args[a.verify_fp] = _fingerprints(slot[:n], verify_kw.get("sources", ()), int(verify_kw.get("real_kv_mode", 0)))
-    args[a.requests], args[a.step] = int(w["num_requests"]), int(a.steps[0])
     args[a.write_fp] = _fingerprints(locs, w.get("sources", ()), int(w.get("real_kv_mode", 0)))
-    args[a.write_tag] = int(w["launch_tag"])
+    args[a.step] = int(a.steps[0])
     k.tail(*args)
     return True
 

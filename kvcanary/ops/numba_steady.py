@@ -19,7 +19,7 @@ import numpy as np
 
 from kvcanary.format import PARTIAL_READ_BYTES, RealKvMode
 from kvcanary.ops import numba_kernels as k
-from kvcanary.ops.numba_ops import head_args, tail_args
+from kvcanary.ops.numba_ops import fill_constants, head_args, tail_args
 from kvcanary.ops.numba_views import _np, _storage_bytes
 
 __all__ = ["FALLBACK", "NEW_READS", "RESERVED", "SteadyCalls", "batch_values_ok", "new_reads_match", "read_table"]
@@ -189,8 +189,8 @@ class SteadyCalls:
         mask = np.zeros(0, dtype=np.bool_) if reserved is None else reserved.numpy()
         self.after_head = (views[-2], rows, token_req, positions, loc, _np(e.slot), _np(e.count), offs, rows.shape[0],
                            mask, reserved is not None)
-        self.head, self.head_at = _constants(h, head_kw[1], head_kw[2]), h
-        self.tail, self.tail_at = _constants(t, tail_kw[0], tail_kw[1]), t
+        self.head, self.head_at = fill_constants(h, h.call(), head_kw[1], head_kw[2]), h
+        self.tail, self.tail_at = fill_constants(t, t.call(), tail_kw[0], tail_kw[1]), t
         # the real-KV sources' storages, resolved once (``numba_ops._fingerprints``' loop, bound)
         self.sources = [(src.tensor, src.tensor.data_ptr()) for src in sources]
         self.mixes = []
@@ -211,6 +211,7 @@ class SteadyCalls:
         a, args = self.head_at, self.head.copy()
         for i, view in a.casts:  # (int32 inputs: int64 copies of this step's values, as ``_Args.call`` makes)
             args[i] = view.astype(np.int64)
+        # (``numba_ops.head_state``'s two values, set here: a steady step calls into no other module)
         args[a.chain] = a.chain_view is not None and int(a.chain_view[0]) != 0
         args[a.step] = -1 if a.step_view is None else int(a.step_view[0])
         k.head(*args)
@@ -236,11 +237,3 @@ class SteadyCalls:
         args[a.verify_fp], args[a.write_fp], args[a.step] = acc[:n], acc[n:], int(a.steps[0])
         k.tail(*args)
         return True
-
-
-def _constants(a, verify_kw: dict, write_kw: dict) -> list:
-    """The kept argument list with the values that stay put for a bound batch filled in."""
-    args = a.call()
-    args[a.check], args[a.tag] = bool(verify_kw.get("check_token", True)), int(verify_kw["launch_tag"])
-    args[a.requests], args[a.write_tag] = int(write_kw["num_requests"]), int(write_kw["launch_tag"])
-    return args

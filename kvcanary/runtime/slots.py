@@ -91,14 +91,14 @@ class SlotChecks:
                 read = self._slot_np[:max(0, min(int(self._count_np[0]), self._slot_np.shape[0]))]
                 if not self._any_reserved(read) and not self._any_reserved(loc.numpy()[:written]):
                     return
-            self.check_entries(g.plan.entries, g.tag("head", "k"), c.launcher.entry_bound)
+            tag = g.tag("head", "k")
+            self.check_entries(g.plan.entries, tag, c.launcher.entry_bound)
             n = self._live_tokens(loc)
             if not n:
                 return
             slot = loc[:n].long()
             live = torch.arange(n, device=slot.device) < g.plan.write_offsets[c.launcher.key[0]]
             hit = live & self._is_reserved(slot)
-            tag = g.tag("head", "k")
 
             def rows(i):  # (only the rows that can land in the ring: _push)
                 minus = torch.full_like(i, -1)
@@ -108,7 +108,8 @@ class SlotChecks:
 
     def check_entries(self, entries, launch_tag: int, bound: int | None = None) -> None:
         """Report entries (read slots) that name a reserved slot: the verify op skips slot 0 silently. An
-        adapter that verifies read entries of its own (new tokens' read cells) calls it after that verify."""
+        adapter that verifies read entries of its own (new tokens' read cells) calls it after that verify.
+        ``bound``: at most this many entries are filled (the device pass looks at no more than these)."""
         if self.reserved is None:
             return
         n = entries.capacity if bound is None else max(0, min(entries.capacity, bound))
@@ -120,7 +121,7 @@ class SlotChecks:
         hit = ((torch.arange(n, device=slot.device) < entries.count) & (entries.enable[:n] != 0)
                & self._is_reserved(slot))
 
-        def rows(i):  # (only the rows that can land in the ring: n is the plan's whole capacity on a GPU)
+        def rows(i):  # (only the rows that can land in the ring: _push)
             minus = torch.full_like(i, -1)
             return torch.stack([torch.full_like(i, launch_tag), slot[i], entries.position[i], minus,
                                 entries.expected_token[i], entries.prev[i], torch.zeros_like(i),

@@ -41,8 +41,7 @@ class CarrySource(SimSource):
         for io in self.pairs:
             io.output_ids = torch.zeros(rows, dtype=torch.int64)  # (the last cell stays 0: a -1 index reads it)
             io.carry_ids = torch.full_like(io.input_ids, -1)
-            io.sampled = []  # request ids of the forward's sampled tokens, in output order
-            io.samplers = []  # (request, position) of each, for the sampler
+            io.samplers = []  # (request, position) of the forward's sampled tokens, in output order
         self.current = 1  # the first forward takes set 0
         self.carries_done = 0  # tokens carried over so far (tests: the path was taken)
 
@@ -52,7 +51,7 @@ class CarrySource(SimSource):
         prev = self.pairs[1 - self.current]
         self.inputs = io = self.pairs[self.current]
         super().set_step(works)
-        order = {rid: i for i, rid in enumerate(prev.sampled)}
+        order = {r.rid: i for i, (r, _) in enumerate(prev.samplers)}
         carry, at = [-1] * sum(w.n for w in works), 0
         self.carried = set()
         for w in works:
@@ -65,9 +64,7 @@ class CarrySource(SimSource):
             at += w.n
         io.carry_ids.fill_(-1)
         io.carry_ids[:at] = torch.tensor(carry, dtype=torch.int64)
-        samplers = [(w.req, w.start + w.n) for w in works if w.kind == "decode" or (w.kind == "prefill" and w.final)]
-        io.sampled = [r.rid for r, _ in samplers]
-        io.samplers = samplers
+        io.samplers = [(w.req, w.start + w.n) for w in works if w.kind == "decode" or (w.kind == "prefill" and w.final)]
 
     def forward_inputs(self, n: int):
         """The forward's inputs after its carry-over (the carried ids written from the other set's output ids),

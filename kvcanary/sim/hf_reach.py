@@ -36,9 +36,9 @@ def has_block_pool() -> bool:
     of ``layout.POOL_OPTIONS`` (the allocator check, poison on free) read; attach refuses them on 5.17."""
     import transformers
 
-    from kvcanary.integrations.transformers.layout import parse_version
+    from kvcanary.integrations.transformers.layout import BLOCK_POOL_SINCE, parse_version
 
-    return parse_version(transformers.__version__) >= (5, 18)
+    return parse_version(transformers.__version__) >= BLOCK_POOL_SINCE
 
 
 def cb_config(**kwargs):

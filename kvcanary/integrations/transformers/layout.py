@@ -21,6 +21,7 @@ import torch
 from kvcanary.ops.types import RealKvSource
 from kvcanary.runtime.batch import layer_sources
 from kvcanary.runtime.patch import Patcher
+from kvcanary.runtime.step.carry import early_work
 
 log = logging.getLogger("kvcanary")
 
@@ -34,6 +35,7 @@ SUPPORTED_RANGE = " or ".join(f">={a[0]}.{a[1]},<{b[0]}.{b[1]}" for a, b in _RAN
 _ASYNC_IO = ("get_cb_kwargs", "carry_over_tokens", "swap_io_pairs", "get_model_kwargs")
 # CanaryConfig fields that read 5.18's block pool and its allocators' ledger (5.17's block manager has neither)
 POOL_OPTIONS = ("allocator_check_interval", "poison_on_free")
+BLOCK_POOL_SINCE = (5, 18)  # the first release with that pool and ledger
 
 
 def patcher() -> Patcher:
@@ -61,7 +63,7 @@ def check_version(version: str | None = None, allow_unsupported: bool = False, c
                            f"the integration hooks were verified there), got {version}; pass "
                            "allow_unsupported_version=True to try anyway")
     on = " and ".join(name for name in POOL_OPTIONS if config is not None and getattr(config, name))
-    if on and parse_version(version) < (5, 18):
+    if on and parse_version(version) < BLOCK_POOL_SINCE:
         raise ValueError(f"kv-canary: {on} need{'' if ' and ' in on else 's'} transformers >= 5.18's block pool "
                          f"and ledger, got {version}; turn it off on this version (docs/transformers.md, "
                          "\"Two paged-cache generations\")")
@@ -82,9 +84,8 @@ def check_engine(config, cb_config, *, token_oracle: bool, device=None, canary=N
         from transformers.generation.continuous_batching import input_outputs
 
         aio = getattr(input_outputs, "ContinuousBatchingAsyncIOs", None)
-        early = [n for n, on in (("token_oracle", token_oracle),
-                                 ("check_before_forward", canary is not None and canary.check_before_forward),
-                                 ("fault injection", canary is not None and canary.injecting)) if on]
+        early = early_work(token_oracle, canary is not None and canary.check_before_forward,
+                           canary is not None and canary.injecting)
         if aio is None or not all(hasattr(aio, n) for n in _ASYNC_IO) or getattr(device, "type", None) != "cuda" \
                 or early:
             raise ValueError(f"kv-canary: async batching needs transformers 5.24's async IO on CUDA and no work before "

@@ -27,7 +27,7 @@ import torch
 
 from kvcanary.runtime.streams import record_event
 
-__all__ = ["Carry", "PairInputs", "check", "history_need"]
+__all__ = ["Carry", "PairInputs", "check", "early_work", "history_need"]
 
 
 def history_need(need: int, carried: bool) -> int:
@@ -39,11 +39,16 @@ def history_need(need: int, carried: bool) -> int:
     return need - 1 if carried else need
 
 
-def check(canary, source, options) -> None:
+def early_work(oracle: bool, check_before_forward: bool, injecting: bool) -> list[str]:
+    """The work a carrying source cannot run, by name: what must precede the forward (the adapter refuses it at
+    attach with these names, ``check`` when the runner is made)."""
+    return [name for name, on in (("token_oracle", oracle), ("check_before_forward", check_before_forward),
+                                  ("fault injection", injecting)) if on]
+
+
+def check(canary, source) -> None:
     """Raise ``ValueError`` for what a carrying source cannot run: work that must precede the forward."""
-    early = [name for name, on in (("the token oracle", source.oracle),
-                                   ("check_before_forward", canary.config.check_before_forward),
-                                   ("fault injection", canary.injector is not None)) if on]
+    early = early_work(source.oracle, canary.config.check_before_forward, canary.injector is not None)
     if early:
         raise ValueError(f"kv-canary: an engine whose forward carries input ids over (async batching) runs the "
                          f"canary's step after the forward, got {' and '.join(early)}, which must run before it; "
@@ -55,10 +60,9 @@ class Carry:
 
     def __init__(self, runner):
         self.s = runner
-        check(runner.canary, runner.source, runner.options)
+        check(runner.canary, runner.source)
         self.record_ready = False  # late_step asked for ``ready``: recorded by forward_enqueued
         self.done: dict = {}  # the input ids' data pointer (one per storage set) -> its done event
-        self.last_done = None  # the event done_event last recorded (None: none, or the CPU)
 
     def late_step(self) -> bool:
         """``StepRunner.late_step`` under ``carries``: late whenever the canary is on."""
@@ -69,7 +73,7 @@ class Carry:
         if not c.enabled:
             return False
         if c.injector is not None:  # (set after the runner was made)
-            check(c, s.source, s.options)
+            check(c, s.source)
         # (after a fused step none is needed: see StepRunner.late_step; a fused step waits for the forward itself)
         self.record_ready = c.device.type == "cuda" and s.graphs is not None and not s.graphs.last_fused
         return True
@@ -110,7 +114,6 @@ class Carry:
         if ev is None:
             ev = self.done[key] = torch.cuda.Event()
         record_event(ev, at)
-        self.last_done = ev
         return ev
 
 

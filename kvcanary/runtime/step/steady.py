@@ -50,6 +50,12 @@ class SteadyStaging(Staging):
         return Staging.send(self, parts, copy, last)
 
 
+def _key(h, io, group: int) -> tuple:
+    """What a step must share with the bound one: its shape and packed host part, and the engine's storages."""
+    return (h.bs, h.T, h.small, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
+            io.write_index_storage.data_ptr(), io.read_index_storage[group].data_ptr())
+
+
 class _Bound:
     """One bound step: its key, its batch and what the launcher holds for it, the compiled calls."""
 
@@ -111,8 +117,7 @@ class SteadyStep:
         if calls is None:
             return
         b = _Bound()
-        b.key = (h.bs, h.T, h.small, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
-                 io.write_index_storage.data_ptr(), read.data_ptr())
+        b.key = _key(h, io, self.group)
         b.lo, b.width, b.batch, b.calls = h.width, width, batch, calls
         b.inputs, b.launch_key, b.tokens = launcher.inputs, launcher.key, batch.out_cache_loc.shape[0]
         b.loc, b.offs = batch.out_cache_loc.numpy(), g.plan.write_offsets.numpy()
@@ -137,8 +142,7 @@ class SteadyStep:
         """The step's before work from the bound plan; its batch, or None (nothing done: the full path)."""
         b, c, io = self.bound, self.canary, h.io
         if (b is None or c._open is not None or not b.lo <= h.width <= b.width or h.pad
-                or (h.bs, h.T, h.small, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
-                    io.write_index_storage.data_ptr(), io.read_index_storage[self.group].data_ptr()) != b.key
+                or _key(h, io, self.group) != b.key
                 or io.use_block_table or not io.max_kv_read or io.true_read_sizes[self.group] != h.total
                 or c.monitor.observer.order or c.launcher.pending is not None):
             return None
