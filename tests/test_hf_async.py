@@ -10,7 +10,12 @@ pytest.importorskip("transformers")
 from conftest import DEVICE  # noqa: E402
 from kvcanary.demo import build_tiny_model, run_workload  # noqa: E402
 
-pytestmark = pytest.mark.skipif(DEVICE.type != "cuda", reason="async batching needs CUDA")
+import transformers  # noqa: E402
+from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version  # noqa: E402
+
+# (below 5.24 the canary refuses async batching: tests/test_transformers.py)
+pytestmark = pytest.mark.skipif(DEVICE.type != "cuda" or parse_version(transformers.__version__) < ASYNC_SINCE,
+                                reason="async batching needs CUDA and transformers >= 5.24")
 
 DEV = str(DEVICE)
 # the engine's CUDA graphs and async batching; sdpa needs an attention mask, which async batching's default

@@ -15,6 +15,7 @@ from kvcanary import KvCanaryViolationError  # noqa: E402
 from kvcanary.demo import build_tiny_model, demo_prompts, run_workload  # noqa: E402
 from kvcanary.format import FailReason, oracle_token  # noqa: E402
 from kvcanary.sim import hf_bugs  # noqa: E402
+from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version  # noqa: E402
 from kvcanary.integrations.transformers.layouts import layout_of  # noqa: E402
 from kvcanary.sim.hf_reach import attach_with, reach  # noqa: E402
 from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, check_version  # noqa: E402
@@ -256,9 +257,11 @@ def test_a_paged_cache_without_the_fields_read_is_named_not_an_attribute_error(g
 
 @pytest.mark.parametrize("case", ["async", "sliding-sharing", "sliding-only"])
 def test_unsupported_engine_setups_are_refused(llama, hybrid, case):
-    model, cb = llama, dict(use_async_batching=False, use_cuda_graph=False)
+    model, cb, options = llama, dict(use_async_batching=False, use_cuda_graph=False), {}
     if case == "async":
         cb["use_async_batching"] = True
+        if DEV.startswith("cuda") and parse_version(transformers.__version__) >= ASYNC_SINCE:
+            options["token_oracle"] = True  # (async itself is accepted there: work before the forward is not)
     elif case == "sliding-sharing":
         model, cb["allow_block_sharing"] = hybrid, True
     else:
@@ -266,7 +269,7 @@ def test_unsupported_engine_setups_are_refused(llama, hybrid, case):
         model = MistralForCausalLM(MistralConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                  num_key_value_heads=1, intermediate_size=64, vocab_size=64,
                                                  sliding_window=8)).to(DEV)
-    handle = attach(model)
+    handle = attach(model, **options)
     impl = model.config._attn_implementation
     try:
         with pytest.raises(ValueError, match="kv-canary: "):

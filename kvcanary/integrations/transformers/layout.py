@@ -36,6 +36,9 @@ _ASYNC_IO = ("get_cb_kwargs", "carry_over_tokens", "swap_io_pairs", "get_model_k
 # CanaryConfig fields that read 5.18's block pool and its allocators' ledger (5.17's block manager has neither)
 POOL_OPTIONS = ("allocator_check_interval", "poison_on_free")
 BLOCK_POOL_SINCE = (5, 18)  # the first release with that pool and ledger
+# 5.17 has the same async IO names, but its async runs under the canary reported reserved-slot writes
+# on a clean workload (H200, 83d7e0b): async is accepted only where it was verified clean
+ASYNC_SINCE = (5, 24)
 
 
 def patcher() -> Patcher:
@@ -86,10 +89,14 @@ def check_engine(config, cb_config, *, token_oracle: bool, device=None, canary=N
         aio = getattr(input_outputs, "ContinuousBatchingAsyncIOs", None)
         early = early_work(token_oracle, canary is not None and canary.check_before_forward,
                            canary is not None and canary.injecting)
+        import transformers
+
+        version = transformers.__version__
         if aio is None or not all(hasattr(aio, n) for n in _ASYNC_IO) or getattr(device, "type", None) != "cuda" \
-                or early:
-            raise ValueError(f"kv-canary: async batching needs transformers 5.24's async IO on CUDA and no work before "
-                             f"the forward, got device {device}{', ' if early else ''}{' and '.join(early)}; pass "
+                or early or parse_version(version) < ASYNC_SINCE:
+            raise ValueError(f"kv-canary: async batching needs transformers >= 5.24's async IO on CUDA and no work "
+                             f"before the forward, got transformers {version} on device {device}"
+                             f"{', ' if early else ''}{' and '.join(early)}; pass "
                              "ContinuousBatchingConfig(use_async_batching=False) (docs/transformers.md, async)")
     # CUDA graphs are accepted: the engine replays its forward inside compute_batch, which the canary's
     # hooks wrap (its own work runs after the replay is enqueued, never inside the capture); the warm-up's
