@@ -47,6 +47,7 @@ ARMS = ("fast", "sync", "canary", "graphs", "canary_graphs")
 EXTRA_ARMS = ("canary_graphs_noslots", "canary_graphs_poison", "canary_fast")
 CANARY_GRAPH_ARMS = ("canary_graphs",) + EXTRA_ARMS  # (graphs on, the canary attached)
 BLOCK = 32
+TUNING: dict[str, bool] = {}  # --tuning: the adapter's private step-path toggles, for a diagnosis
 
 
 def workload(name: str, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -90,7 +91,10 @@ def run_arm(model, arm: str, prompts, new_tokens) -> dict:
 
         fields = {"canary_graphs_noslots": dict(reserved_check=False, nonfinite_check=False),
                   "canary_graphs_poison": dict(poison_on_free=True)}.get(arm)
-        handle = attach(model, None if fields is None else CanaryConfig.from_env(**fields), mode="log")
+        from kvcanary.integrations.transformers.handle import tuned
+
+        with tuned(**TUNING):
+            handle = attach(model, None if fields is None else CanaryConfig.from_env(**fields), mode="log")
     _sync()
     t0 = time.perf_counter()
     try:
@@ -140,7 +144,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--arms", default=",".join(ARMS), help="a subset for a CPU smoke run: sync,canary")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--tuning", default="", help="private step-path toggles for a diagnosis: fused_steps=0,...")
     a = p.parse_args(argv)
+    for item in filter(None, a.tuning.split(",")):
+        key, _, value = item.partition("=")
+        TUNING[key] = value not in ("0", "false", "False")
     arms = tuple(a.arms.split(","))
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kv-canary: user_cost.py needs a CUDA GPU for --device cuda (the fast path is CUDA graphs)")

@@ -46,3 +46,29 @@ def test_a_planted_bug_is_reported_under_async(llama, bug):
 def test_what_must_precede_the_forward_is_refused_under_async(llama):
     with pytest.raises(Exception, match="token_oracle"):
         run_workload(llama, cb=ASYNC, device=DEV, token_oracle=True)
+
+
+@pytest.fixture
+def lagging_side(monkeypatch):
+    """The canary's side-stream work made to lag the host by steps (a sleep before each step's work there), as
+    it does when the GPU is busy (a 1B model): what the host writes for a later step must wait for it."""
+    import torch
+    from kvcanary.runtime.step.graphs import StepGraphs
+
+    orig = StepGraphs._run
+
+    def lagging(self, e, sightings, h):
+        torch.cuda._sleep(5_000_000)  # (a few milliseconds on the side stream, before this step's work)
+        return orig(self, e, sightings, h)
+
+    monkeypatch.setattr(StepGraphs, "_run", lagging)
+
+
+def test_a_lagging_side_stream_reads_each_steps_own_staged_values(llama, lagging_side):
+    # multi-token steps read their staged values from one static buffer; the host refills it for the next
+    # such step while this one's work may still be queued on the side stream (seen as an illegal address at
+    # 1B serving under async batching before the refill waited for that stream)
+    base = run_workload(llama, canary=False, cb=ASYNC, device=DEV, num_return_sequences=1, max_new_tokens=16)
+    run = run_workload(llama, cb=ASYNC, device=DEV, num_return_sequences=1, max_new_tokens=16)
+    assert run.violations == [], run.report
+    assert run.tokens == base.tokens and run.stats["forwards"] > 0

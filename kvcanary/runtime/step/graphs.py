@@ -259,6 +259,14 @@ class StepGraphs:
     def _general(self, h, shape: tuple, sightings: int, per_turn: bool, width: int, late: bool = False):
         """Eager, capture, or replay on the canary's side stream (on the engine's compute stream)."""
         s = self.s
+        c = s.canary
+        if not per_turn:
+            # the one static buffer is refilled on a stream that follows the earlier steps' side work: the
+            # last step's replay may still be reading it there. (The engine's own join of that work orders
+            # its compute stream, not the hook's; without this wait an async engine's host, which never
+            # waits for a step, overwrote the buffer under that replay: an illegal address on the H200 at
+            # 1B serving.)
+            c.launcher.follow(c.launcher.streams.side())
         work = h if per_turn else h._replace(packed=s.stage.to_static(h.packed))
         key = shape + (work.packed.data_ptr(),)
         e = self.entries.get(key)
@@ -267,7 +275,6 @@ class StepGraphs:
         else:
             self.entries.move_to_end(key)
         report = e.batch if per_turn else self._report(h, width, e.batch.req_to_token)
-        c = s.canary
         c.host_before(e.batch)  # checks, drains, opens the forward; joins the side stream's earlier work
         launcher = c.launcher
         side = launcher.streams.side()

@@ -117,7 +117,8 @@ class Staging:
 
     def to_static(self, packed: torch.Tensor) -> torch.Tensor:
         """A copy of this step's staged values in the one buffer whose address never changes (while the
-        buffers do not grow): what a captured multi-token step reads, whichever turn the values arrived in."""
+        buffers do not grow): what a captured multi-token step reads, whichever turn the values arrived in.
+        The current stream must follow every earlier reader of that buffer (``StepGraphs._general``)."""
         self.copy()
         out = self.static[:packed.shape[0]]
         out.copy_(packed)
