@@ -190,6 +190,7 @@ def main(argv=None) -> int:
             "graphs_over_fast": spread([g / f for g, f in zip(tps["graphs"], tps["fast"])]),
             "canary_graphs_noslots_over_fast": spread([c / f for c, f in zip(tps["canary_graphs_noslots"], tps["fast"])]),
             "canary_fast_over_fast": spread([c / f for c, f in zip(tps["canary_fast"], tps["fast"])]),
+            "tokens_identical_canary_fast_vs_fast": all(x["tokens"] == first("fast") for x in runs["canary_fast"]),
             "tokens_identical_canary_fast_vs_graphs": all(x["tokens"] == runs["graphs"][0]["tokens"]
                                                           for x in runs["canary_fast"]) if runs["graphs"] else None,
             "canary_graphs_poison_over_graphs": spread([c / g for c, g in zip(tps["canary_graphs_poison"], tps["graphs"])]),
@@ -203,6 +204,12 @@ def main(argv=None) -> int:
             "violations": sum(x["violations"] for arm in ("canary",) + CANARY_GRAPH_ARMS for x in runs[arm]),
         }
         w = result["workloads"][name]
+        if runs["canary_fast"]:
+            print(f"[{name}] tok/s fast {w['tokens_per_s']['fast']['median']:.0f}, canary_fast "
+                  f"{w['tokens_per_s']['canary_fast']['median']:.0f}: {w['canary_fast_over_fast']['median']:.3f}x "
+                  f"[{w['canary_fast_over_fast']['min']:.3f}, {w['canary_fast_over_fast']['max']:.3f}]; identical to "
+                  f"fast {w['tokens_identical_canary_fast_vs_fast']}; violations {w['violations']}",
+                  file=sys.stderr, flush=True)
         print(f"[{name}] tok/s fast {w['tokens_per_s']['fast']['median']:.0f}, sync "
               f"{w['tokens_per_s']['sync']['median']:.0f}, canary {w['tokens_per_s']['canary']['median']:.0f}; "
               f"canary/fast {w['canary_over_fast']['median']:.3f}x; canary+graphs/fast "
