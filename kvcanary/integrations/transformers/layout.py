@@ -4,9 +4,9 @@ A canary slot is one physical row of the engine's KV storage, the index its read
 hold. ``EngineLayout`` is the interface; one subclass per generation of transformers' paged cache
 implements it, and ``layouts.layout_of`` picks the one whose fields the cache has:
 
-- ``hf_cache_blocks.BlockLayout`` (transformers 5.17): per-layer K and V tensors and one block
+- ``cache_blocks.BlockLayout`` (transformers 5.17): per-layer K and V tensors and one block
   manager; slot = ``block_id * block_size + offset``.
-- ``hf_cache_sectors.SectorLayout`` (transformers 5.18 and later, verified on 5.24): one byte tensor
+- ``cache_sectors.SectorLayout`` (transformers 5.18 and later, verified on 5.24): one byte tensor
   in sectors, one allocator per attention type; slot = ``block_id * block_stride + offset``, where a
   block's stride spans the K and V pages of every layer of its attention type.
 """
@@ -25,10 +25,9 @@ from kvcanary.runtime.step.carry import early_work
 
 log = logging.getLogger("kvcanary")
 
-# One (first, first unsupported) minor-version range per span the hooks were verified on: 5.17 (the GPU
-# image's, per-layer tensors) to 5.24 (the newest that installs here; 5.25 needs a ``kernels`` release the
-# package index lacks). The sector cache arrived in 5.18; 5.17, 5.18, 5.21, 5.23 and 5.24 passed the
-# adapter's tests. Later releases are refused unless allow_unsupported_version.
+# (first, first unsupported) minor versions the hooks were verified on: 5.17 (the GPU image's) to 5.24 (the newest
+# that installs here; 5.25 needs a ``kernels`` release the index lacks); 5.17, 5.18, 5.21, 5.23 and 5.24 passed
+# the adapter's tests. Later releases are refused unless allow_unsupported_version.
 _RANGES = (((5, 17), (5, 25)),)
 SUPPORTED_RANGE = " or ".join(f">={a[0]}.{a[1]},<{b[0]}.{b[1]}" for a, b in _RANGES)
 # async batching's IO as 5.24 has it (docs/notes/async_batching.md; its instances' io_pairs, current_pair, h2d_stream)
@@ -36,9 +35,7 @@ _ASYNC_IO = ("get_cb_kwargs", "carry_over_tokens", "swap_io_pairs", "get_model_k
 # CanaryConfig fields that read 5.18's block pool and its allocators' ledger (5.17's block manager has neither)
 POOL_OPTIONS = ("allocator_check_interval", "poison_on_free")
 BLOCK_POOL_SINCE = (5, 18)  # the first release with that pool and ledger
-# 5.17 has the same async IO names, but its async runs under the canary reported reserved-slot writes
-# on a clean workload (H200, 83d7e0b): async is accepted only where it was verified clean
-ASYNC_SINCE = (5, 24)
+ASYNC_SINCE = (5, 24)  # 5.17 has the same async IO names, but reported false reserved-slot writes there
 
 
 def patcher() -> Patcher:
@@ -84,14 +81,12 @@ def layer_types(config) -> list[str]:
 def check_engine(config, cb_config, *, token_oracle: bool, device=None, canary=None) -> None:
     """Raise ``ValueError`` for engine set-ups the integration does not support (before anything runs)."""
     if getattr(cb_config, "use_async_batching", False):
+        import transformers
         from transformers.generation.continuous_batching import input_outputs
 
-        aio = getattr(input_outputs, "ContinuousBatchingAsyncIOs", None)
+        aio, version = getattr(input_outputs, "ContinuousBatchingAsyncIOs", None), transformers.__version__
         early = early_work(token_oracle, canary is not None and canary.check_before_forward,
                            canary is not None and canary.injecting)
-        import transformers
-
-        version = transformers.__version__
         if aio is None or not all(hasattr(aio, n) for n in _ASYNC_IO) or getattr(device, "type", None) != "cuda" \
                 or early or parse_version(version) < ASYNC_SINCE:
             raise ValueError(f"kv-canary: async batching needs transformers >= 5.24's async IO on CUDA and no work "
