@@ -2,6 +2,7 @@
 
 import collections
 
+import pytest
 import torch
 
 from kvcanary.integrations.transformers.batch import BatchBuilder
@@ -112,3 +113,69 @@ def test_a_step_of_as_many_tokens_as_requests_but_not_one_each_is_packed_per_req
     assert valid == [7, 5]
     assert cells == [(row_a, 5, 10), (row_a, 6, 11)]  # a's two positions, nothing for c
     assert token_req == [0, 0]  # both new tokens are a's
+
+
+def _async_run(b, scheduled, pair, carried, padded=False):
+    """One async step: the host half of the storage set ``pair``, the requests of ``carried`` having their newest
+    token on the device only (sampled by the last forward: the engine's previous set lists them)."""
+    from types import SimpleNamespace
+
+    aio = b.s.bp.inputs_and_outputs
+    aio.current_pair = pair
+    aio.io_pairs[1 - pair].host_io.req_id_to_new_token_position = {name: i for i, name in enumerate(carried)}
+    for st, q in scheduled:
+        st.position_offset += q
+    aio.requests_in_batch = [_Scheduled(st, q) for st, q in scheduled]
+    h = b.host_part(padded=padded)
+    values = h.packed.tolist()
+    k = (h.small - h.n - h.bs) // 3
+    c0 = h.n + h.bs
+    return values[h.n:h.n + h.bs], list(zip(values[c0:c0 + k], values[c0 + k:c0 + 2 * k], values[c0 + 2 * k:c0 + 3 * k]))
+
+
+def _async_builder(steady: bool):
+    from types import SimpleNamespace
+
+    b = _host_builder()
+    b.carries, b.pad_cap = True, 8
+    pairs = [SimpleNamespace(host_io=SimpleNamespace(req_id_to_new_token_position={})) for _ in range(2)]
+    b.s.bp.inputs_and_outputs = SimpleNamespace(io_pairs=pairs, current_pair=0, requests_in_batch=[],
+                                                input_ids=torch.zeros(64), position_ids=torch.zeros(64),
+                                                write_index_storage=torch.zeros(1, 64))
+    if not steady:
+        b._steady = lambda *args, **kwargs: None  # (every step on the general path)
+    return b
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded-to-bucket"])
+def test_async_decode_steps_send_each_rows_cell_one_step_late_on_the_steady_path_as_on_the_general_one(padded):
+    # Under async batching a request's newest input token is carried over on the device: the host learns it
+    # one update later. Each decode step must send the cell one position back with a valid length one short,
+    # and the steady path (a kept array, no per-request Python) must send what the general path sends.
+    runs = {}
+    for steady in (False, True):
+        b = _async_builder(steady)
+        a, c, e = _State("a", [5, 6, 7]), _State("c", [1, 2]), _State("e", [3])
+        steps = [_async_run(b, [(a, 3), (c, 2), (e, 1)], 0, [])]  # the prompts: nothing carried, every cell known
+        for step in range(6):
+            # forward `step` sampled a token for each request (carried into this one); the host knows the
+            # tokens of the forwards before it
+            if step:
+                for st, base in zip((a, c, e), (8, 4, 2)):
+                    st.generated_tokens.append(base * 10 + step - 1)
+            steps.append(_async_run(b, [(a, 1), (c, 1), (e, 1)], (step + 1) % 2, ["a", "c", "e"], padded))
+        b.sync_sent()  # (the bookkeeping the steady path defers)
+        runs[steady] = (steps, dict(b.sent), [b.row_of[n] for n in "ace"], b.steady is not None)
+    assert runs[True][-1] and not runs[False][-1]  # (the steady path ran where it may)
+    assert runs[True][:-1] == runs[False][:-1]
+    steps, sent, rows, _ = runs[True]
+    assert steps[0][0] == [3, 2, 1]  # the prompts' cells all sent
+    assert steps[1][0][:3] == [3, 2, 1] and not [cell for cell in steps[1][1] if cell[0]]  # (its input is carried)
+    for step in range(1, 6):
+        valid, cells = steps[step + 1]
+        # offsets 3, 2 and 1 + step + 1; each row holds every position but the newest (a padding request: valid
+        # length 0, a cell of token 0 in the padding row's column 0)
+        assert valid == [3 + step, 2 + step, 1 + step] + [0] * padded
+        assert [cell for cell in cells if cell[0]] == [(row, n0 - 1 + step, base * 10 + step - 1)
+                                                      for row, n0, base in zip(rows, (3, 2, 1), (8, 4, 2))]
+    assert sent == {"a": 8, "c": 7, "e": 6}

@@ -169,7 +169,7 @@ class TokenRows:
             at = st.at
             if at is None:  # (the run's first step: each request's newest token must be a generated one)
                 at = list(map(sub, offsets, st.base))
-                if bs and min(at) < 0:
+                if bs and min(at) < 0 or st.lag and not all(map(self._carried().__contains__, self.last_names)):
                     return None
             try:
                 tokens = list(map(getitem, map(_S_GENERATED, states), at))
@@ -190,7 +190,14 @@ class TokenRows:
             st.width += 1
             st.total += bs
         words[bp:bp + bs] = positions
-        if self.want_history:
+        if self.want_history and st.lag:
+            # async: each newest token is carried over (device only), so each row gains the cell one position
+            # back, and its valid length is one short of the offset: this step's positions, the last step's
+            # positions as columns (history_need)
+            words[4 * bp:4 * bp + bs] = positions
+            words[6 * bp:6 * bp + bs] = array("q", map(sub, prefix, st.ones)) if st.cols is None else st.cols
+            st.cols = positions
+        elif self.want_history:
             words[4 * bp:4 * bp + bs] = ends
             words[6 * bp:6 * bp + bs] = positions
         # the next step's prefix (as a list and as converted): these offsets; the rows hold them (sync_sent)
@@ -205,7 +212,8 @@ class TokenRows:
         """``sent`` as the steady steps left the rows (they advance a kept array, not the dict)."""
         if self.unsynced:
             self.unsynced = False
-            self.sent.update(zip(self.last_names, self.steady.need))
+            st = self.steady
+            self.sent.update(zip(self.last_names, map(sub, st.need, st.ones) if st.lag else st.need))
 
     def forget_finished(self) -> list[str]:
         """Release the rows of requests that finished this step; returns their names."""
@@ -240,7 +248,7 @@ class _Steady:
     history, a cell of token 0 at the padding row's column 0)."""
 
     __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "ends", "width", "total", "bp",
-                 "padded")
+                 "padded", "lag", "cols")
 
     def __init__(self, rows: TokenRows, states: list, pad: int = 0, padded: bool = False):
         bs, names = len(states), rows.last_names
@@ -257,12 +265,15 @@ class _Steady:
         self.values = np.concatenate(parts)  # (int64 arrays, every one)
         self.words = memoryview(self.values).cast("B").cast("q")  # the same memory, written from ``array``s
         self.ones = [1] * bs
-        # each request's tokens in its row: this step's offsets must be these plus one (a row without the
-        # request: -2, never one less than an offset)
-        self.need = list(map(rows.sent.get, names, [-2] * bs))
-        # where each request's newest token sits in its generated tokens: its offset less (prompt + 1)
-        self.base = [n + 1 for n in map(len, map(_S_PROMPT, states))]
-        self.at = self.prefix = self.ends = None  # (set by the run's first step: _steady)
+        # async (``rows.carries``): each row lags its request's newest token by one (``history_need``)
+        self.lag = lag = int(rows.carries)
+        # each request's tokens in its row, plus the lag: this step's offsets must be these plus one (a row
+        # without the request: -2, never one less than an offset)
+        self.need = [n + lag for n in map(rows.sent.get, names, [-2] * bs)]
+        # where each request's newest token the row gains sits in its generated tokens: its offset less
+        # (prompt + 1 + lag)
+        self.base = [n + 1 + lag for n in map(len, map(_S_PROMPT, states))]
+        self.at = self.prefix = self.ends = self.cols = None  # (set by the run's first step: _steady)
         self.width = self.total = 0
 
 
@@ -332,7 +343,7 @@ class BatchBuilder(TokenRows):
         states = list(map(STATE, reqs))
         # the same request states as the last step (compared by identity first: one C loop), each one position
         # further (``_steady`` checks the offsets, which the engine advanced by each request's query length)
-        if states == self.last_states and not self.carries:  # (async: a carried token's cell waits a step)
+        if states == self.last_states:
             h = self._steady(io, reqs, states, copy, padded)
             if h is not None:
                 return h
