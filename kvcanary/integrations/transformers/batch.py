@@ -1,16 +1,12 @@
 """The transformers adapter's source of the step runner's protocol (``runtime/engine.py``): the host part of
-the batch transformers just prepared (sync IO), its device inputs, and each request's row and token history.
-
-Per request i of ``io.requests_in_batch`` (a ``FutureRequestState``): ``extend = query_length``,
-``prefix = state.position_offset - query_length`` (prepare_batch_tensors advanced the offset); input ids,
-positions and the written slots are the io's storages (the runner, ``runtime/step/tables.py``, assembles
-the canary's ``ForwardBatch`` from them and fills its read table from the read index). Each request keeps
-one canary row while it lives (least recently used among requests outside the batch when they run out), so
-only the tokens its token-table row lacks cross to the device (``TokenRows``): a decode step takes C loops
-only (``_decode_cells``), and a decode step of the same requests as the step before fills a kept array
-(``_steady``) with its positions and tokens only.
+the batch transformers just prepared, its device inputs (async: its storage set's), each request's row and
+token history. Per request of ``io.requests_in_batch``: ``extend = query_length``, ``prefix =
+state.position_offset - query_length``; input ids, positions and written slots are the io's storages (the
+runner, ``runtime/step/tables.py``, assembles the ``ForwardBatch`` and fills its read table from the read
+index). A request keeps one canary row while it lives (least recently used outside the batch when they run
+out), so only the tokens its row lacks cross to the device (``TokenRows``): a decode step takes C loops
+(``_decode_cells``), and one of the same requests as the step before fills a kept array (``_steady``).
 """
-
 from __future__ import annotations
 
 import collections
@@ -141,17 +137,12 @@ class TokenRows:
         return [need + rows + prefix + tokens]
 
     def _steady(self, io, reqs, states: list, copy: bool, padded: bool = False) -> HostStep | None:
-        """A decode step of the same requests as the step before, each one position past the tokens its
-        row holds (so one query token each: the engine advances an offset by its request's query length):
-        the step's values in the kept array (rows, ids and batch indices stay; positions and
-        tokens change), staged as one part. None: the general path (a request's history too short, a
-        position that did not advance by one, anything else).
-
-        Per step the requests are read twice (their offsets, their newest tokens); everything else is
-        derived from the step before: each offset must be the last one plus one, so this step's prefix is the
-        last step's offsets, and the width and total grow by one and by the batch size. Plain lists for the
-        checks: at these sizes a numpy call costs more than the whole list operation. ``padded``: the kept
-        array holds the batch padded to its bucket (``host_part``); only the real requests' cells change."""
+        """A decode step of the same requests as the step before, each one position past its row's tokens:
+        the kept array's positions and tokens change, staged as one part; None: the general path (a short
+        history, an offset that did not advance by one...). The requests are read twice (offsets, newest
+        tokens); the prefix is the last offsets, width and total grow by one and by the batch size. Plain
+        lists: at these sizes a numpy call costs more. ``padded``: the kept array holds the batch padded to
+        its bucket (``host_part``); only the real requests' cells change."""
         bs = len(states)
         st = self.steady
         if st is None or st.padded != padded:
@@ -178,9 +169,7 @@ class TokenRows:
             words[7 * bp:7 * bp + bs] = array("q", tokens)
             st.at = list(map(add, at, st.ones))
             self.unsynced = True
-        # (``array`` converts Python ints faster than numpy, and a numpy call costs more than these inside the
-        # engine's step: cold caches)
-        ends = array("q", offsets)
+        ends = array("q", offsets)  # (``array`` converts ints faster than numpy, and costs less per call)
         if st.prefix is None:  # the run's first step
             prefix = list(map(sub, offsets, st.ones))
             positions = array("q", prefix)
@@ -191,18 +180,15 @@ class TokenRows:
             st.total += bs
         words[bp:bp + bs] = positions
         if self.want_history and st.lag:
-            # async: each newest token is carried over (device only), so each row gains the cell one position
-            # back, and its valid length is one short of the offset: this step's positions, the last step's
-            # positions as columns (history_need)
+            # async: each newest token is carried over (device only): each row gains the cell one position back,
+            # valid lengths one short (history_need): this step's positions, and the last step's as columns
             words[4 * bp:4 * bp + bs] = positions
             words[6 * bp:6 * bp + bs] = array("q", map(sub, prefix, st.ones)) if st.cols is None else st.cols
             st.cols = positions
         elif self.want_history:
             words[4 * bp:4 * bp + bs] = ends
             words[6 * bp:6 * bp + bs] = positions
-        # the next step's prefix (as a list and as converted): these offsets; the rows hold them (sync_sent)
-        st.prefix = st.need = offsets
-        st.ends = ends
+        st.prefix, st.need, st.ends = offsets, offsets, ends  # the next step's prefix; the rows hold them (sync_sent)
         # (the batch indices, the last bp values: the last part, as in the general path)
         packed, small = self.stage.send([words], copy, last=bp)
         return HostStep(io, reqs, bp, bp, prefix, st.ones, self.last_rids, packed, 4 * bp, small, st.width, st.total,
