@@ -135,3 +135,44 @@ def test_what_must_precede_the_forward_is_refused(canary, what):
         engine("eager", **canary)
     with pytest.raises(ValueError, match="not None with carry=True"):
         SimEngine(SimConfig(**CFG), carry=True)
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["ordered", "planted-dropped-wait"])
+def test_the_static_staged_buffer_is_refilled_after_the_side_streams_last_read(monkeypatch, drop):
+    # Under async batching the host prepares step N+1 while step N's canary work may still be queued on the
+    # side stream, and the step's close orders the engine's compute stream after that work, not the stream the
+    # hooks run on. A multi-token step's captured work reads its staged values from one static buffer, which
+    # the next such step refills from the hook's stream: that refill must wait for the side stream. Modelled
+    # with the recording streams: the hook's stream, the canary's side stream, the engine's compute stream.
+    from kvcanary.runtime.launch import ForwardLauncher
+    from kvcanary.runtime.step.runner import StepRunner
+    from kvcanary.runtime.streams import RecordingStreams
+
+    rec = RecordingStreams(("engine", "canary", "compute"))
+    compute = rec.streams["compute"]
+
+    def engine_stream(self):  # (StepRunner.engine_stream on CUDA: the compute stream after the current one)
+        self.engine_calls += 1
+        self.join()
+        rec.wait(compute, rec.record(rec.current()))
+        return rec.use(compute)
+
+    def forward_enqueued(self):  # (Carry.forward_enqueued on CUDA: late work starts after the forward)
+        self.s.ready = rec.record(compute)
+
+    monkeypatch.setattr(StepRunner, "engine_stream", engine_stream)
+    monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", forward_enqueued)
+    if drop:
+        orig = ForwardLauncher.follow
+        monkeypatch.setattr(ForwardLauncher, "follow",
+                            lambda self, other: None if other is rec.side() else orig(self, other))
+    e = engine("captured")
+    for io in e.source.pairs:
+        io.compute_stream = compute
+    e.canary.launcher.streams = rec
+    e.run()
+    assert not e.canary.violations
+    reads = [a for a in rec.log if a.op == "step_static"]
+    assert len(reads) > 1 and {a.stream for a in reads} == {"canary"}  # (the path under test ran, on the side)
+    races = [(a.op, b.op) for a, b, res in rec.races() if res == "staged_static"]
+    assert bool(races) == drop and set(races) <= {("step_static", "stage_static")}, races

@@ -41,7 +41,7 @@ from kvcanary.runtime.graphs import capture, replay_of
 from kvcanary.runtime.step.fused import FusedSteps, Run
 from kvcanary.runtime.step.staging import STAGING_TURNS, Staging
 from kvcanary.runtime.step.tables import table_width
-from kvcanary.runtime.streams import capturing, stream_cache
+from kvcanary.runtime.streams import capturing
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
 MAX_ENTRIES = 40  # captured (shape, turn) entries kept: a few shapes, each in every staging turn
@@ -267,6 +267,7 @@ class StepGraphs:
             # waits for a step, overwrote the buffer under that replay: an illegal address on the H200 at
             # 1B serving.)
             c.launcher.follow(c.launcher.streams.side())
+            c.launcher.streams.note("stage_static", writes=("staged_static",))  # (the recording fake's record)
         work = h if per_turn else h._replace(packed=s.stage.to_static(h.packed))
         key = shape + (work.packed.data_ptr(),)
         e = self.entries.get(key)
@@ -277,17 +278,19 @@ class StepGraphs:
         report = e.batch if per_turn else self._report(h, width, e.batch.req_to_token)
         c.host_before(e.batch)  # checks, drains, opens the forward; joins the side stream's earlier work
         launcher = c.launcher
-        side = launcher.streams.side()
+        streams = launcher.streams
+        side = streams.side()
         on_side = nullcontext()
         if side is not None:
-            streams = stream_cache(c.device)
             # the side stream starts after the engine prepared this step's inputs (they are read below); with
             # late hooks, also after the compute stream's position before the forward (the canary's work there)
-            side.wait_event(launcher.streams.record(streams.current()))
+            streams.wait(side, streams.record(streams.current()))
             if late:
-                side.wait_event(s.ready)
+                streams.wait(side, s.ready)
             on_side = streams.use(side)
         with on_side:
+            if not per_turn:
+                streams.note("step_static", reads=("staged_static",))
             self._run(e, sightings, work)
             s.stage.copied()  # (a per-turn graph holds the staged values' copy: issued by its replay)
             if not per_turn:
