@@ -118,8 +118,6 @@ def test_a_step_of_as_many_tokens_as_requests_but_not_one_each_is_packed_per_req
 def _async_run(b, scheduled, pair, carried, padded=False):
     """One async step: the host half of the storage set ``pair``, the requests of ``carried`` having their newest
     token on the device only (sampled by the last forward: the engine's previous set lists them)."""
-    from types import SimpleNamespace
-
     aio = b.s.bp.inputs_and_outputs
     aio.current_pair = pair
     aio.io_pairs[1 - pair].host_io.req_id_to_new_token_position = {name: i for i, name in enumerate(carried)}
