@@ -72,8 +72,9 @@ def workload(name: str, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     raise ValueError(f"kv-canary: workload must be serving, batch1 or prefill, got {name!r}")
 
 
-def run_arm(model, arm: str, prompts, new_tokens) -> dict:
-    """One whole generation; returns seconds, generated tokens per request, violations."""
+def run_arm(model, arm: str, prompts, new_tokens, timers: bool = False) -> dict:
+    """One whole generation; returns seconds, generated tokens per request, violations (``timers``: and the
+    adapter's per-step host times, its private ``timing`` toggle on)."""
     from transformers import GenerationConfig
     from kvcanary.sim.hf_reach import cb_config
 
@@ -93,7 +94,7 @@ def run_arm(model, arm: str, prompts, new_tokens) -> dict:
                   "canary_graphs_poison": dict(poison_on_free=True)}.get(arm)
         from kvcanary.integrations.transformers.handle import tuned
 
-        with tuned(**TUNING):
+        with tuned(**TUNING, **({"timing": True} if timers else {})):
             handle = attach(model, None if fields is None else CanaryConfig.from_env(**fields), mode="log")
     _sync()
     t0 = time.perf_counter()
@@ -117,13 +118,27 @@ def run_arm(model, arm: str, prompts, new_tokens) -> dict:
         seconds = time.perf_counter() - t0
     finally:
         violations = len(handle.violations) if handle is not None else 0
+        steps = [t for session in handle.sessions for t in session.timings] if handle is not None else []
         if handle is not None:
             handle.detach()
     out = results
     tokens = [list(o.generated_tokens) for _, o in sorted(out.items())]
     del out
     gc.collect()
-    return {"seconds": seconds, "tokens": tokens, "violations": violations}
+    return {"seconds": seconds, "tokens": tokens, "violations": violations, "steps": steps}
+
+
+def host_split(run: dict) -> dict:
+    """The canary's host time per step of a ``timers`` run, decode steps (one token per request) apart from the
+    rest: medians of its before, after and update parts, their sum, and the steps' count (microseconds)."""
+    out = {}
+    for kind, keep in (("decode", lambda t: t["tokens"] == t["batch"]), ("other", lambda t: t["tokens"] != t["batch"])):
+        steps = [t for t in run["steps"] if keep(t)]
+        if steps:
+            part = {k: statistics.median(t[k] for t in steps) * 1e6 for k in ("before_s", "after_s", "update_s")}
+            total = statistics.median((t["before_s"] + t["after_s"] + t["update_s"]) for t in steps) * 1e6
+            out[kind] = {"steps": len(steps), "total_us": total, **{k.replace("_s", "_us"): v for k, v in part.items()}}
+    return out
 
 
 def _sync() -> None:
@@ -144,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--arms", default=",".join(ARMS), help="a subset for a CPU smoke run: sync,canary")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--timers", action="store_true", help="after the rounds, one more run per canary arm with the "
+                   "adapter's step timers on (not in the ratios): its host time per step")
     p.add_argument("--tuning", default="", help="private step-path toggles for a diagnosis: fused_steps=0,...")
     a = p.parse_args(argv)
     for item in filter(None, a.tuning.split(",")):
@@ -204,6 +221,13 @@ def main(argv=None) -> int:
             "violations": sum(x["violations"] for arm in ("canary",) + CANARY_GRAPH_ARMS for x in runs[arm]),
         }
         w = result["workloads"][name]
+        if a.timers:
+            w["canary_host_per_step"] = {}
+            for arm in (x for x in arms if x in ("canary",) + CANARY_GRAPH_ARMS):
+                split = w["canary_host_per_step"][arm] = host_split(run_arm(model, arm, prompts, new, timers=True))
+                print(f"[{name}] {arm} canary host per step (us): " + "; ".join(
+                    f"{kind} x{v['steps']}: {v['total_us']:.0f} (before {v['before_us']:.0f}, after {v['after_us']:.0f}, "
+                    f"update {v['update_us']:.0f})" for kind, v in split.items()), file=sys.stderr, flush=True)
         if runs["canary_fast"]:
             print(f"[{name}] tok/s fast {w['tokens_per_s']['fast']['median']:.0f}, canary_fast "
                   f"{w['tokens_per_s']['canary_fast']['median']:.0f}: {w['canary_fast_over_fast']['median']:.3f}x "
