@@ -137,18 +137,14 @@ def test_what_must_precede_the_forward_is_refused(canary, what):
         SimEngine(SimConfig(**CFG), carry=True)
 
 
-@pytest.mark.parametrize("drop", [False, True], ids=["ordered", "planted-dropped-wait"])
-def test_the_static_staged_buffer_is_refilled_after_the_side_streams_last_read(monkeypatch, drop):
-    # Under async batching the host prepares step N+1 while step N's canary work may still be queued on the
-    # side stream, and the step's close orders the engine's compute stream after that work, not the stream the
-    # hooks run on. A multi-token step's captured work reads its staged values from one static buffer, which
-    # the next such step refills from the hook's stream: that refill must wait for the side stream. Modelled
-    # with the recording streams: the hook's stream, the canary's side stream, the engine's compute stream.
-    from kvcanary.runtime.launch import ForwardLauncher
+def recorded(monkeypatch, *extra: str):
+    """An engine whose canary runs on the recording streams: the hooks' stream ``engine``, the side stream
+    ``canary``, the engine's compute stream ``compute`` (and ``extra`` ones), with ``engine_stream`` and the
+    late steps' ``ready`` modelled as on CUDA. Returns (engine, streams)."""
     from kvcanary.runtime.step.runner import StepRunner
     from kvcanary.runtime.streams import RecordingStreams
 
-    rec = RecordingStreams(("engine", "canary", "compute"))
+    rec = RecordingStreams(("engine", "canary", "compute", *extra))
     compute = rec.streams["compute"]
 
     def engine_stream(self):  # (StepRunner.engine_stream on CUDA: the compute stream after the current one)
@@ -162,17 +158,55 @@ def test_the_static_staged_buffer_is_refilled_after_the_side_streams_last_read(m
 
     monkeypatch.setattr(StepRunner, "engine_stream", engine_stream)
     monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", forward_enqueued)
-    if drop:
-        orig = ForwardLauncher.follow
-        monkeypatch.setattr(ForwardLauncher, "follow",
-                            lambda self, other: None if other is rec.side() else orig(self, other))
     e = engine("captured")
     for io in e.source.pairs:
         io.compute_stream = compute
     e.canary.launcher.streams = rec
+    return e, rec
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["ordered", "planted-dropped-wait"])
+def test_the_static_staged_buffer_is_refilled_after_the_side_streams_last_read(monkeypatch, drop):
+    # Under async batching the host prepares step N+1 while step N's canary work may still be queued on the
+    # side stream, and the step's close orders the engine's compute stream after that work, not the stream the
+    # hooks run on. A multi-token step's captured work reads its staged values from one static buffer, which
+    # the next such step refills from the hook's stream: that refill must wait for the side stream.
+    from kvcanary.runtime.launch import ForwardLauncher
+
+    e, rec = recorded(monkeypatch)
+    if drop:
+        orig = ForwardLauncher.follow
+        monkeypatch.setattr(ForwardLauncher, "follow",
+                            lambda self, other: None if other is rec.side() else orig(self, other))
     e.run()
     assert not e.canary.violations
-    reads = [a for a in rec.log if a.op == "step_static"]
+    reads = [a for a in rec.log if a.op == "step_reads" and "staged_static" in a.reads]
     assert len(reads) > 1 and {a.stream for a in reads} == {"canary"}  # (the path under test ran, on the side)
     races = [(a.op, b.op) for a, b, res in rec.races() if res == "staged_static"]
-    assert bool(races) == drop and set(races) <= {("step_static", "stage_static")}, races
+    assert bool(races) == drop and set(races) <= {("step_reads", "stage_static")}, races
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["ordered", "planted-dropped-wait"])
+def test_a_storage_sets_next_rewrite_waits_for_the_canary_work_that_read_it(monkeypatch, wait):
+    # The engine rewrites a storage set's inputs for step N+2 (its host-to-device copy) while step N+1 runs; the
+    # canary's late work of step N, which reads that set, may still be queued on the side stream. The rewrite
+    # must wait for the set's done event (Carry.done_event; transformers: the H2D stream waits for it).
+    from kvcanary.sim.carry_source import CarrySource
+
+    orig_set = CarrySource.set_step
+
+    def set_step(self, works):  # the rewrite on an "h2d" stream, after the set's done event; the forward after it
+        pair = 1 - self.current
+        if wait:
+            rec.wait(rec.streams["h2d"], self.done[pair])
+        with rec.use(rec.streams["h2d"]):
+            rec.note("h2d", writes=(("inputs", self.pairs[pair].input_ids.data_ptr()),))
+        orig_set(self, works)
+        rec.wait(rec.streams["compute"], rec.record(rec.streams["h2d"]))
+
+    monkeypatch.setattr(CarrySource, "set_step", set_step)
+    e, rec = recorded(monkeypatch, "h2d")
+    e.run()
+    assert not e.canary.violations
+    races = [(a.op, b.op) for a, b, res in rec.races() if isinstance(res, tuple) and res[0] == "inputs"]
+    assert bool(races) != wait and set(races) <= {("step_reads", "h2d")}, races

@@ -43,6 +43,10 @@ class CarrySource(SimSource):
             io.carry_ids = torch.full_like(io.input_ids, -1)
             io.samplers = []  # (request, position) of the forward's sampled tokens, in output order
         self.current = 1  # the first forward takes set 0
+        # per set: the runner's event after the canary work of the step that last read it, which the engine's
+        # next rewrite of that set waits for (transformers: the H2D stream; here the inputs are host tensors,
+        # so only a recording stream layer sees the wait: tests/test_async_steps.py)
+        self.done = [None, None]
         self.carries_done = 0  # tokens carried over so far (tests: the path was taken)
 
     def set_step(self, works: list) -> None:

@@ -193,6 +193,8 @@ class SimEngine:
             self.refusal = (self.canary.step + 1, e)  # (as forward)
             return batch
         runner.after()
+        if runner.carries:
+            self.source.done[self.source.current] = runner.done_event()
         self.end_step()
         return batch
 

@@ -97,18 +97,20 @@ class Carry:
         """After the step's after work: an event on the canary's side stream (or the engine's compute stream
         without one) that follows all the canary work issued so far, on the side, current and compute streams;
         one event per input storage set. The engine makes its next rewrite of that set wait for it. None on the
-        CPU (nothing runs beside anything)."""
+        CPU's inline stream layer (nothing runs beside anything)."""
         s = self.s
-        if s.device.type != "cuda":
-            return None
         streams = s.canary.launcher.streams
         io = s.source.inputs
         compute = io.compute_stream
         here = streams.current()
         at = streams.side() or compute or here
+        if at is None:  # (the CPU's inline layer: nothing runs beside anything)
+            return None
         for other in (here, compute):
             if other is not None and not streams.same(other, at):
                 streams.wait(at, streams.record(other))
+        if s.device.type != "cuda":
+            return streams.record(at)  # (the recording fake's event: tests/test_async_steps.py)
         key = io.input_ids.data_ptr()
         ev = self.done.get(key)
         if ev is None:

@@ -289,8 +289,9 @@ class StepGraphs:
                 streams.wait(side, s.ready)
             on_side = streams.use(side)
         with on_side:
-            if not per_turn:
-                streams.note("step_static", reads=("staged_static",))
+            # (the recording fake's record: the staged copy and the input storage set, by its ids' address)
+            streams.note("step_reads", reads=("staged_static", ("inputs", shape[-4])) if not per_turn
+                         else (("inputs", shape[-4]),))
             self._run(e, sightings, work)
             s.stage.copied()  # (a per-turn graph holds the staged values' copy: issued by its replay)
             if not per_turn:
