@@ -210,3 +210,35 @@ def test_a_storage_sets_next_rewrite_waits_for_the_canary_work_that_read_it(monk
     assert not e.canary.violations
     races = [(a.op, b.op) for a, b, res in rec.races() if isinstance(res, tuple) and res[0] == "inputs"]
     assert bool(races) != wait and set(races) <= {("step_reads", "h2d")}, races
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["ordered", "planted-ready-before-the-forward"])
+def test_a_late_steps_work_starts_after_the_forward_that_carries_its_ids_over(monkeypatch, early):
+    # The forward itself writes the carried ids into the storage set (on the compute stream); the step's canary
+    # work reads them, so its side stream must start after the forward: ``ready`` is recorded once the forward
+    # is enqueued (Carry.forward_enqueued), not when the step is prepared (planted race (a)).
+    from kvcanary.sim.carry_source import CarrySource
+
+    orig_inputs = CarrySource.forward_inputs
+
+    def forward_inputs(self, n):  # the carry-over, noted on the compute stream
+        with rec.use(rec.streams["compute"]):
+            rec.note("carry_over", writes=(("inputs", self.inputs.input_ids.data_ptr()),))
+        return orig_inputs(self, n)
+
+    monkeypatch.setattr(CarrySource, "forward_inputs", forward_inputs)
+    e, rec = recorded(monkeypatch)
+    if early:
+        orig_late = carry_mod.Carry.late_step
+
+        def late_step(self):
+            late = orig_late(self)
+            self.s.ready = rec.record(rec.streams["compute"])  # (before the forward is enqueued)
+            return late
+
+        monkeypatch.setattr(carry_mod.Carry, "late_step", late_step)
+        monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", lambda self: None)
+    e.run()
+    assert not e.canary.violations  # (the CPU runs each call at once: only the recorded order can be wrong)
+    races = [(a.op, b.op) for a, b, res in rec.races() if isinstance(res, tuple) and res[0] == "inputs"]
+    assert bool(races) == early and set(races) <= {("carry_over", "step_reads")}, races
