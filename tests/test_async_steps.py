@@ -139,8 +139,9 @@ def test_what_must_precede_the_forward_is_refused(canary, what):
 
 def recorded(monkeypatch, *extra: str):
     """An engine whose canary runs on the recording streams: the hooks' stream ``engine``, the side stream
-    ``canary``, the engine's compute stream ``compute`` (and ``extra`` ones), with ``engine_stream`` and the
-    late steps' ``ready`` modelled as on CUDA. Returns (engine, streams)."""
+    ``canary``, the engine's compute stream ``compute`` (and ``extra`` ones), with ``engine_stream``, the late
+    steps' ``ready`` and the forward's KV writes modelled as on CUDA. Returns (engine, streams); an ordered run's
+    ``races()`` is empty, the canary's own launches included."""
     from kvcanary.runtime.step.runner import StepRunner
     from kvcanary.runtime.streams import RecordingStreams
 
@@ -156,8 +157,16 @@ def recorded(monkeypatch, *extra: str):
     def forward_enqueued(self):  # (Carry.forward_enqueued on CUDA: late work starts after the forward)
         self.s.ready = rec.record(compute)
 
+    orig_model = SimEngine.run_model
+
+    def run_model(self, batch):  # the forward's KV writes, on the compute stream
+        with rec.use(compute):
+            rec.note("engine_forward", writes=("kv",))
+        return orig_model(self, batch)
+
     monkeypatch.setattr(StepRunner, "engine_stream", engine_stream)
     monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", forward_enqueued)
+    monkeypatch.setattr(SimEngine, "run_model", run_model)
     e = engine("captured")
     for io in e.source.pairs:
         io.compute_stream = compute
@@ -182,8 +191,8 @@ def test_the_static_staged_buffer_is_refilled_after_the_side_streams_last_read(m
     assert not e.canary.violations
     reads = [a for a in rec.log if a.op == "step_reads" and "staged_static" in a.reads]
     assert len(reads) > 1 and {a.stream for a in reads} == {"canary"}  # (the path under test ran, on the side)
-    races = [(a.op, b.op) for a, b, res in rec.races() if res == "staged_static"]
-    assert bool(races) == drop and set(races) <= {("step_reads", "stage_static")}, races
+    races = [(a.op, b.op, res) for a, b, res in rec.races()]
+    assert set(races) == ({("step_reads", "stage_static", "staged_static")} if drop else set()), races
 
 
 @pytest.mark.parametrize("wait", [True, False], ids=["ordered", "planted-dropped-wait"])
@@ -208,8 +217,8 @@ def test_a_storage_sets_next_rewrite_waits_for_the_canary_work_that_read_it(monk
     e, rec = recorded(monkeypatch, "h2d")
     e.run()
     assert not e.canary.violations
-    races = [(a.op, b.op) for a, b, res in rec.races() if isinstance(res, tuple) and res[0] == "inputs"]
-    assert bool(races) != wait and set(races) <= {("step_reads", "h2d")}, races
+    races = {(a.op, b.op, res[0]) for a, b, res in rec.races()}
+    assert races == (set() if wait else {("step_reads", "h2d", "inputs")}), races
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["ordered", "planted-ready-before-the-forward"])
@@ -240,5 +249,5 @@ def test_a_late_steps_work_starts_after_the_forward_that_carries_its_ids_over(mo
         monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", lambda self: None)
     e.run()
     assert not e.canary.violations  # (the CPU runs each call at once: only the recorded order can be wrong)
-    races = [(a.op, b.op) for a, b, res in rec.races() if isinstance(res, tuple) and res[0] == "inputs"]
-    assert bool(races) == early and set(races) <= {("carry_over", "step_reads")}, races
+    races = {(a.op, b.op, res[0]) for a, b, res in rec.races()}
+    assert races == ({("carry_over", "step_reads", "inputs")} if early else set()), races
