@@ -137,7 +137,7 @@ def test_what_must_precede_the_forward_is_refused(canary, what):
         SimEngine(SimConfig(**CFG), carry=True)
 
 
-def recorded(monkeypatch, *extra: str):
+def recorded(monkeypatch, *extra: str, cfg: dict | None = None):
     """An engine whose canary runs on the recording streams: the hooks' stream ``engine``, the side stream
     ``canary``, the engine's compute stream ``compute`` (and ``extra`` ones), with ``engine_stream``, the late
     steps' ``ready`` and the forward's KV writes modelled as on CUDA. Returns (engine, streams); an ordered run's
@@ -167,7 +167,7 @@ def recorded(monkeypatch, *extra: str):
     monkeypatch.setattr(StepRunner, "engine_stream", engine_stream)
     monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", forward_enqueued)
     monkeypatch.setattr(SimEngine, "run_model", run_model)
-    e = engine("captured")
+    e = engine("captured", cfg=cfg)
     for io in e.source.pairs:
         io.compute_stream = compute
     e.canary.launcher.streams = rec
@@ -251,3 +251,13 @@ def test_a_late_steps_work_starts_after_the_forward_that_carries_its_ids_over(mo
     assert not e.canary.violations  # (the CPU runs each call at once: only the recorded order can be wrong)
     races = {(a.op, b.op, res[0]) for a, b, res in rec.races()}
     assert races == ({("carry_over", "step_reads", "inputs")} if early else set()), races
+
+
+def test_an_async_run_with_offload_moves_has_no_unordered_access(monkeypatch):
+    # prefix pages evicted to the host and loaded back (the canary's save_records / restore_records) between
+    # async steps whose canary work lags on the side stream: every access the recording sees is ordered
+    e, rec = recorded(monkeypatch, cfg=dict(offload=True, num_slots=96, num_requests=8, max_output=24, max_steps=120))
+    e.run()
+    ops = {a.op for a in rec.log}
+    assert {"save_records", "restore_records", "step_reads", "tail"} <= ops  # (the moves ran, beside late steps)
+    assert rec.races() == [] and not e.canary.violations
