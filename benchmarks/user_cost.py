@@ -94,7 +94,7 @@ def run_arm(model, arm: str, prompts, new_tokens, timers: bool = False) -> dict:
                   "canary_graphs_poison": dict(poison_on_free=True)}.get(arm)
         from kvcanary.integrations.transformers.handle import tuned
 
-        with tuned(**TUNING, **({"timing": True} if timers else {})):
+        with tuned(**{**TUNING, **({"timing": True} if timers else {})}):
             handle = attach(model, None if fields is None else CanaryConfig.from_env(**fields), mode="log")
     _sync()
     t0 = time.perf_counter()

@@ -86,7 +86,11 @@ def _run(b, scheduled):
     for st, q in scheduled:
         st.position_offset += q
     b.s.bp.inputs_and_outputs = SimpleNamespace(requests_in_batch=[_Scheduled(st, q) for st, q in scheduled])
-    h = b.host_part()
+    return _unpack(b.host_part())
+
+
+def _unpack(h):
+    """A host part's valid lengths, token cells (row, column, token) and new tokens' batch indices."""
     values = h.packed.tolist()
     k = (h.small - h.n - h.bs) // 3  # token cells
     c0 = h.n + h.bs
@@ -124,11 +128,8 @@ def _async_run(b, scheduled, pair, carried, padded=False):
     for st, q in scheduled:
         st.position_offset += q
     aio.requests_in_batch = [_Scheduled(st, q) for st, q in scheduled]
-    h = b.host_part(padded=padded)
-    values = h.packed.tolist()
-    k = (h.small - h.n - h.bs) // 3
-    c0 = h.n + h.bs
-    return values[h.n:h.n + h.bs], list(zip(values[c0:c0 + k], values[c0 + k:c0 + 2 * k], values[c0 + 2 * k:c0 + 3 * k]))
+    valid, cells, _ = _unpack(b.host_part(padded=padded))
+    return valid, cells
 
 
 def _async_builder(steady: bool):

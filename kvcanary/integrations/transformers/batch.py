@@ -7,6 +7,7 @@ index). A request keeps one canary row while it lives (least recently used outsi
 out), so only the tokens its row lacks cross to the device (``TokenRows``): a decode step takes C loops
 (``_decode_cells``), and one of the same requests as the step before fills a kept array (``_steady``).
 """
+
 from __future__ import annotations
 
 import collections
