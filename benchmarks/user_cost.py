@@ -119,13 +119,15 @@ def run_arm(model, arm: str, prompts, new_tokens, timers: bool = False) -> dict:
     finally:
         violations = len(handle.violations) if handle is not None else 0
         steps = [t for session in handle.sessions for t in session.timings] if handle is not None else []
+        sessions = [] if handle is None else handle.sessions
         if handle is not None:
             handle.detach()
     out = results
     tokens = [list(o.generated_tokens) for _, o in sorted(out.items())]
     del out
     gc.collect()
-    return {"seconds": seconds, "tokens": tokens, "violations": violations, "steps": steps}
+    once = [{"setup_s": s.setup_s, "close_s": s.close_s, **getattr(s, "graph_counts", {})} for s in sessions]
+    return {"seconds": seconds, "tokens": tokens, "violations": violations, "steps": steps, "sessions": once}
 
 
 def host_split(run: dict) -> dict:
@@ -138,6 +140,14 @@ def host_split(run: dict) -> dict:
             part = {k: statistics.median(t[k] for t in steps) * 1e6 for k in ("before_s", "after_s", "update_s")}
             total = statistics.median((t["before_s"] + t["after_s"] + t["update_s"]) for t in steps) * 1e6
             out[kind] = {"steps": len(steps), "total_us": total, **{k.replace("_s", "_us"): v for k, v in part.items()}}
+    # the call's canary host time in all: set-up and close once per session (the engine makes one per call),
+    # every step's parts summed; against the call's extra seconds it says what host time leaves unexplained
+    steps_s = sum(t["before_s"] + t["after_s"] + t["update_s"] for t in run["steps"])
+    out["call"] = {"seconds": run["seconds"], "steps_ms": steps_s * 1e3,
+                   "setup_ms": sum(s["setup_s"] for s in run["sessions"]) * 1e3,
+                   "close_ms": sum(s["close_s"] for s in run["sessions"]) * 1e3,
+                   "captures": sum(s.get("captures", 0) for s in run["sessions"]),
+                   "replays": sum(s.get("replays", 0) for s in run["sessions"])}
     return out
 
 
@@ -225,9 +235,13 @@ def main(argv=None) -> int:
             w["canary_host_per_step"] = {}
             for arm in (x for x in arms if x in ("canary",) + CANARY_GRAPH_ARMS):
                 split = w["canary_host_per_step"][arm] = host_split(run_arm(model, arm, prompts, new, timers=True))
+                call = split["call"]
                 print(f"[{name}] {arm} canary host per step (us): " + "; ".join(
                     f"{kind} x{v['steps']}: {v['total_us']:.0f} (before {v['before_us']:.0f}, after {v['after_us']:.0f}, "
-                    f"update {v['update_us']:.0f})" for kind, v in split.items()), file=sys.stderr, flush=True)
+                    f"update {v['update_us']:.0f})" for kind, v in split.items() if kind != "call")
+                    + f"; call {call['seconds']:.3f} s: steps {call['steps_ms']:.1f} ms, set-up {call['setup_ms']:.1f} ms, "
+                    f"close {call['close_ms']:.1f} ms, captures {call['captures']}, replays {call['replays']}",
+                    file=sys.stderr, flush=True)
         if runs["canary_fast"]:
             print(f"[{name}] tok/s fast {w['tokens_per_s']['fast']['median']:.0f}, canary_fast "
                   f"{w['tokens_per_s']['canary_fast']['median']:.0f}: {w['canary_fast_over_fast']['median']:.3f}x "
