@@ -48,6 +48,56 @@ EXTRA_ARMS = ("canary_graphs_noslots", "canary_graphs_poison", "canary_fast")
 CANARY_GRAPH_ARMS = ("canary_graphs",) + EXTRA_ARMS  # (graphs on, the canary attached)
 BLOCK = 32
 TUNING: dict[str, bool] = {}  # --tuning: the adapter's private step-path toggles, for a diagnosis
+DELS: list[tuple[float, float]] = []  # --timers: (start, seconds) of each batch processor's __del__
+
+
+def watch_processor_del() -> None:
+    """Time transformers' batch-processor finalizer (a gc.collect and an empty_cache): where it runs inside a
+    timed call, that call pays it (both arms should, in the engine's stop)."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    cls = continuous_api.ContinuousBatchProcessor
+    orig = cls.__del__
+
+    def timed_del(self):
+        t = time.perf_counter()
+        try:
+            orig(self)
+        finally:
+            DELS.append((t, time.perf_counter() - t))
+
+    cls.__del__ = timed_del
+
+
+def profile_hooks(out: str) -> None:
+    """cProfile the adapter's before, after and update hooks (in the engine's thread) into ``out``."""
+    import atexit
+    import cProfile
+    import pstats
+
+    from kvcanary.integrations.transformers import session
+
+    prof = cProfile.Profile()
+    for name in ("_before", "_after", "_before_update", "_after_update"):
+        orig = getattr(session.Session, name)
+
+        def hooked(self, *args, _orig=orig):
+            if not self.timing:  # (the timers run only)
+                return _orig(self, *args)
+            prof.enable()
+            try:
+                return _orig(self, *args)
+            finally:
+                prof.disable()
+
+        setattr(session.Session, name, hooked)
+
+    def dump():
+        with open(out, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+            pstats.Stats(prof, stream=f).sort_stats("cumtime").print_stats(60)
+
+    atexit.register(dump)
 
 
 def workload(name: str, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -115,7 +165,8 @@ def run_arm(model, arm: str, prompts, new_tokens, timers: bool = False) -> dict:
                 elif r is None and not manager.is_running():
                     raise RuntimeError(f"kv-canary: the engine stopped with {len(results)} of {len(prompts)} done")
         _sync()
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        seconds = t1 - t0
     finally:
         violations = len(handle.violations) if handle is not None else 0
         steps = [t for session in handle.sessions for t in session.timings] if handle is not None else []
@@ -127,7 +178,9 @@ def run_arm(model, arm: str, prompts, new_tokens, timers: bool = False) -> dict:
     del out
     gc.collect()
     once = [{"setup_s": s.setup_s, "close_s": s.close_s, **getattr(s, "graph_counts", {})} for s in sessions]
-    return {"seconds": seconds, "tokens": tokens, "violations": violations, "steps": steps, "sessions": once}
+    dels = sum(d for t, d in DELS if t0 <= t <= t1)  # (the processor finalizer's seconds inside the call)
+    return {"seconds": seconds, "tokens": tokens, "violations": violations, "steps": steps, "sessions": once,
+            "finalizer_s": dels}
 
 
 def host_split(run: dict) -> dict:
@@ -171,12 +224,18 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--timers", action="store_true", help="after the rounds, one more run per canary arm with the "
                    "adapter's step timers on (not in the ratios): its host time per step")
+    p.add_argument("--profile-hooks", default=None, help="with --timers: cProfile the adapter's hooks in the "
+                   "timers runs into this file")
     p.add_argument("--tuning", default="", help="private step-path toggles for a diagnosis: fused_steps=0,...")
     a = p.parse_args(argv)
     for item in filter(None, a.tuning.split(",")):
         key, _, value = item.partition("=")
         TUNING[key] = value not in ("0", "false", "False")
     arms = tuple(a.arms.split(","))
+    if a.timers:
+        watch_processor_del()
+        if a.profile_hooks:
+            profile_hooks(a.profile_hooks)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kv-canary: user_cost.py needs a CUDA GPU for --device cuda (the fast path is CUDA graphs)")
     import transformers
@@ -200,7 +259,9 @@ def main(argv=None) -> int:
             for arm in order:
                 runs[arm].append(run_arm(model, arm, prompts, new))
             print(f"[{name}] round {r + 1}: " + ", ".join(
-                f"{arm} {runs[arm][-1]['seconds']:.2f} s" for arm in arms), file=sys.stderr, flush=True)
+                f"{arm} {runs[arm][-1]['seconds']:.2f} s" + (f" (finalizer {runs[arm][-1]['finalizer_s'] * 1e3:.0f} ms)"
+                                                            if a.timers else "") for arm in arms),
+                file=sys.stderr, flush=True)
         ntok = sum(len(t) for t in runs[arms[0]][0]["tokens"])  # (every arm generates as many: eos is off)
         tps = {arm: [ntok / x["seconds"] for x in runs[arm]] for arm in arms}
         tps.update({arm: [float("nan")] for arm in ARMS + EXTRA_ARMS if arm not in arms})
