@@ -8,6 +8,7 @@ tensor would be read stale on replay, as the planted case shows).
 import pytest
 import torch
 
+from kvcanary.format import FailReason
 from kvcanary.runtime.graphs import EagerGraphs, FakeGraphs
 from kvcanary.runtime.streams import InlineStreams, RecordingStreams
 from tests.toy_engine import ToyEngine
@@ -110,3 +111,39 @@ def test_a_capture_pauses_the_cyclic_collector():
         with gc_paused():
             raise ValueError
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("nan_steps", [(), (2, 5)], ids=["clean", "nan-on-capture-and-replay"])
+def test_the_nonfinite_check_replays_with_tail_and_finds_what_eager_finds(nan_steps):
+    # the non-finite KV check's tensor ops join TAIL's captured sequence (one replay with the snapshot, no
+    # launch per source per step); host_ops off: every step takes the device path, as on CUDA
+    def run(streams, graphs):
+        engine = ToyEngine(check_v=True, real_kv="all", token_history="append", oracle=True, record_stride=48)
+        c = engine.canary
+        c.use_graphs(graphs, host_ops=False)
+        c.launcher.streams = streams
+        keys = []
+        if isinstance(graphs, FakeGraphs):
+            run_ = graphs.run
+            graphs.run = lambda key, body, seen_as=None: (keys.append(key), run_(key, body, seen_as))
+        engine.add(1, [5, 6, 7, 8])
+        engine.add(2, [9, 10, 11])
+        engine.forward([(1, 4), (2, 3)])
+        for step in range(7):
+            # a NaN in request 2's KV written this step (position 3 + step)
+            nan = (lambda e, p=3 + step: e.v.__setitem__((e.slot(2, p), 0, 1), float("nan"))) \
+                if step in nan_steps else None
+            engine.forward([(1, 1), (2, 1)], corrupt=nan)
+        viol = sorted((v.step, v.launch_tag, v.slot, v.fail_reason, v.position) for v in c.flush())
+        return viol, keys
+
+    eager, _ = run(InlineStreams(), EagerGraphs())
+    graphs = FakeGraphs()
+    replayed, keys = run(RecordingStreams(), graphs)
+    assert replayed == eager
+    nonfinite = [v for v in eager if v[3] & int(FailReason.NONFINITE_KV)]
+    assert len(nonfinite) == len(nan_steps) and [v[4] for v in nonfinite] == [3 + s for s in nan_steps]
+    tails = [k for k in keys if k[0] == "tail"]
+    # every TAIL key names the check (it runs inside TAIL's sequence), none runs under a key of its own
+    assert tails and all("nonfinite" in k for k in tails) and not any(k[0] == "nonfinite" for k in keys)
+    assert graphs.replays >= 2 * 6

@@ -252,6 +252,20 @@ class ForwardLauncher:
         deferred, self.deferred = self.deferred, None
         return deferred
 
+    def extend_tail(self, tag: str, fn) -> bool:
+        """Append ``fn()`` to the deferred TAIL sequence, to be captured and replayed with it (and the step's
+        snapshot) under TAIL's key plus ``tag``: ``fn`` must read static buffers only, as TAIL does. False when
+        no TAIL is deferred (the caller runs ``fn`` itself)."""
+        if self.deferred is None:
+            return False
+        key, body = self.deferred
+
+        def extended(call):
+            body(call)
+            call(fn)
+        self.deferred = (key + (tag,), extended)
+        return True
+
     def flush_tail(self) -> None:
         """Run a deferred TAIL sequence now (before other side-stream work that must follow it)."""
         deferred = self.take_tail()
