@@ -69,6 +69,29 @@ def watch_processor_del() -> None:
     cls.__del__ = timed_del
 
 
+def watch_sessions() -> None:
+    """Time each canary session's set-up and close (host seconds) and keep its step-graph counts, on the session."""
+    from kvcanary.integrations.transformers.session import Session
+
+    init, close = Session.__init__, Session.close
+
+    def timed_init(self, *args, **kwargs):
+        t = time.perf_counter()
+        init(self, *args, **kwargs)
+        self.setup_s, self.close_s = time.perf_counter() - t, 0.0
+
+    def timed_close(self):
+        if self.closed:
+            return
+        g = self.runner.graphs
+        t = time.perf_counter()
+        close(self)
+        self.close_s = time.perf_counter() - t
+        self.graph_counts = {} if g is None else {"captures": g.captures, "replays": g.replays}
+
+    Session.__init__, Session.close = timed_init, timed_close
+
+
 def profile_hooks(out: str) -> None:
     """cProfile the adapter's before, after and update hooks (in the engine's thread) into ``out``."""
     import atexit
@@ -177,7 +200,8 @@ def run_arm(model, arm: str, prompts, new_tokens, timers: bool = False) -> dict:
     tokens = [list(o.generated_tokens) for _, o in sorted(out.items())]
     del out
     gc.collect()
-    once = [{"setup_s": s.setup_s, "close_s": s.close_s, **getattr(s, "graph_counts", {})} for s in sessions]
+    once = [{"setup_s": s.setup_s, "close_s": s.close_s, **getattr(s, "graph_counts", {})} for s in sessions
+            if hasattr(s, "setup_s")]  # (watch_sessions: --timers)
     dels = sum(d for t, d in DELS if t0 <= t <= t1)  # (the processor finalizer's seconds inside the call)
     return {"seconds": seconds, "tokens": tokens, "violations": violations, "steps": steps, "sessions": once,
             "finalizer_s": dels}
@@ -234,6 +258,7 @@ def main(argv=None) -> int:
     arms = tuple(a.arms.split(","))
     if a.timers:
         watch_processor_del()
+        watch_sessions()
         if a.profile_hooks:
             profile_hooks(a.profile_hooks)
     if a.device == "cuda" and not torch.cuda.is_available():

@@ -35,7 +35,6 @@ class Session(KvMoves):
     """The canary guarding one batch processor; created when transformers creates the processor."""
 
     def __init__(self, handle, bp):
-        t0 = time.perf_counter()
         self.handle, self.bp = handle, bp
         self.lock = handle.lock
         cache = bp.cache
@@ -67,7 +66,6 @@ class Session(KvMoves):
         self._install()
         # the allocator check's snapshots and frees (docs/allocator.md); poison_on_free: the blocks freed
         self.freed = watch_blocks(self)
-        self.setup_s, self.close_s = time.perf_counter() - t0, 0.0  # (benchmarks: the set-up and close's host time)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_canary(self) -> Canary:
@@ -256,7 +254,6 @@ class Session(KvMoves):
         if self.closed:
             return
         self.closed = True
-        t0 = time.perf_counter()
         try:
             self.runner.join()
             with self.lock:
@@ -265,13 +262,10 @@ class Session(KvMoves):
             self.handle._record_error(e)
         self.final_violations = list(self.canary.violations)
         self.final_stats = self.canary.stats()
-        g = self.runner.graphs
-        self.graph_counts = {} if g is None else {"captures": g.captures, "replays": g.replays}
         self.patcher.restore()
         self.layout.release_padding(self.reserved_block0)
         self.bp = self.canary = self.builder = self.layout = self.runner = None
         self.saved.clear()
-        self.close_s = time.perf_counter() - t0
 
     def stats(self) -> dict:
         stats = dict(self.final_stats if self.closed else self.canary.stats())
