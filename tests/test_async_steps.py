@@ -261,3 +261,46 @@ def test_an_async_run_with_offload_moves_has_no_unordered_access(monkeypatch):
     ops = {a.op for a in rec.log}
     assert {"save_records", "restore_records", "step_reads", "tail"} <= ops  # (the moves ran, beside late steps)
     assert rec.races() == [] and not e.canary.violations
+
+
+@pytest.mark.parametrize("on_side,joined", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["ordered", "side-stream-alone", "close-join-alone", "planted-neither"])
+def test_a_record_move_between_async_steps_follows_the_last_steps_canary_work(monkeypatch, on_side, joined):
+    # A fork's record copy comes at the engine's update, after the next forward and its late canary work are
+    # enqueued (transformers' async batching): it must follow that work, which reads and writes the same records
+    # (race (c)). Two things order it, each enough alone: the move runs on the side stream itself, after that
+    # work; and each step's close makes the engine's stream wait for the side stream. Planted: neither.
+    from kvcanary.runtime.launch import ForwardLauncher
+
+    orig_step = SimEngine.step
+    moves = []
+
+    def step(self):  # then a fork's record copy (a running request's slots onto themselves: nothing changes)
+        orig_step(self)
+        running = [r for r in self.sched.running if len(r.slots) > 1]
+        if not running:
+            return
+        slots = torch.tensor(running[0].slots, dtype=torch.int64)
+        launcher = self.canary.launcher
+        with self.runner.engine_stream():
+            launcher.on_current = not on_side  # (side() then stays on the current stream)
+            try:
+                self.canary.copy_records(slots, slots)
+            finally:
+                launcher.on_current = False
+        moves.append(len(slots))
+
+    monkeypatch.setattr(SimEngine, "step", step)
+    e, rec = recorded(monkeypatch)
+    if not joined:
+        monkeypatch.setattr(ForwardLauncher, "join", lambda self: None)
+    e.run()
+    assert moves and not e.canary.violations
+    races = {(a.op, b.op) for a, b, _ in rec.races()}
+    moved = {pair for pair in races if "copy_records" in pair}
+    if on_side and joined:
+        assert races == set(), races
+    # (without the close's join the next forward's KV writes race TAIL's reads too: not this test's point)
+    assert bool(moved) == (not on_side and not joined), moved
+    if moved:
+        assert {"head", "tail"} <= {a for a, _ in moved}, moved
