@@ -234,7 +234,36 @@ def _sync() -> None:
 
 
 def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    """Median, range and count of per-round values, the values themselves (``--pool`` joins calls' rounds) and a
+    distribution-free ~95% interval for the median (None below six values; with eight it is the whole range)."""
+    from kvcanary.bench.lockstep import median_interval
+
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "values": list(xs),
+            "median_ci95": median_interval(xs)}
+
+
+def pool(paths: list[str], key: str = "canary_fast_over_fast") -> dict:
+    """Per workload: the rounds of every file's ``key`` (its per-round values) joined, as ``spread`` gives them.
+    Files of different models, or a workload whose values a file lacks (written before they were kept), raise."""
+    files = []
+    for path in paths:
+        with open(path) as f:
+            files.append(json.load(f))
+    models = {d.get("model_size") for d in files}
+    if len(models) != 1:
+        raise ValueError(f"kv-canary: --pool expects files of one model size, got {sorted(map(str, models))}")
+    out = {}
+    for name in files[0]["workloads"]:
+        values = []
+        for path, d in zip(paths, files):
+            w = d["workloads"].get(name, {}).get(key)
+            if w is None or "values" not in w:
+                raise ValueError(f"kv-canary: --pool needs per-round values of {key} for workload {name!r} in every "
+                                 f"file, got none in {path}")
+            values += [v for v in w["values"] if v == v]  # (an arm that did not run: nan)
+        if values:
+            out[name] = spread(values)
+    return out
 
 
 def main(argv=None) -> int:
@@ -250,8 +279,22 @@ def main(argv=None) -> int:
                    "adapter's step timers on (not in the ratios): its host time per step")
     p.add_argument("--profile-hooks", default=None, help="with --timers: cProfile the adapter's hooks in the "
                    "timers runs into this file")
+    p.add_argument("--pool", nargs="+", default=None, metavar="JSON", help="run nothing: join the canary_fast/fast "
+                   "rounds of these result files (one model) and print their median with its interval")
     p.add_argument("--tuning", default="", help="private step-path toggles for a diagnosis: fused_steps=0,...")
     a = p.parse_args(argv)
+    if a.pool:
+        try:
+            pooled = pool(a.pool)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"kv-canary: user_cost.py --pool: {e}") from None
+        for name, v in pooled.items():
+            ci = v["median_ci95"]
+            print(f"[{name}] canary_fast/fast over {v['n']} rounds: median {v['median']:.3f}x, range "
+                  f"[{v['min']:.3f}, {v['max']:.3f}], ~95% interval of the median "
+                  + ("n/a (under six rounds)" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"), file=sys.stderr)
+        print(json.dumps(pooled, indent=1))
+        return 0
     for item in filter(None, a.tuning.split(",")):
         key, _, value = item.partition("=")
         TUNING[key] = value not in ("0", "false", "False")
