@@ -1,6 +1,7 @@
 """Stable canary rows of the transformers adapter: assignment, reuse and eviction (no model needed)."""
 
 import collections
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,8 +67,6 @@ class _Scheduled:  # a FutureRequestState
 
 
 def _host_builder():
-    from types import SimpleNamespace
-
     import numpy as np
 
     b = BatchBuilder.__new__(BatchBuilder)  # the host half alone: no engine session, no device work
@@ -81,8 +80,6 @@ def _host_builder():
 
 def _run(b, scheduled):
     """One step: each (state, new tokens) advances its state's offset, then the host half runs."""
-    from types import SimpleNamespace
-
     for st, q in scheduled:
         st.position_offset += q
     b.s.bp.inputs_and_outputs = SimpleNamespace(requests_in_batch=[_Scheduled(st, q) for st, q in scheduled])
@@ -133,8 +130,6 @@ def _async_run(b, scheduled, pair, carried, padded=False):
 
 
 def _async_builder(steady: bool):
-    from types import SimpleNamespace
-
     b = _host_builder()
     b.carries, b.pad_cap = True, 8
     pairs = [SimpleNamespace(host_io=SimpleNamespace(req_id_to_new_token_position={})) for _ in range(2)]

@@ -192,14 +192,12 @@ class SlotChecks:
         """The first live token (and source) of the forward whose written KV is NaN or Inf, if any."""
         if not self.float_sources:
             return
-        c = self.c
-        with c.launcher.side():
-            loc = c.launcher.inputs.loc[0]
+        launcher = self.c.launcher
+        with launcher.side():
             if self._host():  # (the common case in microseconds: every written byte finite)
-                live = loc.numpy()[:int(self._offs_np[c.launcher.key[0]])]
+                live = launcher.inputs.loc[0].numpy()[:int(self._offs_np[launcher.key[0]])]
                 if all(_finite_np(src, rows, live) for (_, _, src), rows in zip(self.float_sources, self._rows_np)):
                     return
-            launcher = c.launcher
             if launcher.staged_now:
                 # static buffers only (the staged inputs, the plan, the KV): captured once per shape and replayed,
                 # with TAIL and the snapshot where TAIL waits for them (eagerly, its some 45 tensor ops cost the
