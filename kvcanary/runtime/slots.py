@@ -29,6 +29,9 @@ import numpy as np
 import torch
 
 from kvcanary.format import FailReason
+from kvcanary.ops.api import resolve_backend
+from kvcanary.ops.slot_ops import EXPONENT as _EXPONENT
+from kvcanary.ops.slot_ops import NO_HIT, slot_impl
 from kvcanary.ops.torch_ops import _push
 from kvcanary.runtime.checks import slots_tensor
 
@@ -40,10 +43,6 @@ POISON = (0xF5, 0x7F)  # (even bytes, odd bytes)
 READ, WRITE, NONFINITE = (int(FailReason.RESERVED_SLOT_READ), int(FailReason.RESERVED_SLOT_WRITE),
                           int(FailReason.NONFINITE_KV))
 READ_PAST = int(FailReason.READ_PAST_LENGTH)
-# exponent bits of each float width, read on a same-width integer view (bfloat16 is told apart below)
-_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
-             torch.float64: 0x7FF0000000000000}
-_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT = {2: np.int16, 4: np.int32, 8: np.int64}
 
 
@@ -67,6 +66,9 @@ class SlotChecks:
         if self.float_sources:
             self._tags = torch.tensor([g.tag("tail", kv) for kv, _, _ in self.float_sources], device=canary.device)
             self._index = torch.tensor([i for _, i, _ in self.float_sources], device=canary.device)
+            self._first = torch.full((1,), NO_HIT, dtype=torch.int64, device=canary.device)  # (Triton's scratch)
+        # the device passes: a kernel or two per check with Triton, tensor ops otherwise (ops/slot_ops.py)
+        self.ops = slot_impl(resolve_backend(cfg.backend, canary.device))
         if self._cpu:  # (numpy views of the static buffers the checks read, made once)
             self._offs_np, self._count_np = g.plan.write_offsets.numpy(), g.plan.entries.count.numpy()
             self._slot_np = g.plan.entries.slot.numpy()
@@ -93,18 +95,10 @@ class SlotChecks:
                     return
             tag = g.tag("head", "k")
             self.check_entries(g.plan.entries, tag, c.launcher.entry_bound)
-            n = self._live_tokens(loc)
-            if not n:
-                return
-            slot = loc[:n].long()
-            live = torch.arange(n, device=slot.device) < g.plan.write_offsets[c.launcher.key[0]]
-            hit = live & self._is_reserved(slot)
-
-            def rows(i):  # (only the rows that can land in the ring: _push)
-                minus = torch.full_like(i, -1)
-                return torch.stack([torch.full_like(i, tag), slot[i], x.positions[i].long(), x.input_ids[i].long(),
-                                    minus, self._request_ids(i), minus, torch.where(hit[i], WRITE, 0)], 1)
-            self._push(rows, hit)
+            self.ops.reserved_writes(out_cache_loc=loc, write_offsets=g.plan.write_offsets,
+                                     num_requests=c.launcher.key[0], positions=x.positions, input_ids=x.input_ids,
+                                     writer_ids=x.writer_ids, reserved=self.reserved, ring=c.ring, launch_tag=tag,
+                                     host_reads=self._host())
 
     def check_entries(self, entries, launch_tag: int, bound: int | None = None) -> None:
         """Report entries (read slots) that name a reserved slot: the verify op skips slot 0 silently. An
@@ -112,21 +106,13 @@ class SlotChecks:
         ``bound``: at most this many entries are filled (the device pass looks at no more than these)."""
         if self.reserved is None:
             return
-        n = entries.capacity if bound is None else max(0, min(entries.capacity, bound))
         if self._host():  # (the count is free to read there)
+            n = entries.capacity if bound is None else max(0, min(entries.capacity, bound))
             n = min(n, max(0, int(entries.count[0])))
             if not n or not self._any_reserved(entries.slot[:n].numpy()):
                 return
-        slot = entries.slot[:n]
-        hit = ((torch.arange(n, device=slot.device) < entries.count) & (entries.enable[:n] != 0)
-               & self._is_reserved(slot))
-
-        def rows(i):  # (only the rows that can land in the ring: _push)
-            minus = torch.full_like(i, -1)
-            return torch.stack([torch.full_like(i, launch_tag), slot[i], entries.position[i], minus,
-                                entries.expected_token[i], entries.prev[i], torch.zeros_like(i),
-                                torch.where(hit[i], READ, 0)], 1)
-        self._push(rows, hit)
+        self.ops.reserved_reads(entries=entries, reserved=self.reserved, ring=self.c.ring, launch_tag=launch_tag,
+                                bound=bound, host_reads=self._host())
 
     def read_past_length(self, position: int, listed: int, slot=None) -> None:
         """Report a forward whose engine reads ``listed`` cells of its read index for ``position`` live
@@ -166,27 +152,6 @@ class SlotChecks:
         mask, s = self._reserved_np, slot
         return bool(mask[s[(s >= 0) & (s < mask.shape[0])]].any())
 
-    def _is_reserved(self, slot: torch.Tensor) -> torch.Tensor:
-        mask = self.reserved
-        inside = (slot >= 0) & (slot < mask.shape[0])
-        return inside & mask[slot.clamp(0, mask.shape[0] - 1)]
-
-    def _live_tokens(self, loc: torch.Tensor) -> int:
-        """Tokens to look at: all of them on an accelerator (masked on the device), the live ones on the CPU."""
-        c = self.c
-        if not self._host():
-            return loc.shape[0]
-        return min(loc.shape[0], int(c.groups[0].plan.write_offsets[c.launcher.key[0]]))
-
-    def _request_ids(self, i: torch.Tensor) -> torch.Tensor:
-        """The request id of each token index in ``i`` (-1 without ids)."""
-        c = self.c
-        ids = c.launcher.inputs.writer_ids
-        offs = c.groups[0].plan.write_offsets[1:c.launcher.key[0] + 1]
-        if ids is None or offs.shape[0] == 0:
-            return torch.full_like(i, -1)
-        return ids[torch.searchsorted(offs, i, right=True).clamp(max=offs.shape[0] - 1)].long()
-
     # -- TAIL: non-finite KV -------------------------------------------------------------------------
     def after(self) -> None:
         """The first live token (and source) of the forward whose written KV is NaN or Inf, if any."""
@@ -208,25 +173,14 @@ class SlotChecks:
             self._after_device()
 
     def _after_device(self) -> None:
-        """The non-finite check's tensor ops on the device (no host read: capturable), on the current stream."""
+        """The non-finite check's device pass (no host read: capturable), on the current stream."""
         c = self.c
         x = c.launcher.inputs
-        loc = x.loc[0]
-        n = self._live_tokens(loc)
-        if n:
-            slot = loc[:n].long()
-            live = ((torch.arange(n, device=slot.device) < c.groups[0].plan.write_offsets[c.launcher.key[0]])
-                    & (slot >= 1) & (slot < c.pool.num_slots))
-            bad = torch.stack([live & ~_finite(src, slot) for _, _, src in self.float_sources], 1)  # [n, S]
-            flat = bad.view(-1)
-            first = flat.to(torch.int8).argmax()  # the first token, then its first source
-            # (1-element index tensors: a 0-d tensor index is read on the host, a sync no capture allows)
-            t, s = (first // bad.shape[1]).view(1), (first % bad.shape[1]).view(1)
-            found = flat.any().view(1)
-            row = torch.stack([self._tags[s], slot[t], x.positions[:n].long()[t], x.input_ids[:n].long()[t],
-                               torch.full_like(t, -1), self._request_ids(t), self._index[s],
-                               torch.where(found, NONFINITE, 0)], 1)
-            self._push(row, found)
+        self.ops.nonfinite(out_cache_loc=x.loc[0], write_offsets=c.groups[0].plan.write_offsets,
+                           num_requests=c.launcher.key[0], positions=x.positions, input_ids=x.input_ids,
+                           writer_ids=x.writer_ids, num_slots=c.pool.num_slots,
+                           sources=[src for _, _, src in self.float_sources], tags=self._tags, index=self._index,
+                           ring=c.ring, scratch=self._first, host_reads=self._host())
 
     # -- poison on free ------------------------------------------------------------------------------
     def poison(self, slots) -> int:
@@ -300,13 +254,3 @@ def _finite_np(src, rows, slot) -> bool:
 def _pattern(cols: torch.Tensor) -> torch.Tensor:
     """The poison's bytes at byte columns ``cols`` (uint8, their shape)."""
     return torch.where(cols % 2 == 0, POISON[0], POISON[1]).to(torch.uint8)
-
-
-def _finite(src, slot: torch.Tensor) -> torch.Tensor:
-    """bool [n]: every element of each slot's KV in ``src`` is finite (a slot outside it counts as finite)."""
-    inside = slot < src.num_slots
-    rows, cols = _byte_cells(src, torch.where(inside, slot, 0))
-    dtype = src.tensor.dtype
-    exp = _EXPONENT[dtype]
-    words = src.byte_rows()[rows, cols].view(_INT_VIEW[dtype.itemsize])
-    return ~((words & exp) == exp).any(1) | ~inside
