@@ -8,7 +8,9 @@ tensor would be read stale on replay, as the planted case shows).
 import pytest
 import torch
 
+from conftest import HAS_TRITON
 from kvcanary.format import FailReason
+from kvcanary.runtime import observer
 from kvcanary.runtime.graphs import EagerGraphs, FakeGraphs
 from kvcanary.runtime.streams import InlineStreams, RecordingStreams
 from tests.toy_engine import ToyEngine
@@ -49,9 +51,12 @@ def test_replayed_launches_match_eager_bit_for_bit(bug_step, swa):
 
 @pytest.mark.parametrize("bug_step", [None, 5], ids=["clean", "kv-flip-on-replay"])
 @pytest.mark.parametrize("swa", [False, True], ids=["full", "swa"])
-def test_tail_and_snapshot_replay_as_one_sequence(bug_step, swa):
-    # one graphs object for launches and snapshots (as the transformers adapter hands over): each
-    # step's TAIL waits for its snapshot and both run under one key
+@pytest.mark.parametrize("combine", [2, 100], ids=["combined-after-2", "apart"])
+def test_tail_and_snapshot_replay_apart_then_as_one_sequence(bug_step, swa, combine, monkeypatch):
+    # one graphs object for launches and snapshots (as the transformers adapter hands over): a step's TAIL
+    # and its snapshot run as two sequences (TAIL captured once per shape, the snapshot once per slot) until
+    # the TAIL shape closed COMBINE_SIGHTINGS steps; then both run under one key (one replay per step)
+    monkeypatch.setattr(observer, "COMBINE_SIGHTINGS", combine)
     kw = dict(swa_window=3, swa_slots=40) if swa else {}
     eager = decode_run(InlineStreams(), EagerGraphs(), bug_step, **kw)
     graphs = FakeGraphs()
@@ -59,9 +64,15 @@ def test_tail_and_snapshot_replay_as_one_sequence(bug_step, swa):
     run = graphs.run
     graphs.run = lambda key, body, seen_as=None: (keys.append(key), run(key, body, seen_as))
     replayed = decode_run(RecordingStreams(), graphs, bug_step, graphs, **kw)
-    assert graphs.captures == 2 and graphs.replays == 2 * 6  # HEAD, and TAIL + snapshot
-    assert keys[-1][0] == "tail" and keys[-1][-2:] == ("snapshot", 0)
-    assert not any(k[0] == "snapshot" for k in keys)  # never a snapshot of its own after a forward
+    combined = [k for k in keys if k[0] == "tail" and k[-2:] == ("snapshot", 0)]
+    tails = [k for k in keys if k[0] == "tail" and k[-2] != "snapshot"]
+    if combine == 2:  # the 8 steps: the first 3 closed apart (one decode shape from the second), then combined
+        assert len(combined) == 5 and keys[-1] in combined and len(tails) == 3
+        assert graphs.captures == 4  # HEAD; TAIL, the snapshot, TAIL + snapshot
+    else:
+        assert not combined and len(tails) == 8 and keys[-1] == ("snapshot", 0)
+        # HEAD and TAIL: the decode shape captured on its second sighting (step 3); the snapshot on step 2
+        assert graphs.captures == 3 and graphs.replays == 2 * 6 + 7
     assert all(torch.equal(a, b) for a, b in zip(eager[0], replayed[0]))
     assert eager[1] == replayed[1] and torch.equal(eager[2], replayed[2]) and torch.equal(eager[3], replayed[3])
     assert bool(eager[1]) == (bug_step is not None)
@@ -113,12 +124,15 @@ def test_a_capture_pauses_the_cyclic_collector():
     assert gc.isenabled()
 
 
+@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if HAS_TRITON else []))
 @pytest.mark.parametrize("nan_steps", [(), (2, 5)], ids=["clean", "nan-on-capture-and-replay"])
-def test_the_nonfinite_check_replays_with_tail_and_finds_what_eager_finds(nan_steps):
-    # the non-finite KV check's tensor ops join TAIL's captured sequence (one replay with the snapshot, no
-    # launch per source per step); host_ops off: every step takes the device path, as on CUDA
+def test_the_nonfinite_check_replays_with_tail_and_finds_what_eager_finds(nan_steps, backend):
+    # the non-finite KV check's device pass (tensor ops, or Triton's kernels) joins TAIL's captured sequence (one
+    # replay with the snapshot, no launch per source per step); host_ops off: every step takes the device path,
+    # as on CUDA
     def run(streams, graphs):
-        engine = ToyEngine(check_v=True, real_kv="all", token_history="append", oracle=True, record_stride=48)
+        engine = ToyEngine(check_v=True, real_kv="all", token_history="append", oracle=True, record_stride=48,
+                           backend=backend)
         c = engine.canary
         c.use_graphs(graphs, host_ops=False)
         c.launcher.streams = streams

@@ -24,7 +24,7 @@ import torch
 
 from kvcanary.runtime.streams import capturing, stream_cache
 
-MAX_GRAPHS = 8  # captured sequences kept (least recently used dropped)
+MAX_GRAPHS = 16  # captured sequences kept (least recently used dropped): TAIL shapes, snapshot slots
 
 
 @contextmanager
