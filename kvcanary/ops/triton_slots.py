@@ -17,6 +17,8 @@ from kvcanary.ops import triton_ops
 from kvcanary.ops.slot_ops import EXPONENT, INT_VIEW, NONFINITE, READ, WRITE
 from kvcanary.ops.triton_hash import INT64_MAX, push_violations, violation_rows
 
+# (compiled kernels see module globals only as constexpr; the interpreter does not check it)
+READ_C, WRITE_C, NONFINITE_C = tl.constexpr(READ), tl.constexpr(WRITE), tl.constexpr(NONFINITE)
 RESERVED_BLOCK = 1024
 # Persistent programs of the reserved-read pass (a plan's prefix entries: up to a batch times its context).
 RESERVED_PROGRAMS = 256
@@ -55,7 +57,7 @@ def _reserved_reads_kernel(p_slot, p_pos, p_exp, p_prev, p_count, p_enable, boun
             b_minus = tl.full([BLOCK], -1, tl.int64)
             b_row = violation_rows(launch_tag, b_slot, tl.load(p_pos + o, mask=m_hit, other=0), b_minus,
                                    tl.load(p_exp + o, mask=m_hit, other=0), tl.load(p_prev + o, mask=m_hit, other=0),
-                                   b_minus * 0, b_minus * 0 + READ, o_f)
+                                   b_minus * 0, b_minus * 0 + READ_C, o_f)
             push_violations(m_hit, b_row, p_ring, p_write_index, ring_capacity)
 
 
@@ -75,7 +77,7 @@ def _reserved_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p
         b_row = violation_rows(launch_tag, b_slot, tl.load(p_pos + o, mask=m_hit, other=0).to(tl.int64),
                                tl.load(p_ids + o, mask=m_hit, other=0).to(tl.int64), b_minus,
                                _request_of(o, p_offsets, num_requests, p_writers, HAS_WRITERS), b_minus,
-                               b_minus * 0 + WRITE, tl.arange(0, 8))
+                               b_minus * 0 + WRITE_C, tl.arange(0, 8))
         push_violations(m_hit, b_row, p_ring, p_write_index, ring_capacity)
 
 
@@ -114,7 +116,7 @@ def _nonfinite_push_kernel(p_first, num_sources, p_tags, p_index, p_loc, p_pos, 
     b_row = violation_rows(tl.load(p_tags + b_s)[:, None], tl.load(p_loc + b_t).to(tl.int64),
                            tl.load(p_pos + b_t).to(tl.int64), tl.load(p_ids + b_t).to(tl.int64),
                            tl.full([2], -1, tl.int64), _request_of(b_t, p_offsets, num_requests, p_writers, HAS_WRITERS),
-                           tl.load(p_index + b_s), tl.full([2], NONFINITE, tl.int64), tl.arange(0, 8))
+                           tl.load(p_index + b_s), tl.full([2], NONFINITE_C, tl.int64), tl.arange(0, 8))
     push_violations(m, b_row, p_ring, p_write_index, ring_capacity)
     tl.store(p_first + o, tl.full([2], INT64_MAX, tl.int64), mask=o == 0)
 
