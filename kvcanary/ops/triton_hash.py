@@ -123,10 +123,10 @@ def push_violations(m_fail, b_rows, p_ring, p_write_index, ring_capacity):
     # one atomic per block: failing lanes take consecutive ring indices; rows stored below capacity
     b_fail = m_fail.to(tl.int32)
     n_fail = tl.sum(b_fail, axis=0)
-    i_base = tl.atomic_add(p_write_index, n_fail, mask=n_fail > 0).to(tl.int64)
+    i_base = tl.atomic_add(p_write_index, n_fail, mask=n_fail > 0, sem="relaxed").to(tl.int64)
     # Saturate: every add is followed by a clamp, so the final count is min(total, COUNT_LIMIT) and a
     # racing add starts at most a few blocks' failures above the limit (never near int32 overflow).
-    tl.atomic_min(p_write_index, COUNT_LIMIT, mask=n_fail > 0)
+    tl.atomic_min(p_write_index, COUNT_LIMIT, mask=n_fail > 0, sem="relaxed")
     b_idx = i_base + (tl.cumsum(b_fail, axis=0) - b_fail).to(tl.int64)
     m_store = m_fail & (b_idx >= 0) & (b_idx < ring_capacity)
     o_f = tl.arange(0, 8)

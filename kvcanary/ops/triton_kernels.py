@@ -155,6 +155,23 @@ def _plan_kernel(p_rows, p_prefix, p_extend, bs, p_rtt, rtt_s0, rtt_s1, num_rows
         tl.store(p_expected + o_e, b_exp, mask=m)
 
 
+@triton.jit
+def _entry_inputs(p_loc, p_ids, p_pos, p_exp_ids, p_exp_pos, i, m, HAS_EXP_IDS: tl.constexpr,
+                  HAS_EXP_POS: tl.constexpr):
+    # write entry i's (slot, token, position, expected token, expected position) as int64 scalars; the
+    # expectations are the inputs themselves where not given; m False: slot -1 (no entry)
+    i_slot = tl.load(p_loc + i, mask=m, other=-1).to(tl.int64)
+    i_tok = tl.load(p_ids + i, mask=m, other=0).to(tl.int64)
+    i_pos = tl.load(p_pos + i, mask=m, other=0).to(tl.int64)
+    e_tok = i_tok
+    e_pos = i_pos
+    if HAS_EXP_IDS:
+        e_tok = tl.load(p_exp_ids + i, mask=m, other=0).to(tl.int64)
+    if HAS_EXP_POS:
+        e_pos = tl.load(p_exp_pos + i, mask=m, other=0).to(tl.int64)
+    return i_slot, i_tok, i_pos, e_tok, e_pos
+
+
 @_jit("num_requests", "num_tokens")
 def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_requests, p_loc, p_ids, p_pos, num_tokens,
                   p_ring, p_write_index, ring_capacity, p_counters, launch_tag,
@@ -167,11 +184,15 @@ def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_request
     i_r = tl.program_id(0).to(tl.int64)
     i_tag = tl.full((), launch_tag, tl.int64)
     if i_r == 0:
-        tl.atomic_add(p_counters + i_tag * 2, 1)
+        tl.atomic_add(p_counters + i_tag * 2, 1, sem="relaxed")
     m_r = i_r < num_requests
     # offsets are validated on the host where that is free; elsewhere a negative one must not read out of bounds
     i_start = tl.maximum(tl.load(p_write_offsets + i_r, mask=m_r, other=0), 0)
     i_end = tl.minimum(tl.load(p_write_offsets + i_r + 1, mask=m_r, other=0), num_tokens)
+    # the serial walk's first entry (it starts at i_start whenever it runs: a hint is taken whole or not at
+    # all), loaded before any store so that the loads overlap the seed's (a decode write is one such entry)
+    n_slot, n_tok, n_pos, n_etok, n_epos = _entry_inputs(p_loc, p_ids, p_pos, p_exp_ids, p_exp_pos, i_start,
+                                                         i_start < i_end, HAS_EXP_IDS, HAS_EXP_POS)
     # the chain starts from the seed record, read before this request stores anything; any slot of the
     # buffer (slot 0 included) is a predecessor, anything else is the chain head
     i_seed = tl.load(p_seed + i_r, mask=m_r, other=-1)
@@ -205,7 +226,7 @@ def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_request
             tl.store(p_rec + 4, tl.zeros_like(b_slot) + i_writer, mask=m_in)
             tl.store(p_rec + 5, tl.zeros_like(b_slot) + i_step, mask=m_in)
     # entries with a negative slot are skipped altogether and not counted
-    tl.atomic_add(p_counters + i_tag * 2 + 1, n_live, mask=n_live > 0)
+    tl.atomic_add(p_counters + i_tag * 2 + 1, n_live, mask=n_live > 0, sem="relaxed")
     # A hint (the HEAD buffer, for a TAIL write; never with the HEAD-only asserts, whose rows come in chain
     # order) replaces the serial walk when it holds, at every entry's slot, exactly the record the walk
     # would store: the entry's token and position, and the link of the entry before (the running seed
@@ -241,21 +262,19 @@ def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_request
             tl.store(p_rec + 1, tl.load(p_pos + o, mask=m, other=0).to(tl.int64), mask=m)
             tl.store(p_rec + 2, tl.load(record_ptr(p_hint, b_slot, stride) + 2, mask=m, other=0), mask=m)
         i_walk = i_copy
-    # the serial chain: live entries in order, each stores the running hash it extends
+    # the serial chain: live entries in order, each stores the running hash it extends. An entry's inputs are
+    # loaded one entry ahead (_entry_inputs), so their loads overlap the hash before them instead of adding
+    # a round trip to every link of the chain (the walk is the whole prefill write's time).
     o_f = tl.arange(0, 8)
     for i in range(i_walk, i_end):
-        i_slot = tl.load(p_loc + i).to(tl.int64)
+        i_slot, i_tok, i_pos, exp_tok, exp_pos = n_slot, n_tok, n_pos, n_etok, n_epos
+        n_slot, n_tok, n_pos, n_etok, n_epos = _entry_inputs(p_loc, p_ids, p_pos, p_exp_ids, p_exp_pos, i + 1,
+                                                             i + 1 < i_end, HAS_EXP_IDS, HAS_EXP_POS)
         if i_slot >= 0:
-            i_tok = tl.load(p_ids + i).to(tl.int64)
-            i_pos = tl.load(p_pos + i).to(tl.int64)
             reason = i_slot * 0
-            exp_tok = i_tok
-            exp_pos = i_pos
             if HAS_EXP_IDS:
-                exp_tok = tl.load(p_exp_ids + i).to(tl.int64)
                 reason = tl.where(i_tok != exp_tok, reason | 8, reason)
             if HAS_EXP_POS:
-                exp_pos = tl.load(p_exp_pos + i).to(tl.int64)
                 reason = tl.where(i_pos != exp_pos, reason | 16, reason)
             # the write-input row, then the chain-position row: two rows when both fail
             if reason != 0:
@@ -290,8 +309,8 @@ def _verify_kernel(p_buf, stride, num_slots, p_slot, p_position, p_prev, p_expec
     n = tl.where(m_on, tl.maximum(tl.minimum(tl.load(p_count), capacity), 0), 0)
     if i_p == 0:
         # a disabled launch still ran
-        tl.atomic_add(p_counters + i_tag * 2, 1)
-        tl.atomic_add(p_counters + i_tag * 2 + 1, n, mask=n > 0)
+        tl.atomic_add(p_counters + i_tag * 2, 1, sem="relaxed")
+        tl.atomic_add(p_counters + i_tag * 2 + 1, n, mask=n > 0, sem="relaxed")
     o_f = tl.arange(0, 8)
     for b0 in range(i_p * BLOCK, n, n_p * BLOCK):
         o = b0 + tl.arange(0, BLOCK)  # [BLOCK]
@@ -347,4 +366,4 @@ def _accept_kernel(p_head, p_tail, stride, num_slots, p_write_offsets, num_reque
     tl.store(record_ptr(p_tail, b_slot, stride) + 3, as_i64(b_fp), mask=m_same)
     if HAS_REWRITES:
         n_same = tl.sum(m_same.to(tl.int64), axis=0)
-        tl.atomic_add(p_rewrites, n_same, mask=n_same > 0)
+        tl.atomic_add(p_rewrites, n_same, mask=n_same > 0, sem="relaxed")

@@ -101,7 +101,7 @@ def _nonfinite_kernel(p_loc, num_tokens, p_offsets, num_requests, num_slots, p_s
         b_w = tl.load(p, mask=m, other=0).to(tl.int64)
         b_bad |= tl.max((m & ((b_w & EXP) == EXP)).to(tl.int32), axis=1)
     i_first = tl.min(tl.where(b_bad != 0, o_t * num_sources + s_index, INT64_MAX), axis=0)
-    tl.atomic_min(p_first, i_first, mask=i_first < INT64_MAX)
+    tl.atomic_min(p_first, i_first, mask=i_first < INT64_MAX, sem="relaxed")
 
 
 @triton.jit
