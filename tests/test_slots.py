@@ -320,7 +320,11 @@ def test_transformers_read_of_slot0_is_reported(llama):
     first = r.violations[0]
     assert first.reasons == ("reserved_slot_read",) and first.slot == 0 and first.position == 1
     assert first.reader_request is not None
-    assert run(llama, read_slot0, reserved_check=False).violations == []
+    # without the check nothing names the reserved read (what attention then makes of slot 0's bytes is the
+    # engine's: 5.17 leaves the pool's memory as the allocator had it, NaN there is reported as nonfinite_kv)
+    off = run(llama, read_slot0, reserved_check=False).violations
+    assert not [v for v in off if "reserved_slot_read" in v.reasons]
+    assert all(v.reasons == ("nonfinite_kv",) for v in off)
 
 
 def test_transformers_read_past_a_request_length_is_reported(llama):
