@@ -489,8 +489,24 @@ def test_planted_bug_is_reported_over_padded_inputs_after_warmup(llama, engine_p
 def test_engine_cuda_graphs_clean_run_matches_and_reports_nothing(llama):
     base = run_workload(llama, canary=False, cb=GRAPHS)
     run = run_workload(llama, cb=GRAPHS)
-    assert run.violations == [] and run.tokens == base.tokens and run.stats["forwards"] > 0
-    assert run.tokens == run_workload(llama, canary=False).tokens  # (greedy: graphs change no token here)
+    # (one assert each, with what differed: a failure's one-line summary in a GPU log names which it was)
+    assert run.violations == [], [v.block().splitlines()[0] for v in run.violations[:3]]
+    assert run.stats["forwards"] > 0
+    assert run.tokens == base.tokens, _first_difference(run.tokens, base.tokens)
+    eager = run_workload(llama, canary=False).tokens
+    assert run.tokens == eager, ("graphs against no graphs", _first_difference(run.tokens, eager))
+
+
+def _first_difference(a: dict, b: dict) -> str:
+    """Where two runs' tokens (request id -> tokens) first differ, for an assert's message."""
+    for rid in sorted(set(a) | set(b)):
+        x, y = a.get(rid), b.get(rid)
+        if x != y:
+            if x is None or y is None:
+                return f"request {rid}: only in one run"
+            j = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            return f"request {rid}, token {j}: {x[j:j + 3]} vs {y[j:j + 3]}"
+    return "no difference"
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine's CUDA graphs need CUDA")
