@@ -383,3 +383,39 @@ def test_transformers_slot_checks_in_captured_steps_report_what_eager_steps_repo
     assert eager.violations and eager.violations[0].reasons[0] in ("reserved_slot_read", "nonfinite_kv")
     assert [v.block() for v in graphed.violations] == [v.block() for v in eager.violations]
     assert graphed.tokens == eager.tokens
+
+
+def late_nan_write(bp, lay, state):
+    """NaN in the first layer's K of the ninth forward: a steady decode step of the workload, fused with step graphs."""
+    writer = lay.kv_writer()
+    orig = writer.update
+
+    def update(key_states, value_states, layer_idx, *args, **kwargs):
+        state["layer0"] = state.get("layer0", 0) + (layer_idx == 0)
+        if layer_idx == 0 and state["layer0"] == 9 and _once(state):
+            key_states = key_states.clone()
+            key_states[0, 0, 0] = float("nan")
+        return orig(key_states, value_states, layer_idx, *args, **kwargs)
+
+    writer.update = update
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton on the CPU needs TRITON_INTERPRET=1")
+def test_transformers_nan_written_by_a_fused_step_is_reported(llama, monkeypatch):
+    """A fused steady decode step (its before and after work as one graph) runs the non-finite check too: a NaN
+    written by such a step is reported as the eager step reports it (the fused graph once lacked the check)."""
+    from kvcanary.integrations.transformers import session as hf_session
+    from kvcanary.runtime.graphs import DispatchGraph
+    from kvcanary.runtime.step import graphs as step_graphs
+    from kvcanary.runtime.step.fused import FusedSteps
+
+    eager = run(llama, late_nan_write, backend="torch", step_graphs=False)
+    monkeypatch.setattr(step_graphs, "STEADY_SIGHTINGS", 0)  # every decode step of the steady batch fused
+    fused, step = [], FusedSteps.step
+    monkeypatch.setattr(FusedSteps, "step", lambda self, *a: (fused.append(1), step(self, *a))[1])
+    orig = hf_session.Session._step_runner
+    monkeypatch.setattr(hf_session.Session, "_step_runner", lambda self, graph_type=None: orig(self, DispatchGraph))
+    graphed = run(llama, late_nan_write, backend="triton", fused_steps=True)
+    assert fused and [v.reasons for v in eager.violations] == [("nonfinite_kv",)]
+    assert [v.block() for v in graphed.violations] == [v.block() for v in eager.violations]

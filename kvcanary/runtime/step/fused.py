@@ -217,6 +217,7 @@ class FusedSteps:
             try:
                 g._body(e, h)  # staged values' copy, read table, HEAD, the new tokens' read check
                 launcher.after(e.batch)  # TAIL verify and write, the device step
+                self.s.canary.slots.after()  # the non-finite KV check (Canary.after_replayed's order)
                 if slot is not None:
                     obs._copy(slot, eager)
             finally:
