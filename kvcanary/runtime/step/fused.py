@@ -216,8 +216,8 @@ class FusedSteps:
             launcher.on_current = True  # the runtime's side sections stay on the capturing stream
             try:
                 g._body(e, h)  # staged values' copy, read table, HEAD, the new tokens' read check
-                launcher.after(e.batch)  # TAIL verify and write, the device step
-                self.s.canary.slots.after()  # the non-finite KV check (Canary.after_replayed's order)
+                # TAIL verify and write, the device step, the non-finite KV check (as every unfused step runs them)
+                self.s.canary.device_after(e.batch)
                 if slot is not None:
                     obs._copy(slot, eager)
             finally:
