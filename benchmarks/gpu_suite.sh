@@ -21,8 +21,12 @@ case "$part" in
   tests)
     # pytest-xdist, where installed, spreads the suite over a few processes sharing the GPU.
     par=$($py -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
-    timeout ${TESTS_TIMEOUT:-420} $py -m pytest -q -p no:cacheprovider -rf --tb=short $par --durations=15 tests 2>&1 \
-      | tee "$OUT/tests.log" | tail -40
+    # (COLUMNS: pytest cuts the one-line summary of a failure to the terminal's width, 80 without a terminal, which
+    # left a failure's assert message out of a log that did not come back)
+    COLUMNS=${COLUMNS:-250} timeout ${TESTS_TIMEOUT:-420} $py -m pytest -q -p no:cacheprovider -rf --tb=short $par \
+      --durations=15 tests 2>&1 | tee "$OUT/tests.log" | tail -40
+    # each failure's traceback (its last lines) on stdout too: the log may stay on the machine
+    sed -n '/^=* FAILURES =*$/,/^=* short test summary/p' "$OUT/tests.log" | grep -E "^(_{3,}|E |tests/)" | tail -40
     $py -m kvcanary.cli selfcheck --device cuda 2>&1 | tee "$OUT/selfcheck.log" | tail -3
     timeout 90 $py -m kvcanary.cli demo --device cuda 2>&1 | tee "$OUT/demo.log" | head -12
     ;;
