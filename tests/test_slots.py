@@ -244,18 +244,26 @@ def read_past_length(bp, lay, state):
     cm.get_read_indices = get_read_indices
 
 
-def nan_write(bp, lay, state):
-    writer = lay.kv_writer()
-    orig = writer.update
+def nan_write_at(forward: int):
+    """A planter: NaN in the first layer's K of the first token of forward number ``forward`` (from 1)."""
+    def plant(bp, lay, state):
+        writer = lay.kv_writer()
+        orig = writer.update
 
-    def update(key_states, value_states, layer_idx, *args, **kwargs):
-        state["layer0"] = state.get("layer0", 0) + (layer_idx == 0)
-        if layer_idx == 0 and state["layer0"] == 4 and _once(state):
-            key_states = key_states.clone()
-            key_states[0, 0, 0] = float("nan")  # the first layer's K of the fourth forward's first token
-        return orig(key_states, value_states, layer_idx, *args, **kwargs)
+        def update(key_states, value_states, layer_idx, *args, **kwargs):
+            state["layer0"] = state.get("layer0", 0) + (layer_idx == 0)
+            if layer_idx == 0 and state["layer0"] == forward and _once(state):
+                key_states = key_states.clone()
+                key_states[0, 0, 0] = float("nan")
+            return orig(key_states, value_states, layer_idx, *args, **kwargs)
 
-    writer.update = update
+        writer.update = update
+    return plant
+
+
+nan_write = nan_write_at(4)
+# the ninth forward: a steady decode step of the workload, fused with step graphs
+late_nan_write = nan_write_at(9)
 
 
 def use_after_free(bp, lay, state):
@@ -384,20 +392,6 @@ def test_transformers_slot_checks_in_captured_steps_report_what_eager_steps_repo
     assert [v.block() for v in graphed.violations] == [v.block() for v in eager.violations]
     assert graphed.tokens == eager.tokens
 
-
-def late_nan_write(bp, lay, state):
-    """NaN in the first layer's K of the ninth forward: a steady decode step of the workload, fused with step graphs."""
-    writer = lay.kv_writer()
-    orig = writer.update
-
-    def update(key_states, value_states, layer_idx, *args, **kwargs):
-        state["layer0"] = state.get("layer0", 0) + (layer_idx == 0)
-        if layer_idx == 0 and state["layer0"] == 9 and _once(state):
-            key_states = key_states.clone()
-            key_states[0, 0, 0] = float("nan")
-        return orig(key_states, value_states, layer_idx, *args, **kwargs)
-
-    writer.update = update
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
