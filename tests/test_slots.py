@@ -363,21 +363,16 @@ def test_transformers_read_of_a_freed_block_reads_poison(llama):
     assert run(llama, use_after_free).violations == []
 
 
-@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton on the CPU needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("planter", ["read_slot0", "nan_write"])
-def test_transformers_slot_checks_in_captured_steps_report_what_eager_steps_report(llama, monkeypatch, planter):
-    """The slot checks' Triton kernels inside the adapter's captured steps (the CPU stand-in of a CUDA graph: it
-    replays the recorded launches into the same tensors) report what eager steps' tensor ops report."""
+INTERPRETED = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton on the CPU needs TRITON_INTERPRET=1")
+
+
+def stand_in_graphs(monkeypatch) -> list:
+    """The adapter's step graphs on the CPU stand-in of a CUDA graph (``DispatchGraph``: it replays the recorded
+    ops and launches into the same tensors) from now on; returns the list each runner's graphs are added to."""
     from kvcanary.integrations.transformers import session as hf_session
     from kvcanary.runtime.graphs import DispatchGraph
-    from kvcanary.runtime.step.tables import StepTables
 
-    # (the eager CPU path may skip the new tokens' read check where it holds by construction; compare like with like)
-    verify = StepTables.verify_new_reads
-    monkeypatch.setattr(StepTables, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
-    bug = globals()[planter]
-    eager = run(llama, bug, backend="torch", step_graphs=False)
     orig, made = hf_session.Session._step_runner, []
 
     def step_runner(self, graph_type=None):
@@ -386,6 +381,22 @@ def test_transformers_slot_checks_in_captured_steps_report_what_eager_steps_repo
         return r
 
     monkeypatch.setattr(hf_session.Session, "_step_runner", step_runner)
+    return made
+
+
+@INTERPRETED
+@pytest.mark.parametrize("planter", ["read_slot0", "nan_write"])
+def test_transformers_slot_checks_in_captured_steps_report_what_eager_steps_report(llama, monkeypatch, planter):
+    """The slot checks' Triton kernels inside the adapter's captured steps (the CPU stand-in of a CUDA graph: it
+    replays the recorded launches into the same tensors) report what eager steps' tensor ops report."""
+    from kvcanary.runtime.step.tables import StepTables
+
+    # (the eager CPU path may skip the new tokens' read check where it holds by construction; compare like with like)
+    verify = StepTables.verify_new_reads
+    monkeypatch.setattr(StepTables, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
+    bug = globals()[planter]
+    eager = run(llama, bug, backend="torch", step_graphs=False)
+    made = stand_in_graphs(monkeypatch)
     graphed = run(llama, bug, backend="triton")
     assert sum(g.replays for g in made if g is not None) > 0
     assert eager.violations and eager.violations[0].reasons[0] in ("reserved_slot_read", "nonfinite_kv")
@@ -393,14 +404,10 @@ def test_transformers_slot_checks_in_captured_steps_report_what_eager_steps_repo
     assert graphed.tokens == eager.tokens
 
 
-
-@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton on the CPU needs TRITON_INTERPRET=1")
+@INTERPRETED
 def test_transformers_nan_written_by_a_fused_step_is_reported(llama, monkeypatch):
     """A fused steady decode step (its before and after work as one graph) runs the non-finite check too: a NaN
     written by such a step is reported as the eager step reports it (the fused graph once lacked the check)."""
-    from kvcanary.integrations.transformers import session as hf_session
-    from kvcanary.runtime.graphs import DispatchGraph
     from kvcanary.runtime.step import graphs as step_graphs
     from kvcanary.runtime.step.fused import FusedSteps
 
@@ -408,8 +415,7 @@ def test_transformers_nan_written_by_a_fused_step_is_reported(llama, monkeypatch
     monkeypatch.setattr(step_graphs, "STEADY_SIGHTINGS", 0)  # every decode step of the steady batch fused
     fused, step = [], FusedSteps.step
     monkeypatch.setattr(FusedSteps, "step", lambda self, *a: (fused.append(1), step(self, *a))[1])
-    orig = hf_session.Session._step_runner
-    monkeypatch.setattr(hf_session.Session, "_step_runner", lambda self, graph_type=None: orig(self, DispatchGraph))
+    stand_in_graphs(monkeypatch)
     graphed = run(llama, late_nan_write, backend="triton", fused_steps=True)
     assert fused and [v.reasons for v in eager.violations] == [("nonfinite_kv",)]
     assert [v.block() for v in graphed.violations] == [v.block() for v in eager.violations]

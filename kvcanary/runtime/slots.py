@@ -30,8 +30,7 @@ import torch
 
 from kvcanary.format import FailReason
 from kvcanary.ops.api import resolve_backend
-from kvcanary.ops.slot_ops import EXPONENT as _EXPONENT
-from kvcanary.ops.slot_ops import NO_HIT, slot_impl
+from kvcanary.ops.slot_ops import EXPONENT, NO_HIT, NONFINITE, READ, slot_impl
 from kvcanary.ops.torch_ops import _push
 from kvcanary.runtime.checks import slots_tensor
 
@@ -40,8 +39,6 @@ from kvcanary.runtime.checks import slots_tensor
 # is 0x7FC0... or carries its inputs' payload (CPU float32 NaNs may come out as all ones), so the pattern
 # tells a freed slot from a NaN the model made.
 POISON = (0xF5, 0x7F)  # (even bytes, odd bytes)
-READ, WRITE, NONFINITE = (int(FailReason.RESERVED_SLOT_READ), int(FailReason.RESERVED_SLOT_WRITE),
-                          int(FailReason.NONFINITE_KV))
 READ_PAST = int(FailReason.READ_PAST_LENGTH)
 _NP_INT = {2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -62,7 +59,7 @@ class SlotChecks:
         self._reserved_np = self.reserved.numpy() if self._cpu and self.reserved is not None else None
         # (kv, index, source) of the full group's sources whose dtype is a float format
         self.float_sources = [(kv, i, s) for kv in ("k", "v") for i, s in enumerate(g.sources[kv])
-                              if s.tensor.dtype in _EXPONENT] if cfg.nonfinite_check else []
+                              if s.tensor.dtype in EXPONENT] if cfg.nonfinite_check else []
         if self.float_sources:
             self._tags = torch.tensor([g.tag("tail", kv) for kv, _, _ in self.float_sources], device=canary.device)
             self._index = torch.tensor([i for _, i, _ in self.float_sources], device=canary.device)
@@ -246,7 +243,7 @@ def _finite_np(src, rows, slot) -> bool:
     slot = slot[(slot >= 1) & (slot < src.num_slots)]
     if not slot.shape[0]:
         return True
-    exp = _EXPONENT[src.tensor.dtype]
+    exp = EXPONENT[src.tensor.dtype]
     words = rows[slot // src.page_size, slot % src.page_size]  # [n, words of one token]
     return not bool(((words & exp) == exp).any())
 

@@ -5,9 +5,10 @@ has enqueued the forward. For a steady decode step (``graphs.py``: the same requ
 before, one new token each, a shape seen often) the two replays of the unfused path (HEAD beside the
 forward, then TAIL and the step's snapshot after it), their stream hand-overs and the runtime's
 per-step bookkeeping around each become one replay behind the forward, on the canary's side stream: the
-staged values' copy, the read table, HEAD verify and write, the reserved-slot checks, the new tokens' read check,
-TAIL verify and write, the non-finite KV check, and the snapshot copy into its slot. HEAD then runs after the forward instead of beside it (a few small
-kernels at decode); TAIL reads what the forward wrote, as before. The engine's streams wait for it
+staged values' copy, the read table, HEAD verify and write, the reserved-slot checks, the new tokens' read
+check, TAIL verify and write, the non-finite KV check, and the snapshot copy into its slot. HEAD then runs
+after the forward instead of beside it (a few small kernels at decode); TAIL reads what the forward wrote, as
+before. The engine's streams wait for it
 only where they next touch KV or the inputs (``join``: the next step, fork copies, offloads, restores,
 the end of ``update_batch``), so the replay overlaps the engine's host work between steps instead of
 lengthening the wait for the sampled tokens.

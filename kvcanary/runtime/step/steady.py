@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcanary.ops.slot_ops import EXPONENT
 from kvcanary.runtime.batch import TokenAppend
 from kvcanary.runtime.monitor import KEEP_BATCHES
 from kvcanary.runtime.observer import Observation
-from kvcanary.runtime.slots import _EXPONENT, _NP_INT
+from kvcanary.runtime.slots import _NP_INT
 from kvcanary.runtime.step.staging import Staging
 from kvcanary.runtime.step.tables import CPU_WIDTH_STEP, table_width
 from kvcanary.runtime.streams import InlineStreams
@@ -122,7 +123,7 @@ class SteadyStep:
         b.inputs, b.launch_key, b.tokens = launcher.inputs, launcher.key, batch.out_cache_loc.shape[0]
         b.loc, b.offs = batch.out_cache_loc.numpy(), g.plan.write_offsets.numpy()
         # the non-finite KV test's sources as the slot checks read them (``slots._finite_np``)
-        b.finite = [(src.num_slots, src.page_size, _EXPONENT[src.tensor.dtype],
+        b.finite = [(src.num_slots, src.page_size, EXPONENT[src.tensor.dtype],
                      src.byte_rows().numpy().view(_NP_INT[src.tensor.dtype.itemsize]).reshape(
                          src.tensor.shape[0], src.page_size, -1)) for _, _, src in c.slots.float_sources]
         self.bound = b
