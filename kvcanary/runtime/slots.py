@@ -64,6 +64,7 @@ class SlotChecks:
             self._tags = torch.tensor([g.tag("tail", kv) for kv, _, _ in self.float_sources], device=canary.device)
             self._index = torch.tensor([i for _, i, _ in self.float_sources], device=canary.device)
             self._first = torch.full((1,), NO_HIT, dtype=torch.int64, device=canary.device)  # (Triton's scratch)
+            self._sources = [src for _, _, src in self.float_sources]  # (the device pass's argument, made once)
         # the device passes: a kernel or two per check with Triton, tensor ops otherwise (ops/slot_ops.py)
         self.ops = slot_impl(resolve_backend(cfg.backend, canary.device))
         if self._cpu:  # (numpy views of the static buffers the checks read, made once)
@@ -176,7 +177,7 @@ class SlotChecks:
         self.ops.nonfinite(out_cache_loc=x.loc[0], write_offsets=c.groups[0].plan.write_offsets,
                            num_requests=c.launcher.key[0], positions=x.positions, input_ids=x.input_ids,
                            writer_ids=x.writer_ids, num_slots=c.pool.num_slots,
-                           sources=[src for _, _, src in self.float_sources], tags=self._tags, index=self._index,
+                           sources=self._sources, tags=self._tags, index=self._index,
                            ring=c.ring, scratch=self._first, host_reads=self._host())
 
     # -- poison on free ------------------------------------------------------------------------------
