@@ -431,6 +431,20 @@ def test_verify(backend, case):
         assert row[5] != row[6]  # stored vs expected prev hash
 
 
+@pytest.mark.skipif("triton" not in FAST_BACKENDS, reason="Triton is not installed")
+@pytest.mark.parametrize("case", list(VERIFY_CASES), ids=str)
+def test_verify_triton_looping_pass(case, monkeypatch):
+    # test_verify's six-entry plans take the one-pass kernel (entries loaded before the count is known);
+    # plans too large for it take the looping one, here forced on the same cases
+    from kvcanary.ops import triton_ops
+
+    assert triton_ops.verify_in_one_pass(6, 2)
+    monkeypatch.setattr(triton_ops, "VERIFY_SPECULATE_ENTRIES", 0)
+    assert not triton_ops.verify_in_one_pass(6, 2)
+    build, run = _verify_run(case)
+    check(build, run, "triton")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stride", [32, 64])
 def test_verify_other_strides(backend, stride):

@@ -134,10 +134,12 @@ def test_nonfinite_agrees(impl, dtype, case):
     offsets = _write_batch(rng, n, requests)
     live = int(offsets[requests])
     loc = torch.tensor(rng.sample(range(1, NUM_SLOTS), n), device=DEVICE)
-    sources = [_float_source(dtype, 1, 1), _float_source(torch.float16 if case == "several" else dtype, 4, 2)]
+    # (a second width beside the first: the Triton pass launches once per width, over a table of its sources)
+    other = torch.float16 if case in ("one", "several") else dtype
+    sources = [_float_source(dtype, 1, 1), _float_source(other, 4, 2), _float_source(dtype, 2, 3)]
     ids = None if case == "no_ids" else torch.tensor([11, 22, 33], device=DEVICE)
     if case in ("one", "no_ids"):
-        _plant(sources[1], int(loc[live // 2]), 5, float("inf"))
+        _plant(sources[1 if case == "one" else 2], int(loc[live // 2]), 5, float("inf"))
     elif case == "several":  # the first token wins, then its first source
         for s, t, v in ((1, 2, float("nan")), (0, 2, float("-inf")), (0, 9, float("nan"))):
             _plant(sources[s], int(loc[min(t, live - 1)]), 0, v)
@@ -153,8 +155,8 @@ def test_nonfinite_agrees(impl, dtype, case):
     def fresh():
         return dict(out_cache_loc=loc, write_offsets=offsets, num_requests=requests,
                     positions=torch.arange(n, device=DEVICE) + 100, input_ids=torch.arange(n, device=DEVICE) * 5,
-                    writer_ids=ids, num_slots=NUM_SLOTS, sources=sources, tags=torch.tensor([7, 9], device=DEVICE),
-                    index=torch.tensor([0, 15], device=DEVICE), ring=_ring(8),
+                    writer_ids=ids, num_slots=NUM_SLOTS, sources=sources, tags=torch.tensor([7, 9, 8], device=DEVICE),
+                    index=torch.tensor([0, 15, 3], device=DEVICE), ring=_ring(8),
                     scratch=torch.full((1,), NO_HIT, dtype=torch.int64, device=DEVICE))
 
     _same(impl, lambda m, a: m.nonfinite(**a), fresh)
@@ -165,4 +167,5 @@ def test_nonfinite_agrees(impl, dtype, case):
     if found:
         row = args["ring"].rows[0].tolist()
         assert row[7] == int(FailReason.NONFINITE_KV) and row[5] == (-1 if ids is None else row[5])
+        assert row[0] == {"one": 9, "several": 7, "no_ids": 8}[case]  # the source's tag
     assert int(args["scratch"][0]) == NO_HIT  # (the next forward starts clean)

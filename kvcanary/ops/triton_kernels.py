@@ -296,52 +296,80 @@ def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_request
             prev_pos = i_pos
 
 
+@triton.jit
+def _verify_block(p_buf, stride, num_slots, o, m, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
+                  ring_capacity, i_tag, o_f, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes, src_rows,
+                  NUM_SOURCES: tl.constexpr, ALIGNED: tl.constexpr):
+    # one block of entries whose inputs are loaded; lanes outside m are ignored whatever they hold
+    m = m & (b_slot != 0)
+    m_in = m & (b_slot >= 0) & (b_slot < num_slots)
+    b_tok, b_pos, b_hash = load_record3(p_buf, b_slot, m_in, stride)
+    b_real = tl.load(record_ptr(p_buf, b_slot, stride) + 3, mask=m_in, other=0).to(tl.uint64, bitcast=True)
+    m_link = m & (b_prev > 0) & (b_prev < num_slots)
+    l_tok, l_pos, l_hash = load_record3(p_buf, b_prev, m_link, stride)
+    b_want = tl.where(b_prev < 0, chain_head_like(b_hash), mix3(l_hash, l_tok, l_pos))
+    m_chain = (b_prev != 0) & (b_hash != b_want)
+    # the sources may cover slots the canary buffer does not
+    b_fp = slot_fingerprint(b_slot, m, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,
+                            src_rows, NUM_SOURCES=NUM_SOURCES, ALIGNED=ALIGNED)
+    b_reason = tl.where(m_chain, 1, 0).to(tl.int64)
+    b_reason |= tl.where(as_i64(b_pos) != b_position, 2, 0)
+    b_reason |= tl.where(b_real != b_fp, 4, 0)
+    b_reason |= tl.where((b_exp != -1) & (as_i64(b_tok) != b_exp), 32, 0)
+    m_fail = m & (b_reason != 0)
+    b_aux = tl.where(m_chain, b_want, b_hash)
+    b_row = violation_rows(i_tag, b_slot, as_i64(b_pos), as_i64(b_tok), b_exp, as_i64(b_hash), as_i64(b_aux),
+                           b_reason, o_f)
+    push_violations(m_fail, b_row, p_ring, p_write_index, ring_capacity)
+
+
+@triton.jit
+def _entry_block(p_slot, p_prev, p_expected, p_position, o, m, CHECK_TOKEN: tl.constexpr):
+    b_slot = tl.load(p_slot + o, mask=m, other=0)
+    b_prev = tl.load(p_prev + o, mask=m, other=0)
+    if CHECK_TOKEN:
+        b_exp = tl.load(p_expected + o, mask=m, other=-1)
+    else:
+        b_exp = tl.full(o.shape, -1, tl.int64)
+    b_position = tl.load(p_position + o, mask=m, other=0)
+    return b_slot, b_prev, b_exp, b_position
+
+
 @_jit()
 def _verify_kernel(p_buf, stride, num_slots, p_slot, p_position, p_prev, p_expected, p_count, p_enable, capacity,
                    p_ring, p_write_index, ring_capacity, p_counters, launch_tag,
                    src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes, src_rows,
                    NUM_SOURCES: tl.constexpr, ALIGNED: tl.constexpr, CHECK_TOKEN: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   SPECULATE: tl.constexpr, BLOCK: tl.constexpr):
     i_p = tl.program_id(0).to(tl.int64)
     n_p = tl.num_programs(0).to(tl.int64)
     i_tag = tl.full((), launch_tag, tl.int64)
+    o_f = tl.arange(0, 8)
+    if SPECULATE:
+        # One block per program, loaded up to the capacity before the count is known: the entry loads
+        # then travel with the count's instead of after it (one memory round trip fewer per launch).
+        o = i_p * BLOCK + tl.arange(0, BLOCK)
+        b_slot, b_prev, b_exp, b_position = _entry_block(p_slot, p_prev, p_expected, p_position, o, o < capacity,
+                                                         CHECK_TOKEN=CHECK_TOKEN)
     m_on = tl.load(p_enable) != 0
     n = tl.where(m_on, tl.maximum(tl.minimum(tl.load(p_count), capacity), 0), 0)
     if i_p == 0:
         # a disabled launch still ran
         tl.atomic_add(p_counters + i_tag * 2, 1, sem="relaxed")
         tl.atomic_add(p_counters + i_tag * 2 + 1, n, mask=n > 0, sem="relaxed")
-    o_f = tl.arange(0, 8)
-    for b0 in range(i_p * BLOCK, n, n_p * BLOCK):
-        o = b0 + tl.arange(0, BLOCK)  # [BLOCK]
-        m = o < n
-        b_slot = tl.load(p_slot + o, mask=m, other=0)
-        b_prev = tl.load(p_prev + o, mask=m, other=0)
-        if CHECK_TOKEN:
-            b_exp = tl.load(p_expected + o, mask=m, other=-1)
-        else:
-            b_exp = tl.full([BLOCK], -1, tl.int64)
-        b_position = tl.load(p_position + o, mask=m, other=0)
-        m = m & (b_slot != 0)
-        m_in = m & (b_slot >= 0) & (b_slot < num_slots)
-        b_tok, b_pos, b_hash = load_record3(p_buf, b_slot, m_in, stride)
-        b_real = tl.load(record_ptr(p_buf, b_slot, stride) + 3, mask=m_in, other=0).to(tl.uint64, bitcast=True)
-        m_link = m & (b_prev > 0) & (b_prev < num_slots)
-        l_tok, l_pos, l_hash = load_record3(p_buf, b_prev, m_link, stride)
-        b_want = tl.where(b_prev < 0, chain_head_like(b_hash), mix3(l_hash, l_tok, l_pos))
-        m_chain = (b_prev != 0) & (b_hash != b_want)
-        # the sources may cover slots the canary buffer does not
-        b_fp = slot_fingerprint(b_slot, m, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,
-                                src_rows, NUM_SOURCES=NUM_SOURCES, ALIGNED=ALIGNED)
-        b_reason = tl.where(m_chain, 1, 0).to(tl.int64)
-        b_reason |= tl.where(as_i64(b_pos) != b_position, 2, 0)
-        b_reason |= tl.where(b_real != b_fp, 4, 0)
-        b_reason |= tl.where((b_exp != -1) & (as_i64(b_tok) != b_exp), 32, 0)
-        m_fail = m & (b_reason != 0)
-        b_aux = tl.where(m_chain, b_want, b_hash)
-        b_row = violation_rows(i_tag, b_slot, as_i64(b_pos), as_i64(b_tok), b_exp, as_i64(b_hash), as_i64(b_aux),
-                               b_reason, o_f)
-        push_violations(m_fail, b_row, p_ring, p_write_index, ring_capacity)
+    if SPECULATE:
+        _verify_block(p_buf, stride, num_slots, o, o < n, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
+                      ring_capacity, i_tag, o_f, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,
+                      src_rows, NUM_SOURCES=NUM_SOURCES, ALIGNED=ALIGNED)
+    else:
+        for b0 in range(i_p * BLOCK, n, n_p * BLOCK):
+            o = b0 + tl.arange(0, BLOCK)  # [BLOCK]
+            m = o < n
+            b_slot, b_prev, b_exp, b_position = _entry_block(p_slot, p_prev, p_expected, p_position, o, m,
+                                                             CHECK_TOKEN=CHECK_TOKEN)
+            _verify_block(p_buf, stride, num_slots, o, m, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
+                          ring_capacity, i_tag, o_f, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,
+                          src_rows, NUM_SOURCES=NUM_SOURCES, ALIGNED=ALIGNED)
 
 
 @_jit("num_requests", "num_tokens")

@@ -33,6 +33,9 @@ VERIFY_WARPS = 2
 # Persistent verify programs per SM: many small programs keep the most record gathers in flight
 # (H200: 72% of copy bandwidth at 1M entries, vs 61% with 4 programs of 256 entries per SM).
 VERIFY_PROGRAMS_PER_SM = 32
+# Plans of at most this many entries that one block per program covers are verified in one pass whose entry
+# loads do not wait for the count (a latency-bound launch); it reads the whole capacity, so only small plans.
+VERIFY_SPECULATE_ENTRIES = 1 << 16
 # Under the interpreter programs run one after another: a couple exercise the stride loop.
 INTERPRETER_PROGRAMS = 2
 
@@ -275,6 +278,12 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
     )
 
 
+def verify_in_one_pass(capacity: int, num_programs: int) -> bool:
+    """Whether a verify of a plan of ``capacity`` entries over ``num_programs`` programs loads its
+    entries before the count (one block per program, a small plan)."""
+    return capacity <= min(num_programs * VERIFY_BLOCK, VERIFY_SPECULATE_ENTRIES)
+
+
 def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0, check_token=True) -> None:
     num_programs = max(1, min(_cdiv(entries.capacity, VERIFY_BLOCK), _verify_programs(buf.device)))
     _launch(k._verify_kernel, (num_programs,),
@@ -282,7 +291,7 @@ def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode
         p_prev=entries.prev, p_expected=entries.expected_token, p_count=entries.count, p_enable=entries.enable,
         capacity=entries.capacity, p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,
         p_counters=counters, launch_tag=launch_tag, **_source_args(sources, real_kv_mode, buf),
-        CHECK_TOKEN=bool(check_token), BLOCK=VERIFY_BLOCK, num_warps=VERIFY_WARPS,
+        CHECK_TOKEN=bool(check_token), SPECULATE=verify_in_one_pass(entries.capacity, num_programs), BLOCK=VERIFY_BLOCK, num_warps=VERIFY_WARPS,
     )
 
 

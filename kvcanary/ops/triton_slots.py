@@ -2,7 +2,7 @@
 
 As tensor ops a check is some 15-45 launches (masks, gathers, a cumsum and a searchsorted for the ring push),
 each a host call of 10-40 us on an eager step and a node of every captured one; here the reserved checks are
-one launch each and the non-finite check one per float source plus one. Nothing is read on the host, grids
+one launch each and the non-finite check one per float width (a model has one) plus one. Nothing is read on the host, grids
 come from static sizes, so every launch can be captured in a CUDA graph. Hits are rare: a block gathers the
 rows' other fields only when one of its lanes hit.
 """
@@ -24,6 +24,11 @@ RESERVED_BLOCK = 1024
 RESERVED_PROGRAMS = 256
 NONFINITE_TOKENS = 4  # tokens per program of the non-finite pass, each read whole in BLOCK_W-word tiles
 NONFINITE_WORDS = 256
+# A float source's row of the non-finite pass's table: its byte offset from the first source of its width, row
+# stride, page size, bytes per token, slots, and index among all sources.
+TABLE_COLUMNS = 6
+TABLE_COLUMNS_C = tl.constexpr(TABLE_COLUMNS)
+_WORD_TYPE = {2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 @triton.jit
@@ -82,22 +87,24 @@ def _reserved_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p
 
 
 @triton.jit
-def _nonfinite_kernel(p_loc, num_tokens, p_offsets, num_requests, num_slots, p_src, row_stride, page_size, nbpt,
-                      src_slots, p_first, s_index, num_sources, EXP: tl.constexpr, WORD: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
-    # the smallest token * num_sources + s_index among this source's live tokens with a word whose exponent
-    # bits are all ones, into p_first (atomic min)
+def _nonfinite_kernel(p_loc, num_tokens, p_offsets, num_requests, num_slots, p_base, p_table, p_first, num_sources,
+                      EXP: tl.constexpr, WORD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+    # program (token block, source of one width): the smallest token * num_sources + source index among the
+    # source's live tokens with a word whose exponent bits are all ones, into p_first (atomic min)
+    p_row = p_table + tl.program_id(1).to(tl.int64) * TABLE_COLUMNS_C
+    offset, row_stride, page_size = tl.load(p_row), tl.load(p_row + 1), tl.load(p_row + 2)
+    nbpt, src_slots, s_index = tl.load(p_row + 3), tl.load(p_row + 4), tl.load(p_row + 5)
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < tl.minimum(tl.load(p_offsets + num_requests), num_tokens)
     b_slot = tl.load(p_loc + o_t, mask=m_t, other=0).to(tl.int64)
     m_t = m_t & (b_slot >= 1) & (b_slot < num_slots) & (b_slot < src_slots)
     b_row = b_slot // page_size
-    p_tok = p_src.to(tl.pointer_type(tl.uint8)) + b_row * row_stride + (b_slot - b_row * page_size) * nbpt
+    p_tok = p_base + offset + b_row * row_stride + (b_slot - b_row * page_size) * nbpt
     b_bad = tl.zeros([BLOCK_T], tl.int32)
     o_w = tl.arange(0, BLOCK_W).to(tl.int64) * WORD
     for w0 in range(0, nbpt, BLOCK_W * WORD):
         m = m_t[:, None] & (w0 + o_w[None, :] < nbpt)
-        p = (p_tok[:, None] + w0 + o_w[None, :]).to(tl.pointer_type(p_src.dtype.element_ty))
+        p = (p_tok[:, None] + w0 + o_w[None, :]).to(tl.pointer_type(_WORD_TYPE[WORD]))
         b_w = tl.load(p, mask=m, other=0).to(tl.int64)
         b_bad |= tl.max((m & ((b_w & EXP) == EXP)).to(tl.int32), axis=1)
     i_first = tl.min(tl.where(b_bad != 0, o_t * num_sources + s_index, INT64_MAX), axis=0)
@@ -154,14 +161,12 @@ def nonfinite(*, out_cache_loc, write_offsets, num_requests, positions, input_id
     n = out_cache_loc.shape[0]
     if not n or not sources:
         return
-    for s, src in enumerate(sources):
-        dtype = src.tensor.dtype
-        triton_ops._launch(_nonfinite_kernel, (triton_ops._cdiv(n, NONFINITE_TOKENS),),
+    for dtype, base, table in _width_groups(sources):
+        # one launch per float width (a model has one): its sources are the grid's second axis
+        triton_ops._launch(_nonfinite_kernel, (triton_ops._cdiv(n, NONFINITE_TOKENS), table.shape[0]),
             p_loc=out_cache_loc, num_tokens=n, p_offsets=write_offsets, num_requests=num_requests,
-            num_slots=num_slots, p_src=src.tensor.view(INT_VIEW[dtype.itemsize]), row_stride=src.row_stride_bytes,
-            page_size=src.page_size, nbpt=src.num_bytes_per_token, src_slots=src.num_slots, p_first=scratch,
-            s_index=s, num_sources=len(sources), EXP=EXPONENT[dtype], WORD=dtype.itemsize,
-            BLOCK_T=NONFINITE_TOKENS, BLOCK_W=NONFINITE_WORDS,
+            num_slots=num_slots, p_base=base, p_table=table, p_first=scratch, num_sources=len(sources),
+            EXP=EXPONENT[dtype], WORD=dtype.itemsize, BLOCK_T=NONFINITE_TOKENS, BLOCK_W=NONFINITE_WORDS,
         )
     triton_ops._launch(_nonfinite_push_kernel, (1,),
         p_first=scratch, num_sources=len(sources), p_tags=tags, p_index=index, p_loc=out_cache_loc, p_pos=positions,
@@ -169,3 +174,28 @@ def nonfinite(*, out_cache_loc, write_offsets, num_requests, positions, input_id
         p_writers=out_cache_loc if writer_ids is None else writer_ids, p_ring=ring.rows,
         p_write_index=ring.write_index, ring_capacity=ring.capacity, HAS_WRITERS=writer_ids is not None,
     )
+
+
+_GROUPS: dict = {}  # id(sources) -> (sources, groups): the runtime passes the same list every step
+
+
+def _width_groups(sources) -> list:
+    """``sources`` grouped by float type: (dtype, the first source's bytes, int64 [k, TABLE_COLUMNS] table on
+    its device), made once per source list (the KV pool's tensors stay where they are)."""
+    known = _GROUPS.get(id(sources))
+    if known is not None and known[0] is sources:
+        return known[1]
+    by_type: dict = {}
+    for s, src in enumerate(sources):
+        by_type.setdefault(src.tensor.dtype, []).append((s, src))
+    groups = []
+    for dtype, members in by_type.items():
+        base = members[0][1].tensor
+        rows = [[src.tensor.data_ptr() - base.data_ptr(), src.row_stride_bytes, src.page_size,
+                 src.num_bytes_per_token, src.num_slots, s] for s, src in members]
+        groups.append((dtype, base.view(torch.uint8).as_strided((1,), (1,)),
+                       torch.tensor(rows, dtype=torch.int64, device=base.device)))
+    if len(_GROUPS) >= 64:
+        _GROUPS.clear()
+    _GROUPS[id(sources)] = (sources, groups)
+    return groups
