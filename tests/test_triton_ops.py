@@ -229,3 +229,24 @@ def test_write_chain_hint_must_match_the_buffer(device):
     base, plan, inputs = _hint_case("exact", device)
     with pytest.raises(ValueError, match="chain_hint"):
         _hint_write(base, plan, inputs, [], "triton", hint=base[:-1].clone())
+
+
+def test_the_fast_launchers_key_tells_apart_what_triton_specialises_on():
+    # The launcher reuses a compiled kernel for arguments of the same key (triton_ops._spec): two arguments
+    # Triton would compile apart (dtype, 16-byte alignment, an int's value 1, divisibility by 16 or width)
+    # must never share one.
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    from kvcanary.ops.triton_ops import _spec
+
+    base = torch.zeros(64, dtype=torch.int64)
+    values = [base, base[1:], base[2:], base.view(torch.int32), base.view(torch.uint8)[8:],
+              torch.nn.Parameter(torch.zeros(4)), torch.zeros(4, dtype=torch.bfloat16),
+              0, 1, 2, 16, 17, 32, (1 << 31) - 1, 1 << 31, (1 << 40) + 16, -1, -16]
+    for i, a in enumerate(values):
+        for b in values[:i]:
+            theirs = [native_specialize_impl(BaseBackend, x, False, True, True) for x in (a, b)]
+            if theirs[0] != theirs[1]:
+                assert _spec(a) != _spec(b), (a, b, theirs)
+    assert _spec((base, 16)) != _spec((base[1:], 16)) and _spec(True) != _spec(1) and _spec(None) is None

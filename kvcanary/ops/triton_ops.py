@@ -83,10 +83,17 @@ def _verify_programs(device: torch.device) -> int:
     return VERIFY_PROGRAMS_PER_SM * _sm_count(index)
 
 
-def _spec(x):
+def _spec(x, _tensor=torch.Tensor):
     """What Triton specialises an argument on: tensor dtype and 16-byte alignment, an int's width,
     value 1 and divisibility by 16, a tuple's members. A superset of Triton's own key is safe: it
     can only cache more kernels, never reuse one compiled for other assumptions."""
+    kind = type(x)  # (exact types first: an isinstance chain costs a launch's key a third more)
+    if kind is _tensor:
+        return (x.dtype, x.data_ptr() % 16 == 0)
+    if kind is int:
+        return (x == 1, x % 16 == 0, -(1 << 31) <= x < (1 << 31), x >= (1 << 63))
+    if kind is tuple:
+        return tuple(map(_spec, x))
     if isinstance(x, torch.Tensor):
         return (x.dtype, x.data_ptr() % 16 == 0)
     if isinstance(x, bool) or x is None:
@@ -122,7 +129,7 @@ class _Launcher:
             return
         args = [kw[n] for n in self.names]
         device = torch.cuda.current_device()
-        key = (device, num_warps, tuple(a if exact else _spec(a) for a, exact in zip(args, self.exact)))
+        key = (device, num_warps, tuple([a if exact else _spec(a) for a, exact in zip(args, self.exact)]))
         kernel = self.cache.get(key)
         if kernel is None:
             kernel = self.fn[grid](**kw, num_warps=num_warps)
