@@ -92,6 +92,7 @@ class SlotChecks:
                 if not self._any_reserved(read) and not self._any_reserved(loc.numpy()[:written]):
                     return
             tag = g.tag("head", "k")
+            c.launcher.streams.note("reserved_check", reads=("plan", "staged"), atomic=("ring",))
             self.check_entries(g.plan.entries, tag, c.launcher.entry_bound)
             self.ops.reserved_writes(out_cache_loc=loc, write_offsets=g.plan.write_offsets,
                                      num_requests=c.launcher.key[0], positions=x.positions, input_ids=x.input_ids,
@@ -173,6 +174,7 @@ class SlotChecks:
     def _after_device(self) -> None:
         """The non-finite check's device pass (no host read: capturable), on the current stream."""
         c = self.c
+        c.launcher.streams.note("nonfinite_check", reads=("plan", "staged", "kv"), atomic=("ring",))
         x = c.launcher.inputs
         self.ops.nonfinite(out_cache_loc=x.loc[0], write_offsets=c.groups[0].plan.write_offsets,
                            num_requests=c.launcher.key[0], positions=x.positions, input_ids=x.input_ids,
