@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvcanary.ops import triton_ops
-from kvcanary.ops.slot_ops import EXPONENT, INT_VIEW, NONFINITE, READ, WRITE
+from kvcanary.ops.slot_ops import EXPONENT, NONFINITE, READ, WRITE
 from kvcanary.ops.triton_hash import INT64_MAX, push_violations, violation_rows
 
 # (compiled kernels see module globals only as constexpr; the interpreter does not check it)

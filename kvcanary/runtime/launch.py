@@ -302,7 +302,8 @@ class ForwardLauncher:
 
     def _stage(self, batch) -> _Inputs:
         """Every batch tensor the side stream reads, copied into the canary's static buffer in one launch."""
-        self.streams.note("stage", reads=("engine_inputs",), writes=("staged",))
+        # (the engine's input storage set, by its ids' tensor: the recording fake tells two sets apart)
+        self.streams.note("stage", reads=("engine_inputs", batch.input_ids), writes=("staged",))
         n, bs, check = batch.num_tokens, batch.batch_size, self.c.config.input_check
         fields = {"input_ids": batch.input_ids, "positions": batch.positions, "loc": batch.out_cache_loc,
                   "exp_ids": batch.expected_input_ids if check else None,

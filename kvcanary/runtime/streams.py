@@ -257,10 +257,12 @@ class RecordingStreams(InlineStreams):
         _merge(self.host, self._clock((stream or self._current).name))
 
     def note(self, op: str, reads=(), writes=(), atomic=()) -> None:
+        """``reads`` / ``writes`` / ``atomic``: resource names; an engine's input tensor stands for the input
+        storage set it is a view of, ``("inputs", its data pointer)`` (a CUDA stream layer never resolves it)."""
         name = self._current.name
         clock = self._clock(name)
         clock[name] = clock.get(name, 0) + 1
-        self.log.append(Access(len(self.log), name, op, dict(clock), frozenset(reads), frozenset(writes),
+        self.log.append(Access(len(self.log), name, op, dict(clock), _resources(reads), _resources(writes),
                                frozenset(atomic)))
 
     def _clock(self, name: str) -> dict:
@@ -278,6 +280,10 @@ class RecordingStreams(InlineStreams):
                 for res in _conflicts(a, b):
                     out.append((a, b, res))
         return out
+
+
+def _resources(names) -> frozenset:
+    return frozenset(("inputs", r.data_ptr()) if isinstance(r, torch.Tensor) else r for r in names)
 
 
 def _merge(into: dict, other: dict) -> None:

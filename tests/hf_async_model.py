@@ -1,0 +1,211 @@
+"""transformers' async batching run on the CPU with its streams recorded (a test helper, not a test).
+
+transformers refuses async batching off an accelerator, and on CUDA nothing says which access raced. Here
+its async IO (two input/output pairs, an H2D, a D2H and a compute stream, their events) runs on the CPU with
+stand-ins that record every stream operation into ``runtime.streams.RecordingStreams``, and the engine's device
+work is noted there: each pair's host-to-device copy writes its inputs, the forward reads them (and writes its
+carry-over ids into them, the KV and the outputs), the device-to-host copy reads the outputs. The canary runs
+on the same recording (its side stream, the hooks' stream), with the adapter's step graphs on the CPU stand-in
+of a CUDA graph, so ``races()`` lists every pair of conflicting accesses that no event orders: the adapter's
+ordering against transformers' own, as the H200 would run it, lag or not.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+from kvcanary.runtime.streams import RecordingStreams, _FakeStream
+
+NAMES = ("h2d", "d2h", "compute")  # transformers makes its streams in this order (ContinuousBatchingAsyncIOs)
+
+
+class TorchStream(_FakeStream):
+    """A recorded stream with the methods transformers calls on a ``torch.cuda.Stream``."""
+
+    def __init__(self, name: str, rec: RecordingStreams):
+        super().__init__(name)
+        self.rec = rec
+
+    def record_event(self, event=None):
+        event = event if event is not None else Event(self.rec)
+        event.clock = self.rec.record(self)
+        return event
+
+    def wait_event(self, event) -> None:
+        # (transformers' events, or the canary's own: RecordingStreams events are clocks)
+        self.rec.wait(self, event.clock if isinstance(event, Event) else event)
+
+    def wait_stream(self, other) -> None:
+        self.rec.wait(self, self.rec.record(other))
+
+    def synchronize(self) -> None:
+        self.rec.synchronize(self)
+
+
+class Event:
+    """A ``torch.Event`` stand-in: the clock of its stream when recorded; ``synchronize`` is the host's wait."""
+
+    def __init__(self, rec: RecordingStreams):
+        self.rec, self.clock = rec, {}
+
+    def synchronize(self) -> None:
+        for k, v in self.clock.items():
+            if v > self.rec.host.get(k, 0):
+                self.rec.host[k] = v
+
+    def query(self) -> bool:
+        return True
+
+
+def restart(rec: RecordingStreams) -> None:
+    """Forget what was recorded so far (an earlier run's accesses and clocks); the streams stay."""
+    rec.log.clear()
+    rec.edges.clear()
+    rec.host.clear()
+    for clock in rec.clocks.values():
+        clock.clear()
+
+
+def _pair_key(io) -> tuple:
+    return ("inputs", io.input_ids.data_ptr())  # (the canary's step graphs note their reads by this key)
+
+
+@contextmanager
+def recorded_async(monkeypatch):
+    """Patch transformers' async IO, the adapter's CUDA-only checks and stream calls onto one recording;
+    yields it. The adapter's step graphs run on ``DispatchGraph``; run with ``backend="triton"``."""
+    from transformers.generation.continuous_batching import continuous_api, input_outputs, model_runner, utils
+
+    from kvcanary.integrations.transformers import handle as hf_handle
+    from kvcanary.integrations.transformers import session as hf_session
+    from kvcanary.runtime.graphs import DispatchGraph
+    from kvcanary.runtime.step import carry as carry_mod
+    from kvcanary.runtime.step import fused as fused_mod
+    from kvcanary.runtime.step.runner import StepRunner
+
+    rec = RecordingStreams(("engine", "canary") + NAMES)
+    for name in NAMES:
+        rec.streams[name] = TorchStream(name, rec)
+    made = iter(NAMES * 1000)  # (a batch processor per call: three streams each, same names)
+    aio_cls, pair_cls = input_outputs.ContinuousBatchingAsyncIOs, input_outputs.HostDeviceIOPair
+
+    def stream_context(stream):
+        return nullcontext() if stream is None else rec.use(stream)
+
+    for mod in (input_outputs, model_runner, utils, continuous_api):
+        if hasattr(mod, "stream_context"):
+            monkeypatch.setattr(mod, "stream_context", stream_context)
+    monkeypatch.setattr(input_outputs, "create_device_stream", lambda device: rec.streams[next(made)])
+    monkeypatch.setattr(aio_cls, "_supported_device_types", tuple(aio_cls._supported_device_types) + ("cpu",))
+
+    orig_pair_init = pair_cls.__init__
+
+    def pair_init(self, *a, **k):
+        orig_pair_init(self, *a, **k)
+        self.h2d_over, self.compute_over, self.d2h_over = Event(rec), Event(rec), Event(rec)
+
+    monkeypatch.setattr(pair_cls, "__init__", pair_init)
+    orig_h2d, orig_d2h = pair_cls.transfer_inputs_h2d, pair_cls.transfer_outputs_d2h
+
+    def transfer_inputs_h2d(self, stream):
+        with rec.use(stream):
+            rec.note("h2d", writes=(_pair_key(self.device_io),))
+        orig_h2d(self, stream)
+
+    def transfer_outputs_d2h(self, stream):
+        with rec.use(stream):
+            rec.note("d2h", reads=(("outputs", _pair_key(self.device_io)[1]),))
+        orig_d2h(self, stream)
+
+    monkeypatch.setattr(pair_cls, "transfer_inputs_h2d", transfer_inputs_h2d)
+    monkeypatch.setattr(pair_cls, "transfer_outputs_d2h", transfer_outputs_d2h)
+
+    runner_cls = model_runner.ContinuousBatchingModelRunner if hasattr(
+        model_runner, "ContinuousBatchingModelRunner") else next(
+        c for c in vars(model_runner).values() if isinstance(c, type) and hasattr(c, "maybe_pad_inputs"))
+    orig_forward = runner_cls._forward_process_and_sample
+
+    def forward(self, *args):
+        aio = self.inputs_and_outputs
+        key = _pair_key(aio.io_pairs[aio.current_pair].device_io)
+        with rec.use(rec.streams["compute"]):  # (the carry-over rewrites some of the ids first)
+            rec.note("engine_forward", reads=(key,), writes=(key, "kv", ("outputs", key[1])))
+        return orig_forward(self, *args)
+
+    monkeypatch.setattr(runner_cls, "_forward_process_and_sample", forward)
+
+    # the adapter: its async support is CUDA-only (checked at attach), its stream calls too
+    orig_check = hf_handle.check_engine
+
+    def check_engine(*a, **k):
+        k["device"] = type("Device", (), {"type": "cuda"})()
+        return orig_check(*a, **k)
+
+    monkeypatch.setattr(hf_handle, "check_engine", check_engine)
+    compute = rec.streams["compute"]
+
+    def engine_stream(self):  # (StepRunner.engine_stream on CUDA: the compute stream after the current one)
+        self.engine_calls += 1
+        self.join()
+        rec.wait(compute, rec.record(rec.current()))
+        return rec.use(compute)
+
+    def forward_enqueued(self):  # (Carry.forward_enqueued on CUDA: late work starts after the forward)
+        self.s.ready = rec.record(compute)
+
+    monkeypatch.setattr(StepRunner, "engine_stream", engine_stream)
+    monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", forward_enqueued)
+    orig_build, orig_runner = hf_session.Session._build_canary, hf_session.Session._step_runner
+
+    def build_canary(self):
+        canary = orig_build(self)
+        canary.launcher.streams = rec
+        return canary
+
+    monkeypatch.setattr(hf_session.Session, "_build_canary", build_canary)
+
+    # A capture runs nothing on CUDA and its replays run everything: the stand-in graph's notes are taken at each
+    # replay, on the stream it replays on (the stand-in itself runs the work at the capture instead)
+    orig_begin, orig_end, orig_replay = DispatchGraph.capture_begin, DispatchGraph.capture_end, DispatchGraph.replay
+
+    def capture_begin(self, **kw):
+        self.notes = []
+        rec.note = lambda op, reads=(), writes=(), atomic=(): self.notes.append((op, reads, writes, atomic))
+        orig_begin(self, **kw)
+
+    def capture_end(self):
+        try:
+            orig_end(self)
+        finally:
+            del rec.note
+
+    def replay(self):
+        for op, reads, writes, atomic in getattr(self, "notes", ()):
+            rec.note(op, reads, writes, atomic)
+        orig_replay(self)
+
+    monkeypatch.setattr(DispatchGraph, "capture_begin", capture_begin)
+    monkeypatch.setattr(DispatchGraph, "capture_end", capture_end)
+    monkeypatch.setattr(DispatchGraph, "replay", replay)
+
+    # fused steps: their CUDA branch (events after the inputs and the forward, the side stream's replay, its
+    # done event that the engine's streams join) on the recording; the graph's own wait nodes are CUDA's alone
+    class Cache:
+        def current(self):
+            return rec.current()
+
+        def set(self, stream):
+            rec._current = stream
+
+    orig_fused_init = fused_mod.FusedSteps.__init__
+
+    def fused_init(self, graphs):
+        orig_fused_init(self, graphs)
+        self.cache, self.events, self.in_graph_waits = Cache(), (Event(rec), Event(rec), Event(rec)), False
+
+    monkeypatch.setattr(fused_mod.FusedSteps, "__init__", fused_init)
+    monkeypatch.setattr(fused_mod, "record_event", lambda event, stream: setattr(event, "clock", rec.record(stream)))
+    monkeypatch.setattr(fused_mod, "event_wait", lambda event, stream: rec.wait(stream, event.clock))
+    monkeypatch.setattr(hf_session.Session, "_step_runner", lambda self, graph_type=None: orig_runner(
+        self, DispatchGraph))
+    yield rec

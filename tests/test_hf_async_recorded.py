@@ -1,0 +1,76 @@
+"""transformers' async batching under the canary on the CPU, its streams recorded (``tests/hf_async_model.py``).
+
+transformers refuses async batching off an accelerator; here its async IO runs on the CPU with stand-in streams
+that record every event and wait, beside the canary's own stream work, with the adapter's step graphs (and
+fused steps) on the CPU stand-in of a CUDA graph. A clean run must report nothing, generate what the same
+async run without the canary generates, and leave no two conflicting accesses unordered; with a wait the design
+depends on dropped, the recording must name the access it left unordered."""
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+import transformers  # noqa: E402
+
+from kvcanary.demo import build_tiny_model, run_workload  # noqa: E402
+from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(parse_version(transformers.__version__) < ASYNC_SINCE, reason="async IO needs transformers >= 5.24"),
+    pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                       reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1"),
+]
+
+ASYNC = {"use_cuda_graph": False, "use_async_batching": True}
+RUN = dict(device="cpu", num_return_sequences=1, max_new_tokens=24, backend="triton")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_tiny_model("cpu")
+
+
+@pytest.fixture
+def steady(monkeypatch):
+    from kvcanary.runtime.step import graphs
+
+    monkeypatch.setattr(graphs, "STEADY_SIGHTINGS", 2)  # (a short run reaches the per-turn and fused paths)
+
+
+def _recorded_run(llama, monkeypatch, **options):
+    """(the canary-less async run, the canary's run, the recording of the canary's run alone)"""
+    from hf_async_model import recorded_async, restart
+
+    with recorded_async(monkeypatch) as rec:
+        base = run_workload(llama, canary=False, cb=ASYNC, **RUN)
+        restart(rec)  # (the canary's run alone from here)
+        run = run_workload(llama, cb=ASYNC, **RUN, **options)
+    return base, run, rec
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_a_clean_async_run_is_clean_and_ordered(llama, monkeypatch, steady, fused):
+    from kvcanary.runtime.step.fused import FusedSteps
+
+    replays = []
+    orig = FusedSteps._replay
+    monkeypatch.setattr(FusedSteps, "_replay", lambda self, *a: (replays.append(1), orig(self, *a))[1])
+    base, run, rec = _recorded_run(llama, monkeypatch, fused_steps=fused)
+    assert run.violations == [], run.report
+    assert run.tokens == base.tokens and run.stats["forwards"] > 20
+    assert bool(replays) == fused  # (the path under test ran)
+    ops = {a.op for a in rec.log}
+    assert {"h2d", "engine_forward", "d2h", "stage", "head", "tail", "reserved_check"} <= ops, ops
+    assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
+
+
+def test_the_next_rewrite_of_a_storage_set_waits_for_the_canary_work_that_read_it(llama, monkeypatch, steady):
+    # planted: the step's done event dropped (transformers' H2D stream then waits for nothing of the canary's)
+    from kvcanary.runtime.step import carry
+
+    monkeypatch.setattr(carry.Carry, "done_event", lambda self: None)
+    _, run, rec = _recorded_run(llama, monkeypatch)
+    assert run.violations == []  # (the CPU runs everything at once: only the recording sees the race)
+    races = {(a.op, b.op, r[0]) for a, b, r in rec.races()}
+    assert races == {("stage", "h2d", "inputs")}, races
