@@ -66,6 +66,28 @@ def restart(rec: RecordingStreams) -> None:
         clock.clear()
 
 
+def runner_streams(monkeypatch, rec: RecordingStreams) -> None:
+    """The step runner's CUDA stream calls on the recording: ``engine_stream`` puts the canary's work on the
+    engine's compute stream after the current one, and a late step's side work starts after the forward
+    (``ready``, recorded once the engine enqueued it)."""
+    from kvcanary.runtime.step import carry as carry_mod
+    from kvcanary.runtime.step.runner import StepRunner
+
+    compute = rec.streams["compute"]
+
+    def engine_stream(self):
+        self.engine_calls += 1
+        self.join()
+        rec.wait(compute, rec.record(rec.current()))
+        return rec.use(compute)
+
+    def forward_enqueued(self):
+        self.s.ready = rec.record(compute)
+
+    monkeypatch.setattr(StepRunner, "engine_stream", engine_stream)
+    monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", forward_enqueued)
+
+
 def _pair_key(io) -> tuple:
     return ("inputs", io.input_ids.data_ptr())  # (the canary's step graphs note their reads by this key)
 
@@ -79,9 +101,7 @@ def recorded_async(monkeypatch):
     from kvcanary.integrations.transformers import handle as hf_handle
     from kvcanary.integrations.transformers import session as hf_session
     from kvcanary.runtime.graphs import DispatchGraph
-    from kvcanary.runtime.step import carry as carry_mod
     from kvcanary.runtime.step import fused as fused_mod
-    from kvcanary.runtime.step.runner import StepRunner
 
     rec = RecordingStreams(("engine", "canary") + NAMES)
     for name in NAMES:
@@ -142,19 +162,7 @@ def recorded_async(monkeypatch):
         return orig_check(*a, **k)
 
     monkeypatch.setattr(hf_handle, "check_engine", check_engine)
-    compute = rec.streams["compute"]
-
-    def engine_stream(self):  # (StepRunner.engine_stream on CUDA: the compute stream after the current one)
-        self.engine_calls += 1
-        self.join()
-        rec.wait(compute, rec.record(rec.current()))
-        return rec.use(compute)
-
-    def forward_enqueued(self):  # (Carry.forward_enqueued on CUDA: late work starts after the forward)
-        self.s.ready = rec.record(compute)
-
-    monkeypatch.setattr(StepRunner, "engine_stream", engine_stream)
-    monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", forward_enqueued)
+    runner_streams(monkeypatch, rec)
     orig_build, orig_runner = hf_session.Session._build_canary, hf_session.Session._step_runner
 
     def build_canary(self):

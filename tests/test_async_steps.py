@@ -142,21 +142,12 @@ def recorded(monkeypatch, *extra: str, cfg: dict | None = None):
     ``canary``, the engine's compute stream ``compute`` (and ``extra`` ones), with ``engine_stream``, the late
     steps' ``ready`` and the forward's KV writes modelled as on CUDA. Returns (engine, streams); an ordered run's
     ``races()`` is empty, the canary's own launches included."""
-    from kvcanary.runtime.step.runner import StepRunner
+    from hf_async_model import runner_streams
     from kvcanary.runtime.streams import RecordingStreams
 
     rec = RecordingStreams(("engine", "canary", "compute", *extra))
     compute = rec.streams["compute"]
-
-    def engine_stream(self):  # (StepRunner.engine_stream on CUDA: the compute stream after the current one)
-        self.engine_calls += 1
-        self.join()
-        rec.wait(compute, rec.record(rec.current()))
-        return rec.use(compute)
-
-    def forward_enqueued(self):  # (Carry.forward_enqueued on CUDA: late work starts after the forward)
-        self.s.ready = rec.record(compute)
-
+    runner_streams(monkeypatch, rec)
     orig_model = SimEngine.run_model
 
     def run_model(self, batch):  # the forward's KV writes, on the compute stream
@@ -164,8 +155,6 @@ def recorded(monkeypatch, *extra: str, cfg: dict | None = None):
             rec.note("engine_forward", writes=("kv",))
         return orig_model(self, batch)
 
-    monkeypatch.setattr(StepRunner, "engine_stream", engine_stream)
-    monkeypatch.setattr(carry_mod.Carry, "forward_enqueued", forward_enqueued)
     monkeypatch.setattr(SimEngine, "run_model", run_model)
     e = engine("captured", cfg=cfg)
     for io in e.source.pairs:
