@@ -21,6 +21,9 @@ import torch
 VARIANTS = {  # name -> attach options (step-path toggles and config fields, kvcanary.sim.hf_reach.attach_with)
     "default": {},
     "fused_steps=0": {"fused_steps": False},
+    # (the fused graphs' own wait nodes: the one ordering the CPU's recorded model of the adapter leaves out,
+    # tests/hf_async_model.py)
+    "in_graph_waits=0": {"in_graph_waits": False},
     "bucket_batches=0 (no padding requests)": {"bucket_batches": False},
     "step_graphs=0 (eager steps)": {"step_graphs": False},
     "reserved_check=0": {"reserved_check": False},
