@@ -93,9 +93,11 @@ def _pair_key(io) -> tuple:
 
 
 @contextmanager
-def recorded_async(monkeypatch):
+def recorded_async(monkeypatch, cuda_staging: bool = True):
     """Patch transformers' async IO, the adapter's CUDA-only checks and stream calls onto one recording;
-    yields it. The adapter's step graphs run on ``DispatchGraph``; run with ``backend="triton"``."""
+    yields it. The adapter's step graphs run on ``DispatchGraph``; run with ``backend="triton"``.
+    ``cuda_staging``: the step's host part staged as on CUDA (``STAGING_TURNS`` buffers, each refilled by a copy
+    whose turn event the host waits for before it refills the turn again), not through the CPU's one buffer."""
     from transformers.generation.continuous_batching import continuous_api, input_outputs, model_runner, utils
 
     from kvcanary.integrations.transformers import handle as hf_handle
@@ -168,16 +170,29 @@ def recorded_async(monkeypatch):
     def build_canary(self):
         canary = orig_build(self)
         canary.launcher.streams = rec
+        # (the host's value checks of a batch, "auto" on the CPU only: on CUDA the staged values are on the
+        # device, which the host never reads; with CUDA's staging a batch's values arrive with the copy)
+        canary._check_values = canary._check_values and not cuda_staging
         return canary
 
     monkeypatch.setattr(hf_session.Session, "_build_canary", build_canary)
+
+    class Cache:  # (runtime.streams.stream_cache: the current stream, and a switch)
+        def current(self):
+            return rec.current()
+
+        def set(self, stream):
+            rec._current = stream
 
     # A capture runs nothing on CUDA and its replays run everything: the stand-in graph's notes are taken at each
     # replay, on the stream it replays on (the stand-in itself runs the work at the capture instead)
     orig_begin, orig_end, orig_replay = DispatchGraph.capture_begin, DispatchGraph.capture_end, DispatchGraph.replay
 
+    capturing = []  # (the stand-in capture under way, if any: what the CUDA capture check answers)
+
     def capture_begin(self, **kw):
         self.notes = []
+        capturing.append(self)
         rec.note = lambda op, reads=(), writes=(), atomic=(): self.notes.append((op, reads, writes, atomic))
         orig_begin(self, **kw)
 
@@ -186,6 +201,7 @@ def recorded_async(monkeypatch):
             orig_end(self)
         finally:
             del rec.note
+            capturing.pop()
 
     def replay(self):
         for op, reads, writes, atomic in getattr(self, "notes", ()):
@@ -195,16 +211,11 @@ def recorded_async(monkeypatch):
     monkeypatch.setattr(DispatchGraph, "capture_begin", capture_begin)
     monkeypatch.setattr(DispatchGraph, "capture_end", capture_end)
     monkeypatch.setattr(DispatchGraph, "replay", replay)
+    if cuda_staging:
+        _cuda_staging(monkeypatch, rec, Cache, lambda: bool(capturing))
 
     # fused steps: their CUDA branch (events after the inputs and the forward, the side stream's replay, its
     # done event that the engine's streams join) on the recording; the graph's own wait nodes are CUDA's alone
-    class Cache:
-        def current(self):
-            return rec.current()
-
-        def set(self, stream):
-            rec._current = stream
-
     orig_fused_init = fused_mod.FusedSteps.__init__
 
     def fused_init(self, graphs):
@@ -217,3 +228,41 @@ def recorded_async(monkeypatch):
     monkeypatch.setattr(hf_session.Session, "_step_runner", lambda self, graph_type=None: orig_runner(
         self, DispatchGraph))
     yield rec
+
+
+def _cuda_staging(monkeypatch, rec: RecordingStreams, cache, capturing) -> None:
+    """Each step runner's staging as on CUDA (``runtime/step/staging.py``, its own code): turn buffers refilled
+    by a noted copy on the current stream, the turn's event recorded after it (or its fence), the host's wait
+    for that event before the turn's next refill merged into the host's clock."""
+    import torch
+
+    from kvcanary.runtime.step import staging as staging_mod
+    from kvcanary.runtime.step.runner import StepRunner
+
+    class Torch:  # (the module's torch: pinned host buffers are plain ones on the CPU)
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*a, pin_memory=False, **k):
+            return torch.empty(*a, **k)
+
+    monkeypatch.setattr(staging_mod, "torch", Torch())
+    monkeypatch.setattr(staging_mod, "capturing", capturing)
+    monkeypatch.setattr(staging_mod, "event_synchronize", lambda event: event.synchronize())
+    monkeypatch.setattr(staging_mod, "record_event", lambda event, stream: setattr(event, "clock", rec.record(stream)))
+    orig_copy, orig_init = staging_mod.Staging.copy, StepRunner.__init__
+
+    def copy(self):
+        if self.pending is not None:
+            rec.note("stage_copy", writes=(self.pending[0],))
+        orig_copy(self)
+
+    def runner_init(self, canary, source, *a, **k):
+        orig_init(self, canary, source, *a, **k)
+        stage = staging_mod.Staging(self.device)
+        stage.cuda, stage.events, stage.stream = True, [Event(rec) for _ in range(stage.depth)], cache()
+        source.stage = stage
+
+    monkeypatch.setattr(staging_mod.Staging, "copy", copy)
+    monkeypatch.setattr(StepRunner, "__init__", runner_init)

@@ -2,7 +2,8 @@
 
 transformers refuses async batching off an accelerator; here its async IO runs on the CPU with stand-in streams
 that record every event and wait, beside the canary's own stream work, with the adapter's step graphs (and
-fused steps) on the CPU stand-in of a CUDA graph. A clean run must report nothing, generate what the same
+fused steps) on the CPU stand-in of a CUDA graph and the step's host part staged as on CUDA (turn buffers
+refilled by copies). A clean run must report nothing, generate what the same
 async run without the canary generates, and leave no two conflicting accesses unordered; with a wait the design
 depends on dropped, the recording must name the access it left unordered."""
 
@@ -61,7 +62,7 @@ def test_a_clean_async_run_is_clean_and_ordered(llama, monkeypatch, steady, fuse
     assert run.tokens == base.tokens and run.stats["forwards"] > 20
     assert bool(replays) == fused  # (the path under test ran)
     ops = {a.op for a in rec.log}
-    assert {"h2d", "engine_forward", "d2h", "stage", "head", "tail", "reserved_check"} <= ops, ops
+    assert {"h2d", "engine_forward", "d2h", "stage_copy", "stage", "head", "tail", "reserved_check"} <= ops, ops
     assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
 
 

@@ -187,7 +187,8 @@ class ForwardLauncher:
                       token_offset=batch.token_offset) for g in c.groups]
         if not self._fused("head", plans[0]):
             for g, kw in zip(c.groups, plans):
-                note("plan", reads=("engine_inputs", "token_table"), writes=("plan",))
+                # (the batch's host part, by its first tensor: the staging buffer the recording fake tells apart)
+                note("plan", reads=("engine_inputs", "token_table", batch.req_pool_indices), writes=("plan",))
                 impl.plan(**kw)
             with self.side():
                 self._phase("head")
@@ -303,7 +304,7 @@ class ForwardLauncher:
     def _stage(self, batch) -> _Inputs:
         """Every batch tensor the side stream reads, copied into the canary's static buffer in one launch."""
         # (the engine's input storage set, by its ids' tensor: the recording fake tells two sets apart)
-        self.streams.note("stage", reads=("engine_inputs", batch.input_ids), writes=("staged",))
+        self.streams.note("stage", reads=("engine_inputs", batch.input_ids, batch.req_pool_indices), writes=("staged",))
         n, bs, check = batch.num_tokens, batch.batch_size, self.c.config.input_check
         fields = {"input_ids": batch.input_ids, "positions": batch.positions, "loc": batch.out_cache_loc,
                   "exp_ids": batch.expected_input_ids if check else None,
@@ -338,7 +339,7 @@ class ForwardLauncher:
         c, hist = self.c, batch.token_history
         if not c.config.token_check or hist is None:
             return None, None
-        self.streams.note("tokens", reads=("engine_inputs",), writes=("token_table",))
+        self.streams.note("tokens", reads=("engine_inputs", batch.req_pool_indices), writes=("token_table",))
         if isinstance(hist, TokenAppend):
             if hist.cell_rows.shape[0]:
                 if c.device.type == "cpu" and self.host_ops:

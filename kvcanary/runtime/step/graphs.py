@@ -267,7 +267,8 @@ class StepGraphs:
             # waits for a step, overwrote the buffer under that replay: an illegal address on the H200 at
             # 1B serving.)
             c.launcher.follow(c.launcher.streams.side())
-            c.launcher.streams.note("stage_static", writes=("staged_static",))  # (the recording fake's record)
+            # (the recording fake's record: the copy reads this step's staging buffer)
+            c.launcher.streams.note("stage_static", reads=(h.packed,), writes=("staged_static",))
         work = h if per_turn else h._replace(packed=s.stage.to_static(h.packed))
         key = shape + (work.packed.data_ptr(),)
         e = self.entries.get(key)
