@@ -157,6 +157,39 @@ def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypa
     assert (len(graphed.violations) > 0) == (bug is not None)
 
 
+def test_tensors_made_for_the_side_streams_replays_are_handed_to_it(llama, monkeypatch):
+    # The step graphs' read tables and the monitor's copies of them are made on the hooks' stream and filled and
+    # read by the side stream's replays, which may lag steps behind; so are the staging buffers. Each is handed
+    # to the side stream (``ForwardLauncher.hand_over``: CUDA's record_stream) when it is made, so that once
+    # dropped (an entry evicted, the buffers outgrown) its memory serves no new tensor under that queued work.
+    from kvcanary.runtime.launch import ForwardLauncher
+
+    handed = set()
+    orig = ForwardLauncher.hand_over
+    monkeypatch.setattr(ForwardLauncher, "hand_over",
+                        lambda self, *ts: (handed.update(t.data_ptr() for t in ts), orig(self, *ts))[1])
+    made_stages = []
+    from kvcanary.runtime.step.runner import StepRunner
+
+    orig_init = StepRunner.__init__
+
+    def init(self, canary, source, *a, **k):
+        orig_init(self, canary, source, *a, **k)
+        made_stages.append(source.stage)
+
+    monkeypatch.setattr(StepRunner, "__init__", init)
+    g = torch.Generator().manual_seed(5)
+    kw = dict(prompts=[torch.randint(5, 200, (48,), generator=g).tolist() for _ in range(4)], max_new_tokens=4,
+              num_return_sequences=1)
+    run, made = graphed_run(llama, monkeypatch, **kw)
+    assert run.violations == []
+    tables = [e.batch.req_to_token for g in made for e in g.entries.values()]
+    reports = [r.req_to_token for g in made for r in g.reports.values()]
+    assert tables and reports and made_stages
+    buffers = [t for st in made_stages for t in (*st.ring, st.static)]
+    assert [all(t.data_ptr() in handed for t in ts) for ts in (tables, reports, buffers)] == [True] * 3
+
+
 @pytest.mark.skipif(DEV != "cpu", reason="the CPU stand-in")
 def test_dispatch_graph_replays_into_the_captured_tensors():
     src, out = torch.arange(4), torch.zeros(4, dtype=torch.int64)

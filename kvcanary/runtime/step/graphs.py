@@ -304,6 +304,9 @@ class StepGraphs:
 
     def _entry(self, key: tuple, h, width: int) -> _Entry:
         e = self.entries[key] = _Entry(self.s.tables.assemble(h, width))
+        # made here, filled and read by the side stream's replays: once dropped, its memory must not serve a
+        # new tensor before the side stream's queued work is done with it (the side stream may lag steps behind)
+        self.s.canary.launcher.hand_over(e.batch.req_to_token)
         while len(self.entries) > MAX_ENTRIES:
             self.entries.popitem(last=False)  # its graph goes; a remembered batch keeps its tensors
         return e
@@ -316,6 +319,7 @@ class StepGraphs:
         batch = self.reports.get(key)
         if batch is None:
             batch = self.reports[key] = _Report(self.s.tables, h, width, torch.empty_like(table))
+            self.s.canary.launcher.hand_over(batch.req_to_token)  # (the side stream copies into it: _entry)
             while len(self.reports) > MAX_ENTRIES:
                 self.reports.popitem(last=False)
         else:

@@ -66,7 +66,8 @@ class StepRunner:
         self.batch = None  # the step's ForwardBatch (before -> after)
         # the forward rewrites some input ids on the device (async batching): every step late (carry.py)
         self.carries = bool(getattr(source, "carries", False))
-        self.graphs = self._step_graphs(graph_type)
+        self.graphs = self._step_graphs(graph_type)  # (it may stage through turns of its own: graphs.py)
+        self.stage.on_alloc = canary.launcher.hand_over  # (the side stream reads the staging buffers)
         self.fused = None if self.graphs is None else self.graphs.fused
         self.carry = Carry(self) if self.carries else None
         # the CPU's steady decode steps from a bound plan (steady.py; None: every step takes the eager path)

@@ -48,6 +48,9 @@ class Staging:
         self.stream = stream_cache(device) if self.cuda else None
         self.pending: tuple | None = None  # (device slice, pinned slice, turn) filled but not yet copied
         self.last_ptr = 0  # the data pointer of the last send's device buffer (a graph key's part)
+        # called with the device buffers each time they are made: the runner hands them to the side stream,
+        # which reads them (an outgrown buffer's memory then serves no new tensor while that stream may use it)
+        self.on_alloc = None
 
     def send(self, parts: list, copy: bool = True, last: int | None = None) -> tuple[torch.Tensor, int]:
         """``parts`` (lists of ints or int64 arrays; or one int64 memoryview of all the values) back to back in
@@ -70,6 +73,8 @@ class Staging:
             self.ring = [torch.empty(self.size, dtype=torch.int64, device=self.device) for _ in range(self.depth)]
             self.views = {}
             self.static = torch.empty(self.size, dtype=torch.int64, device=self.device)
+            if self.on_alloc is not None:
+                self.on_alloc(*self.ring, self.static)
         views = self.views.get((turn, n))
         if views is None:
             if len(self.views) > 256:  # sizes come and go (prefill chunks): never grow without bound
