@@ -169,3 +169,24 @@ def test_nonfinite_agrees(impl, dtype, case):
         assert row[7] == int(FailReason.NONFINITE_KV) and row[5] == (-1 if ids is None else row[5])
         assert row[0] == {"one": 9, "several": 7, "no_ids": 8}[case]  # the source's tag
     assert int(args["scratch"][0]) == NO_HIT  # (the next forward starts clean)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_the_triton_pass_keeps_no_kv_pool_alive():
+    # The Triton pass keeps a table per set of sources between forwards; an engine made per call (transformers'
+    # generate_batch) must not leave its KV pool held by it once the engine is gone.
+    import gc
+    import weakref
+
+    sources = [_float_source(torch.float16, 1, 1), _float_source(torch.float16, 4, 2)]
+    pool = weakref.ref(sources[0].tensor)
+    n = 4
+    slot_impl("triton").nonfinite(
+        out_cache_loc=torch.arange(1, n + 1, device=DEVICE), write_offsets=torch.tensor([0, n], device=DEVICE),
+        num_requests=1, positions=torch.arange(n, device=DEVICE), input_ids=torch.arange(n, device=DEVICE),
+        writer_ids=None, num_slots=NUM_SLOTS, sources=sources, tags=torch.tensor([7, 9], device=DEVICE),
+        index=torch.tensor([0, 1], device=DEVICE), ring=_ring(8),
+        scratch=torch.full((1,), NO_HIT, dtype=torch.int64, device=DEVICE))
+    del sources
+    gc.collect()
+    assert pool() is None

@@ -9,6 +9,8 @@ rows' other fields only when one of its lanes hit.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -99,7 +101,7 @@ def _nonfinite_kernel(p_loc, num_tokens, p_offsets, num_requests, num_slots, p_b
     b_slot = tl.load(p_loc + o_t, mask=m_t, other=0).to(tl.int64)
     m_t = m_t & (b_slot >= 1) & (b_slot < num_slots) & (b_slot < src_slots)
     b_row = b_slot // page_size
-    p_tok = p_base + offset + b_row * row_stride + (b_slot - b_row * page_size) * nbpt
+    p_tok = p_base.to(tl.pointer_type(tl.uint8)) + offset + b_row * row_stride + (b_slot - b_row * page_size) * nbpt
     b_bad = tl.zeros([BLOCK_T], tl.int32)
     o_w = tl.arange(0, BLOCK_W).to(tl.int64) * WORD
     for w0 in range(0, nbpt, BLOCK_W * WORD):
@@ -161,11 +163,11 @@ def nonfinite(*, out_cache_loc, write_offsets, num_requests, positions, input_id
     n = out_cache_loc.shape[0]
     if not n or not sources:
         return
-    for dtype, base, table in _width_groups(sources):
+    for dtype, first, table in _width_groups(sources):
         # one launch per float width (a model has one): its sources are the grid's second axis
         triton_ops._launch(_nonfinite_kernel, (triton_ops._cdiv(n, NONFINITE_TOKENS), table.shape[0]),
             p_loc=out_cache_loc, num_tokens=n, p_offsets=write_offsets, num_requests=num_requests,
-            num_slots=num_slots, p_base=base, p_table=table, p_first=scratch, num_sources=len(sources),
+            num_slots=num_slots, p_base=sources[first].tensor, p_table=table, p_first=scratch, num_sources=len(sources),
             EXP=EXPONENT[dtype], WORD=dtype.itemsize, BLOCK_T=NONFINITE_TOKENS, BLOCK_W=NONFINITE_WORDS,
         )
     triton_ops._launch(_nonfinite_push_kernel, (1,),
@@ -176,26 +178,28 @@ def nonfinite(*, out_cache_loc, write_offsets, num_requests, positions, input_id
     )
 
 
-_GROUPS: dict = {}  # id(sources) -> (sources, groups): the runtime passes the same list every step
+# the sources' ids -> (weak references to them, their groups): the runtime passes the same sources every step, and
+# a cache entry keeps no KV pool alive after its engine is gone
+_GROUPS: dict = {}
 
 
 def _width_groups(sources) -> list:
-    """``sources`` grouped by float type: (dtype, the first source's bytes, int64 [k, TABLE_COLUMNS] table on
-    its device), made once per source list (the KV pool's tensors stay where they are)."""
-    known = _GROUPS.get(id(sources))
-    if known is not None and known[0] is sources:
+    """``sources`` grouped by float type: (dtype, the index of its first source, int64 [k, TABLE_COLUMNS] table
+    on its device: byte offsets from that source), made once per set of sources (a pool's tensors stay put)."""
+    key = tuple(map(id, sources))
+    known = _GROUPS.get(key)
+    if known is not None and all(ref() is src for ref, src in zip(known[0], sources)):
         return known[1]
     by_type: dict = {}
     for s, src in enumerate(sources):
         by_type.setdefault(src.tensor.dtype, []).append((s, src))
     groups = []
     for dtype, members in by_type.items():
-        base = members[0][1].tensor
-        rows = [[src.tensor.data_ptr() - base.data_ptr(), src.row_stride_bytes, src.page_size,
-                 src.num_bytes_per_token, src.num_slots, s] for s, src in members]
-        groups.append((dtype, base.view(torch.uint8).as_strided((1,), (1,)),
-                       torch.tensor(rows, dtype=torch.int64, device=base.device)))
+        first = members[0][1].tensor.data_ptr()
+        rows = [[src.tensor.data_ptr() - first, src.row_stride_bytes, src.page_size, src.num_bytes_per_token,
+                 src.num_slots, s] for s, src in members]
+        groups.append((dtype, members[0][0], torch.tensor(rows, dtype=torch.int64, device=members[0][1].tensor.device)))
     if len(_GROUPS) >= 64:
         _GROUPS.clear()
-    _GROUPS[id(sources)] = (sources, groups)
+    _GROUPS[key] = ([weakref.ref(src) for src in sources], groups)
     return groups
