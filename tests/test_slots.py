@@ -401,7 +401,11 @@ def test_transformers_slot_checks_in_captured_steps_report_what_eager_steps_repo
     assert sum(g.replays for g in made if g is not None) > 0
     assert eager.violations and eager.violations[0].reasons[0] in ("reserved_slot_read", "nonfinite_kv")
     assert [v.block() for v in graphed.violations] == [v.block() for v in eager.violations]
-    assert graphed.tokens == eager.tokens
+    if planter != "read_slot0":
+        # (a read of slot 0 reads whatever its memory holds: 5.17 allocates the pool uninitialised, so until a
+        # request writes there it holds what differs between the two runs, and so may the tokens after the read;
+        # the reports may not differ)
+        assert graphed.tokens == eager.tokens
 
 
 @INTERPRETED
