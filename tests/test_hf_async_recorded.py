@@ -18,7 +18,8 @@ from kvcanary.demo import build_tiny_model, run_workload  # noqa: E402
 from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version  # noqa: E402
 
 pytestmark = [
-    pytest.mark.skipif(parse_version(transformers.__version__) < ASYNC_SINCE, reason="async IO needs transformers >= 5.24"),
+    pytest.mark.skipif(parse_version(transformers.__version__) < ASYNC_SINCE,
+                       reason="async IO needs transformers >= 5.24"),
     pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
                        reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1"),
 ]

@@ -298,7 +298,8 @@ def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode
         p_prev=entries.prev, p_expected=entries.expected_token, p_count=entries.count, p_enable=entries.enable,
         capacity=entries.capacity, p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,
         p_counters=counters, launch_tag=launch_tag, **_source_args(sources, real_kv_mode, buf),
-        CHECK_TOKEN=bool(check_token), SPECULATE=verify_in_one_pass(entries.capacity, num_programs), BLOCK=VERIFY_BLOCK, num_warps=VERIFY_WARPS,
+        CHECK_TOKEN=bool(check_token), SPECULATE=verify_in_one_pass(entries.capacity, num_programs),
+        BLOCK=VERIFY_BLOCK, num_warps=VERIFY_WARPS,
     )
 
 

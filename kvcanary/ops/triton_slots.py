@@ -2,9 +2,9 @@
 
 As tensor ops a check is some 15-45 launches (masks, gathers, a cumsum and a searchsorted for the ring push),
 each a host call of 10-40 us on an eager step and a node of every captured one; here the reserved checks are
-one launch each and the non-finite check one per float width (a model has one) plus one. Nothing is read on the host, grids
-come from static sizes, so every launch can be captured in a CUDA graph. Hits are rare: a block gathers the
-rows' other fields only when one of its lanes hit.
+one launch each and the non-finite check one per float width (a model has one) plus one. Nothing is read on the
+host, grids come from static sizes, so every launch can be captured in a CUDA graph. Hits are rare: a block
+gathers the rows' other fields only when one of its lanes hit.
 """
 
 from __future__ import annotations
