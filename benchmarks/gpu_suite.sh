@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_suite.sh ops      # op throughput (benchmarks/ops_bench.py)
 #   bash benchmarks/gpu_suite.sh probe    # the decode-like op benchmark step by step (diagnosis of a device fault)
 #   bash benchmarks/gpu_suite.sh engine [SPEC ...]  # canary cost inside transformers continuous batching, 1B and 8B
+#   bash benchmarks/gpu_suite.sh lag      # the lagging-side-stream async clean run per step path (>= 5.24 wheels)
 # Results and logs go to $OUT (default ./out). Runs from a checkout without installing (PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,5 +81,9 @@ case "$part" in
     done
     $py benchmarks/summarize_engine.py "$OUT"/engine_*.json --plot "$OUT/overhead.png" 2>&1 | tee "$OUT/engine_summary.txt"
     ;;
-  *) echo "unknown part $part (tests | quick | ops | probe | engine)"; exit 2 ;;
+  lag)
+    # (benchmarks/async_lag_probe.py: which step path a lagging side stream's false alarm comes from)
+    timeout ${LAG_TIMEOUT:-300} $py benchmarks/async_lag_probe.py 2>&1 | grep -v Warning | tee "$OUT/lag.log" | tail -40
+    ;;
+  *) echo "unknown part $part (tests | quick | ops | probe | engine | lag)"; exit 2 ;;
 esac
