@@ -76,3 +76,15 @@ def test_the_next_rewrite_of_a_storage_set_waits_for_the_canary_work_that_read_i
     assert run.violations == []  # (the CPU runs everything at once: only the recording sees the race)
     races = {(a.op, b.op, r[0]) for a, b, r in rec.races()}
     assert races == {("stage", "h2d", "inputs")}, races
+
+
+@pytest.mark.parametrize("bug", sorted(__import__("kvcanary.sim.hf_bugs", fromlist=["BUGS"]).BUGS))
+def test_every_planted_bug_is_reported_under_async_with_the_fast_paths(llama, monkeypatch, steady, bug):
+    # the engine's async IO, the canary's step graphs and fused steps: each planted bug of the project is
+    # reported as without them (tests/test_transformers.py), and the run's accesses stay ordered
+    from hf_async_model import recorded_async
+
+    with recorded_async(monkeypatch) as rec:
+        run = run_workload(llama, bug=bug, cb=ASYNC, device="cpu", backend="triton", max_new_tokens=6)
+    assert run.violations, f"{bug}: nothing reported under async batching"
+    assert rec.races() == []
