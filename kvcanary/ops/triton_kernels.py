@@ -324,13 +324,13 @@ def _verify_block(p_buf, stride, num_slots, o, m, b_slot, b_prev, b_exp, b_posit
 
 
 @triton.jit
-def _entry_block(p_slot, p_prev, p_expected, p_position, o, m, CHECK_TOKEN: tl.constexpr):
+def _entry_block(p_slot, p_prev, p_expected, p_position, o, m, CHECK_TOKEN: tl.constexpr, BLOCK: tl.constexpr):
     b_slot = tl.load(p_slot + o, mask=m, other=0)
     b_prev = tl.load(p_prev + o, mask=m, other=0)
     if CHECK_TOKEN:
         b_exp = tl.load(p_expected + o, mask=m, other=-1)
     else:
-        b_exp = tl.full(o.shape, -1, tl.int64)
+        b_exp = tl.full([BLOCK], -1, tl.int64)
     b_position = tl.load(p_position + o, mask=m, other=0)
     return b_slot, b_prev, b_exp, b_position
 
@@ -350,7 +350,7 @@ def _verify_kernel(p_buf, stride, num_slots, p_slot, p_position, p_prev, p_expec
         # then travel with the count's instead of after it (one memory round trip fewer per launch).
         o = i_p * BLOCK + tl.arange(0, BLOCK)
         b_slot, b_prev, b_exp, b_position = _entry_block(p_slot, p_prev, p_expected, p_position, o, o < capacity,
-                                                         CHECK_TOKEN=CHECK_TOKEN)
+                                                         CHECK_TOKEN=CHECK_TOKEN, BLOCK=BLOCK)
     m_on = tl.load(p_enable) != 0
     n = tl.where(m_on, tl.maximum(tl.minimum(tl.load(p_count), capacity), 0), 0)
     if i_p == 0:
@@ -366,7 +366,7 @@ def _verify_kernel(p_buf, stride, num_slots, p_slot, p_position, p_prev, p_expec
             o = b0 + tl.arange(0, BLOCK)  # [BLOCK]
             m = o < n
             b_slot, b_prev, b_exp, b_position = _entry_block(p_slot, p_prev, p_expected, p_position, o, m,
-                                                             CHECK_TOKEN=CHECK_TOKEN)
+                                                             CHECK_TOKEN=CHECK_TOKEN, BLOCK=BLOCK)
             _verify_block(p_buf, stride, num_slots, o, m, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
                           ring_capacity, i_tag, o_f, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,
                           src_rows, NUM_SOURCES=NUM_SOURCES, ALIGNED=ALIGNED)

@@ -30,7 +30,6 @@ NONFINITE_WORDS = 256
 # stride, page size, bytes per token, slots, and index among all sources.
 TABLE_COLUMNS = 6
 TABLE_COLUMNS_C = tl.constexpr(TABLE_COLUMNS)
-_WORD_TYPE = {2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 @triton.jit
@@ -106,8 +105,14 @@ def _nonfinite_kernel(p_loc, num_tokens, p_offsets, num_requests, num_slots, p_b
     o_w = tl.arange(0, BLOCK_W).to(tl.int64) * WORD
     for w0 in range(0, nbpt, BLOCK_W * WORD):
         m = m_t[:, None] & (w0 + o_w[None, :] < nbpt)
-        p = (p_tok[:, None] + w0 + o_w[None, :]).to(tl.pointer_type(_WORD_TYPE[WORD]))
-        b_w = tl.load(p, mask=m, other=0).to(tl.int64)
+        p = p_tok[:, None] + w0 + o_w[None, :]
+        # (the word's integer type by its width: a compiled kernel reads no global but a constexpr)
+        if WORD == 2:
+            b_w = tl.load(p.to(tl.pointer_type(tl.int16)), mask=m, other=0).to(tl.int64)
+        elif WORD == 4:
+            b_w = tl.load(p.to(tl.pointer_type(tl.int32)), mask=m, other=0).to(tl.int64)
+        else:
+            b_w = tl.load(p.to(tl.pointer_type(tl.int64)), mask=m, other=0)
         b_bad |= tl.max((m & ((b_w & EXP) == EXP)).to(tl.int32), axis=1)
     i_first = tl.min(tl.where(b_bad != 0, o_t * num_sources + s_index, INT64_MAX), axis=0)
     tl.atomic_min(p_first, i_first, mask=i_first < INT64_MAX, sem="relaxed")
