@@ -162,13 +162,18 @@ def torch_reserved_writes(*, out_cache_loc, write_offsets, num_requests, positio
     _push(ring, rows, hit, host_reads=host)
 
 
+def byte_cells(src, slots: torch.Tensor):
+    """(rows, cols) index tensors of ``slots``' bytes in ``src.byte_rows()``: [n, 1] and [n, nbpt]."""
+    nbpt = src.num_bytes_per_token
+    rows = torch.div(slots, src.page_size, rounding_mode="floor")
+    cols = (slots % src.page_size) * nbpt
+    return rows[:, None], cols[:, None] + torch.arange(nbpt, device=slots.device)
+
+
 def _finite(src, slot: torch.Tensor) -> torch.Tensor:
     """bool [n]: every element of each slot's KV in ``src`` is finite (a slot outside it counts as finite)."""
     inside = slot < src.num_slots
-    s = torch.where(inside, slot, 0)
-    nbpt = src.num_bytes_per_token
-    rows = torch.div(s, src.page_size, rounding_mode="floor")[:, None]
-    cols = ((s % src.page_size) * nbpt)[:, None] + torch.arange(nbpt, device=s.device)
+    rows, cols = byte_cells(src, torch.where(inside, slot, 0))
     dtype = src.tensor.dtype
     exp = EXPONENT[dtype]
     words = src.byte_rows()[rows, cols].view(INT_VIEW[dtype.itemsize])

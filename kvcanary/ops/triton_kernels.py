@@ -297,7 +297,7 @@ def _write_kernel(p_buf, stride, num_slots, p_write_offsets, p_seed, num_request
 
 
 @triton.jit
-def _verify_block(p_buf, stride, num_slots, o, m, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
+def _verify_block(p_buf, stride, num_slots, m, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
                   ring_capacity, i_tag, o_f, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes, src_rows,
                   NUM_SOURCES: tl.constexpr, ALIGNED: tl.constexpr):
     # one block of entries whose inputs are loaded; lanes outside m are ignored whatever they hold
@@ -358,7 +358,7 @@ def _verify_kernel(p_buf, stride, num_slots, p_slot, p_position, p_prev, p_expec
         tl.atomic_add(p_counters + i_tag * 2, 1, sem="relaxed")
         tl.atomic_add(p_counters + i_tag * 2 + 1, n, mask=n > 0, sem="relaxed")
     if SPECULATE:
-        _verify_block(p_buf, stride, num_slots, o, o < n, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
+        _verify_block(p_buf, stride, num_slots, o < n, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
                       ring_capacity, i_tag, o_f, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,
                       src_rows, NUM_SOURCES=NUM_SOURCES, ALIGNED=ALIGNED)
     else:
@@ -367,7 +367,7 @@ def _verify_kernel(p_buf, stride, num_slots, p_slot, p_position, p_prev, p_expec
             m = o < n
             b_slot, b_prev, b_exp, b_position = _entry_block(p_slot, p_prev, p_expected, p_position, o, m,
                                                              CHECK_TOKEN=CHECK_TOKEN, BLOCK=BLOCK)
-            _verify_block(p_buf, stride, num_slots, o, m, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
+            _verify_block(p_buf, stride, num_slots, m, b_slot, b_prev, b_exp, b_position, p_ring, p_write_index,
                           ring_capacity, i_tag, o_f, src_ptrs, src_row_stride, src_page_size, src_nbpt, src_nbytes,
                           src_rows, NUM_SOURCES=NUM_SOURCES, ALIGNED=ALIGNED)
 

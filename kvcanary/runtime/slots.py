@@ -30,7 +30,7 @@ import torch
 
 from kvcanary.format import FailReason
 from kvcanary.ops.api import resolve_backend
-from kvcanary.ops.slot_ops import EXPONENT, NO_HIT, NONFINITE, READ, slot_impl
+from kvcanary.ops.slot_ops import EXPONENT, NO_HIT, NONFINITE, READ, byte_cells, slot_impl
 from kvcanary.ops.torch_ops import _push
 from kvcanary.runtime.checks import slots_tensor
 
@@ -200,7 +200,7 @@ class SlotChecks:
         c.launcher.join()  # after TAIL's reads of these slots' bytes (the previous step's hash)
         g = c.groups[0]
         for src in (*g.sources["k"], *g.sources["v"]):
-            rows, cols = _byte_cells(src, slots)
+            rows, cols = byte_cells(src, slots)
             src.byte_rows()[rows, cols] = _pattern(cols)
         self.poisoned_count += int(slots.shape[0])
         return int(slots.shape[0])
@@ -210,7 +210,7 @@ class SlotChecks:
         g = self.c.groups[0]
         for src in (*g.sources["k"], *g.sources["v"]):
             if 0 < slot < src.num_slots:
-                rows, cols = _byte_cells(src, torch.tensor([slot], device=src.tensor.device))
+                rows, cols = byte_cells(src, torch.tensor([slot], device=src.tensor.device))
                 if bool((src.byte_rows()[rows, cols] == _pattern(cols)).all()):
                     return True
         return False
@@ -231,14 +231,6 @@ class SlotChecks:
 
     def stats(self) -> dict:
         return {"poisoned_slots": self.poisoned_count}
-
-
-def _byte_cells(src, slots: torch.Tensor):
-    """(rows, cols) index tensors of ``slots``' bytes in ``src.byte_rows()``: [n, 1] and [n, nbpt]."""
-    nbpt = src.num_bytes_per_token
-    rows = torch.div(slots, src.page_size, rounding_mode="floor")
-    cols = (slots % src.page_size) * nbpt
-    return rows[:, None], cols[:, None] + torch.arange(nbpt, device=slots.device)
 
 
 def _finite_np(src, rows, slot) -> bool:
