@@ -104,6 +104,7 @@ def recorded_async(monkeypatch, cuda_staging: bool = True):
     from kvcanary.integrations.transformers import session as hf_session
     from kvcanary.runtime.graphs import DispatchGraph
     from kvcanary.runtime.step import fused as fused_mod
+    from kvcanary.runtime.step import graphs as step_graphs
 
     rec = RecordingStreams(("engine", "canary") + NAMES)
     for name in NAMES:
@@ -191,7 +192,9 @@ def recorded_async(monkeypatch, cuda_staging: bool = True):
     capturing = []  # (the stand-in capture under way, if any: what the CUDA capture check answers)
 
     def capture_begin(self, **kw):
-        self.notes = []
+        # (a CUDA graph's temporaries live in its memory pool, which graphs captured into the same pool share:
+        # two replays of such graphs on unordered streams would write each other's temporaries)
+        self.notes = [("graph_replay", (), (("pool", id(kw.get("pool"))),), ())]
         capturing.append(self)
         rec.note = lambda op, reads=(), writes=(), atomic=(): self.notes.append((op, reads, writes, atomic))
         orig_begin(self, **kw)
@@ -208,6 +211,8 @@ def recorded_async(monkeypatch, cuda_staging: bool = True):
             rec.note(op, reads, writes, atomic)
         orig_replay(self)
 
+    # (each CUDA pool a pool of its own here: the stand-in's pools are None)
+    monkeypatch.setattr(step_graphs.StepGraphs, "new_pool", lambda self: object())
     monkeypatch.setattr(DispatchGraph, "capture_begin", capture_begin)
     monkeypatch.setattr(DispatchGraph, "capture_end", capture_end)
     monkeypatch.setattr(DispatchGraph, "replay", replay)

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 
 from kvcanary.runtime.streams import capturing, stream_cache
 
@@ -78,15 +80,63 @@ def eager(fn, *args, **kw) -> None:
     fn(*args, **kw)
 
 
+class _Held:
+    """A tensor a stand-in graph reads or writes but did not make in its capture, held as a CUDA graph holds
+    it: by address only. A CUDA graph keeps no tensor alive, and a replay after the tensor's last owner let
+    it go reads (or writes) whatever took its memory since: a stand-in's strong reference would hide that.
+    So the stand-ins keep a weak reference to the storage, and a replay after it was freed raises."""
+
+    __slots__ = ("ref", "geometry")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = StorageWeakRef(t.untyped_storage())
+        self.geometry = (t.dtype, t.device, t.storage_offset(), tuple(t.shape), t.stride())
+
+    def get(self, op) -> torch.Tensor:
+        dtype, device, offset, shape, stride = self.geometry
+        if self.ref.expired():
+            raise RuntimeError(f"kv-canary: a captured sequence's {getattr(op, '__name__', op)} uses a {dtype} "
+                               f"tensor of shape {list(shape)} freed since the capture: a CUDA graph would read or "
+                               "write whatever memory took its place (keep it alive with the graph)")
+        storage = torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+
+
+def _hold(x, owned=frozenset()):
+    """``x`` (a call's arguments) with every tensor whose storage is not in ``owned`` held weakly."""
+    if isinstance(x, torch.Tensor):
+        return x if x.untyped_storage()._cdata in owned or not x.untyped_storage().nbytes() else _Held(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_hold(v, owned) for v in x)
+    if isinstance(x, dict):
+        return {k: _hold(v, owned) for k, v in x.items()}
+    return x
+
+
+def _resolve(x, op):
+    """``_hold``'s inverse at a replay: the held tensors as they are now (raises for a freed one)."""
+    if type(x) is _Held:
+        return x.get(op)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_resolve(v, op) for v in x)
+    if isinstance(x, dict):
+        return {k: _resolve(v, op) for k, v in x.items()}
+    return x
+
+
 class _Recorded:
+    """FakeGraphs' capture: the calls a body issued, their tensors held as a CUDA graph holds them (``_Held``)."""
+
     def __init__(self):
         self.calls: list = []
 
     def call(self, fn, *args, **kw) -> None:
-        self.calls.append((fn, args, kw))
+        self.calls.append((fn, _hold(args), _hold(kw)))
 
     def replay(self) -> None:
-        for fn, args, kw in self.calls:
+        with _disable_current_modes():  # (the held tensors' views are not part of any capture under way)
+            calls = [(fn, _resolve(args, fn), _resolve(kw, fn)) for fn, args, kw in self.calls]
+        for fn, args, kw in calls:
             fn(*args, **kw)
 
 
@@ -181,7 +231,8 @@ class DispatchGraph:
     depends on anything but the recorded tensors' contents gives different results on replay, and a
     host read of a tensor value (``.item()``, ``.tolist()``) inside the capture raises. The first
     ``replay`` after a capture does nothing: the capture already ran the work (a CUDA capture runs
-    nothing, its first replay everything).
+    nothing, its first replay everything). Like a CUDA graph it keeps alive only the tensors its capture made
+    (its pool): the others are held by address (``_Held``), and a replay after one was freed raises.
     """
 
     def __init__(self):
@@ -223,16 +274,37 @@ class DispatchGraph:
         self._mode.__exit__(None, None, None)
         triton_ops._launch = self._launch
         self.fresh = True
+        # the storages the capture made (first met as a result, not as an argument): the graph's own; every
+        # other tensor is held by address, as a CUDA graph holds it
+        seen, owned = set(), set()
+        for _, args, kw, out in self.calls:
+            seen.update(t.untyped_storage()._cdata for t in _flat((args, kw)))
+            owned.update(c for c in (t.untyped_storage()._cdata for t in _flat(out)) if c not in seen)
+        self.calls = [(fn, _hold(args, owned), _hold(kw, owned), _hold(out, owned))
+                      for fn, args, kw, out in self.calls]
 
     def replay(self) -> None:
         if self.fresh:
             self.fresh = False
             return
         for fn, args, kw, out in self.calls:
+            with _disable_current_modes():
+                args, kw, out = _resolve(args, fn), _resolve(kw, fn), _resolve(out, fn)
             res = fn(*args, **kw)
             for old, new in zip(_tensors(out), _tensors(res)):
                 if old.data_ptr() != new.data_ptr() or old.stride() != new.stride():
                     old.copy_(new)
+
+
+def _flat(x) -> list:
+    """Every tensor in ``x`` (nested tuples, lists and dict values)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _flat(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _flat(v)]
+    return []
 
 
 def _tensors(x) -> list:
