@@ -57,6 +57,118 @@ class Event:
         return True
 
 
+class AllocatorWatch:
+    """CUDA's caching allocator as far as ordering goes, on the recording. A tensor's memory belongs to the stream
+    current at its allocation; once freed, it serves that stream's next allocation at once, unless
+    ``record_stream`` named the other streams that used it (the allocator then waits for their work). So a
+    tensor used on another stream and freed before that use is ordered before the allocating stream is a race:
+    noted as a ``free`` (a write of its memory, on the allocating stream) against the ``use`` (a read, on the
+    other stream), which ``races()`` then lists. Allocations inside a capture are the graph pool's: not watched.
+    Every aten op and Triton launch while the watch is on is seen (``TorchDispatchMode``, the launch hook)."""
+
+    def __init__(self, rec: RecordingStreams, capturing):
+        self.rec, self.capturing = rec, capturing
+        # storage cdata -> [weak ref, allocating stream, op, {stream: its count at the last use}, recorded
+        # streams, a number of its own (a storage made later may take a freed one's cdata)]
+        self.live: dict = {}
+        self.used: dict = {}  # the live entries used on another stream (checked for frees after each op)
+        self.made = 0
+
+    def op(self, name, inputs, outputs) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        here = self.rec.current().name
+        seen = set()
+        for t in inputs:
+            cdata = t.untyped_storage()._cdata
+            seen.add(cdata)
+            e = self.live.get(cdata)
+            if e is None or e[1] == here or e[0].expired():
+                continue
+            if e[3].get(here) != self.rec.clocks[here].get(here, 0):  # (no access on its stream since: alike)
+                self.rec.note(f"use:{name} of {e[2]}", reads=(("memory", e[5]),))
+                e[3][here] = self.rec.clocks[here][here]
+                self.used[cdata] = e
+        if not self.capturing():
+            for t in outputs:
+                st = t.untyped_storage()
+                cdata = st._cdata
+                e = self.live.get(cdata)
+                if cdata not in seen and st.nbytes() and (e is None or e[0].expired()):
+                    self.made += 1
+                    self.live[cdata] = [StorageWeakRef(st), here, name, {}, set(), self.made]
+        self._frees()
+        if len(self.live) > 4096:
+            self.live = {k: e for k, e in self.live.items() if not e[0].expired()}
+
+    def recorded(self, t, stream: str) -> None:
+        e = self.live.get(t.untyped_storage()._cdata)
+        if e is not None:
+            e[4].add(stream)
+
+    def _frees(self) -> None:
+        for cdata, e in list(self.used.items()):
+            if not e[0].expired():
+                continue
+            del self.used[cdata]
+            if self.live.get(cdata) is e:
+                del self.live[cdata]
+            if set(e[3]) <= e[4]:
+                continue  # (record_stream: the allocator waits for those streams' work)
+            with self.rec.use(self.rec.streams[e[1]]):
+                self.rec.note(f"free of {e[2]}", writes=(("memory", e[5]),))
+
+
+@contextmanager
+def watch_allocations(monkeypatch, rec: RecordingStreams, capturing=lambda: False):
+    """``AllocatorWatch`` on for the block: every aten op and Triton launch, and the canary's hand-overs."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvcanary.ops import triton_ops
+    from kvcanary.runtime.graphs import _flat
+    from kvcanary.runtime.launch import ForwardLauncher
+
+    watch = AllocatorWatch(rec, capturing)
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            watch.op(func.__name__, _flat((args, kwargs or {})), _flat(out))
+            return out
+
+    orig_launch, orig_hand = triton_ops._launch, ForwardLauncher.hand_over
+
+    def launch(fn, grid, **kw):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # (the interpreter's own tensor calls: the kernel's tensors are below)
+            orig_launch(fn, grid, **kw)
+        watch.op(getattr(fn, "__name__", "kernel"), _flat(kw), ())
+
+    def hand_over(self, *tensors):
+        orig_hand(self, *tensors)
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                watch.recorded(t, self.streams.side().name)
+
+    monkeypatch.setattr(triton_ops, "_launch", launch)
+    monkeypatch.setattr(ForwardLauncher, "hand_over", hand_over)
+    # (a dispatch mode is the thread's own: transformers generates on a thread of its own)
+    from transformers.generation.continuous_batching import continuous_api
+
+    manager = continuous_api.ContinuousBatchingManager
+    orig_loop = manager._run_generation_loop
+
+    def loop(self, *a, **k):
+        with Mode():
+            return orig_loop(self, *a, **k)
+
+    monkeypatch.setattr(manager, "_run_generation_loop", loop)
+    with Mode():
+        yield watch
+
+
 def restart(rec: RecordingStreams) -> None:
     """Forget what was recorded so far (an earlier run's accesses and clocks); the streams stay."""
     rec.log.clear()
@@ -93,11 +205,13 @@ def _pair_key(io) -> tuple:
 
 
 @contextmanager
-def recorded_async(monkeypatch, cuda_staging: bool = True):
+def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = False):
     """Patch transformers' async IO, the adapter's CUDA-only checks and stream calls onto one recording;
     yields it. The adapter's step graphs run on ``DispatchGraph``; run with ``backend="triton"``.
     ``cuda_staging``: the step's host part staged as on CUDA (``STAGING_TURNS`` buffers, each refilled by a copy
-    whose turn event the host waits for before it refills the turn again), not through the CPU's one buffer."""
+    whose turn event the host waits for before it refills the turn again), not through the CPU's one buffer.
+    ``allocations``: the allocator's reuse of freed memory on the recording too (``AllocatorWatch``).
+    """
     from transformers.generation.continuous_batching import continuous_api, input_outputs, model_runner, utils
 
     from kvcanary.integrations.transformers import handle as hf_handle
@@ -218,6 +332,7 @@ def recorded_async(monkeypatch, cuda_staging: bool = True):
     monkeypatch.setattr(DispatchGraph, "replay", replay)
     if cuda_staging:
         _cuda_staging(monkeypatch, rec, Cache, lambda: bool(capturing))
+    watching = watch_allocations(monkeypatch, rec, lambda: bool(capturing)) if allocations else nullcontext()
 
     # fused steps: their CUDA branch (events after the inputs and the forward, the side stream's replay, its
     # done event that the engine's streams join) on the recording; the graph's own wait nodes are CUDA's alone
@@ -232,7 +347,8 @@ def recorded_async(monkeypatch, cuda_staging: bool = True):
     monkeypatch.setattr(fused_mod, "event_wait", lambda event, stream: rec.wait(stream, event.clock))
     monkeypatch.setattr(hf_session.Session, "_step_runner", lambda self, graph_type=None: orig_runner(
         self, DispatchGraph))
-    yield rec
+    with watching:
+        yield rec
 
 
 def _cuda_staging(monkeypatch, rec: RecordingStreams, cache, capturing) -> None:

@@ -40,11 +40,11 @@ def steady(monkeypatch):
     monkeypatch.setattr(graphs, "STEADY_SIGHTINGS", 2)  # (a short run reaches the per-turn and fused paths)
 
 
-def _recorded_run(llama, monkeypatch, **options):
+def _recorded_run(llama, monkeypatch, allocations=False, **options):
     """(the canary-less async run, the canary's run, the recording of the canary's run alone)"""
     from hf_async_model import recorded_async, restart
 
-    with recorded_async(monkeypatch) as rec:
+    with recorded_async(monkeypatch, allocations=allocations) as rec:
         base = run_workload(llama, canary=False, cb=ASYNC, **RUN)
         restart(rec)  # (the canary's run alone from here)
         run = run_workload(llama, cb=ASYNC, **RUN, **options)
@@ -58,12 +58,13 @@ def test_a_clean_async_run_is_clean_and_ordered(llama, monkeypatch, steady, fuse
     replays = []
     orig = FusedSteps._replay
     monkeypatch.setattr(FusedSteps, "_replay", lambda self, *a: (replays.append(1), orig(self, *a))[1])
-    base, run, rec = _recorded_run(llama, monkeypatch, fused_steps=fused)
+    # (with the allocator's reuse of freed memory: a tensor used on another stream than the one it was made on)
+    base, run, rec = _recorded_run(llama, monkeypatch, allocations=True, fused_steps=fused)
     assert run.violations == [], run.report
     assert run.tokens == base.tokens and run.stats["forwards"] > 20
     assert bool(replays) == fused  # (the path under test ran)
-    ops = {a.op for a in rec.log}
-    assert {"h2d", "engine_forward", "d2h", "stage_copy", "stage", "head", "tail", "reserved_check"} <= ops, ops
+    ops = {a.op.split(":")[0] for a in rec.log}
+    assert {"h2d", "engine_forward", "d2h", "stage_copy", "stage", "head", "tail", "reserved_check", "use"} <= ops, ops
     assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
 
 
@@ -88,3 +89,30 @@ def test_every_planted_bug_is_reported_under_async_with_the_fast_paths(llama, mo
         run = run_workload(llama, bug=bug, cb=ASYNC, device="cpu", backend="triton", max_new_tokens=6)
     assert run.violations, f"{bug}: nothing reported under async batching"
     assert rec.races() == []
+
+
+def test_the_allocator_watch_lists_memory_freed_under_another_streams_use(monkeypatch):
+    # CUDA's caching allocator gives a freed tensor's memory to the next allocation on the stream that made it;
+    # a use on another stream must be ordered before the free, or named by record_stream
+    import torch
+    from hf_async_model import restart, watch_allocations
+
+    from kvcanary.runtime.streams import RecordingStreams
+
+    rec = RecordingStreams()
+    engine, canary = rec.streams["engine"], rec.streams["canary"]
+    with watch_allocations(monkeypatch, rec) as watch:
+        found = []
+        for fix in ("none", "wait", "record_stream"):
+            restart(rec)
+            made = torch.arange(8)  # (on the engine stream)
+            with rec.use(canary):
+                made.add(1)
+            if fix == "wait":
+                rec.wait(engine, rec.record(canary))
+            elif fix == "record_stream":
+                watch.recorded(made, "canary")
+            del made
+            torch.zeros(1)  # (the engine stream's next allocation)
+            found.append(sorted((a.op.split(" ")[0], b.op.split(" ")[0]) for a, b, _ in rec.races()))
+    assert found == [[("use:add.Tensor", "free")], [], []]
