@@ -216,7 +216,7 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = F
 
     from kvcanary.integrations.transformers import handle as hf_handle
     from kvcanary.integrations.transformers import session as hf_session
-    from kvcanary.runtime.graphs import DispatchGraph
+    from kvcanary.runtime.graphs import DispatchGraph, capture
     from kvcanary.runtime.step import fused as fused_mod
     from kvcanary.runtime.step import graphs as step_graphs
 
@@ -321,6 +321,8 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = F
             capturing.pop()
 
     def replay(self):
+        for event in getattr(self, "waits_on", ()):  # (a fused graph's first nodes: waits for its own events)
+            rec.wait(rec.current(), event.clock)
         for op, reads, writes, atomic in getattr(self, "notes", ()):
             rec.note(op, reads, writes, atomic)
         orig_replay(self)
@@ -335,14 +337,25 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = F
     watching = watch_allocations(monkeypatch, rec, lambda: bool(capturing)) if allocations else nullcontext()
 
     # fused steps: their CUDA branch (events after the inputs and the forward, the side stream's replay, its
-    # done event that the engine's streams join) on the recording; the graph's own wait nodes are CUDA's alone
+    # done event that the engine's streams join) on the recording; with in_graph_waits (the default, as on
+    # CUDA) the graph's first nodes wait for two events of its own, which the host records before each replay:
+    # a replay here waits for them as they were recorded at its launch
     orig_fused_init = fused_mod.FusedSteps.__init__
 
     def fused_init(self, graphs):
         orig_fused_init(self, graphs)
-        self.cache, self.events, self.in_graph_waits = Cache(), (Event(rec), Event(rec), Event(rec)), False
+        self.cache, self.events = Cache(), (Event(rec), Event(rec), Event(rec))
+        self.in_graph_waits = self.s.options.in_graph_waits
+
+    def capture_waiting(self, graph, body, side):
+        graph.waits_on = (Event(rec), Event(rec))
+        for event in graph.waits_on:
+            fused_mod.record_event(event, side)
+        capture(graph, body, pool=self.pool)
+        return graph.waits_on
 
     monkeypatch.setattr(fused_mod.FusedSteps, "__init__", fused_init)
+    monkeypatch.setattr(fused_mod.FusedSteps, "_capture_waiting", capture_waiting)
     monkeypatch.setattr(fused_mod, "record_event", lambda event, stream: setattr(event, "clock", rec.record(stream)))
     monkeypatch.setattr(fused_mod, "event_wait", lambda event, stream: rec.wait(stream, event.clock))
     monkeypatch.setattr(hf_session.Session, "_step_runner", lambda self, graph_type=None: orig_runner(

@@ -68,6 +68,30 @@ def test_a_clean_async_run_is_clean_and_ordered(llama, monkeypatch, steady, fuse
     assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
 
 
+def test_a_fused_steps_graph_waits_for_the_forward_in_its_first_nodes(llama, monkeypatch, steady):
+    # in_graph_waits (the default): the host records two events of the graph's own, the graph's first nodes
+    # wait for them; planted: the wait nodes dropped (the host still waits for nothing eagerly)
+    from hf_async_model import recorded_async
+
+    from kvcanary.runtime.step.fused import FusedSteps
+
+    waiting = []
+    with recorded_async(monkeypatch) as rec:
+        orig = FusedSteps._capture_waiting  # (the recording's)
+
+        def capture_waiting(self, graph, body, side):
+            waits = orig(self, graph, body, side)
+            waiting.append(graph)
+            graph.waits_on = ()  # the plant
+            return waits
+
+        monkeypatch.setattr(FusedSteps, "_capture_waiting", capture_waiting)
+        run = run_workload(llama, cb=ASYNC, **RUN)
+    assert waiting and run.violations == []  # (the CPU runs everything at once: only the recording sees it)
+    races = {(a.op, b.op) for a, b, r in rec.races()}
+    assert ("engine_forward", "stage") in races and ("engine_forward", "tail") in races, races
+
+
 def test_the_next_rewrite_of_a_storage_set_waits_for_the_canary_work_that_read_it(llama, monkeypatch, steady):
     # planted: the step's done event dropped (transformers' H2D stream then waits for nothing of the canary's)
     from kvcanary.runtime.step import carry
