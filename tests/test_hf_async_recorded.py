@@ -68,6 +68,19 @@ def test_a_clean_async_run_is_clean_and_ordered(llama, monkeypatch, steady, fuse
     assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
 
 
+def test_a_clean_async_run_over_the_engines_padded_inputs_is_clean_and_ordered(llama, monkeypatch, steady):
+    # the engine pads its inputs for its CUDA graphs (padding tokens at position 0 writing its trash slot) and
+    # warms both input pairs up with fake requests first; the canary reads no padding lane as a live token
+    from test_transformers import pad_engine
+
+    pads, warmups = pad_engine(monkeypatch)
+    base, run, rec = _recorded_run(llama, monkeypatch, allocations=True)
+    assert run.violations == [], run.report
+    assert run.tokens == base.tokens
+    assert warmups and any(out[0] > got[0] for got, out in pads), pads[:4]  # (the engine padded)
+    assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
+
+
 def test_a_fused_steps_graph_waits_for_the_forward_in_its_first_nodes(llama, monkeypatch, steady):
     # in_graph_waits (the default): the host records two events of the graph's own, the graph's first nodes
     # wait for them; planted: the wait nodes dropped (the host still waits for nothing eagerly)

@@ -433,6 +433,10 @@ GRAPHS = {"use_cuda_graph": True}
 
 @pytest.fixture
 def engine_padding(monkeypatch):
+    return pad_engine(monkeypatch)
+
+
+def pad_engine(monkeypatch):
     """The engine pads its inputs as it does for its CUDA graphs (static sizes, padding tokens writing the
     write-trash row, length-0 padding sequences) and warms up with fake requests before the first one, on
     any device: its forward then runs eagerly over the padded inputs."""
