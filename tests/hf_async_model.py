@@ -205,12 +205,14 @@ def _pair_key(io) -> tuple:
 
 
 @contextmanager
-def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = False):
+def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = False, engine_graphs: bool = False):
     """Patch transformers' async IO, the adapter's CUDA-only checks and stream calls onto one recording;
     yields it. The adapter's step graphs run on ``DispatchGraph``; run with ``backend="triton"``.
     ``cuda_staging``: the step's host part staged as on CUDA (``STAGING_TURNS`` buffers, each refilled by a copy
     whose turn event the host waits for before it refills the turn again), not through the CPU's one buffer.
     ``allocations``: the allocator's reuse of freed memory on the recording too (``AllocatorWatch``).
+    ``engine_graphs``: the engine's own CUDA graphs on ``DispatchGraph`` too (run with ``use_cuda_graph=True``): each
+    pair's forward captured per padded shape (after one eager run, as transformers does) and replayed.
     """
     from transformers.generation.continuous_batching import continuous_api, input_outputs, model_runner, utils
 
@@ -335,6 +337,8 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = F
     if cuda_staging:
         _cuda_staging(monkeypatch, rec, Cache, lambda: bool(capturing))
     watching = watch_allocations(monkeypatch, rec, lambda: bool(capturing)) if allocations else nullcontext()
+    if engine_graphs:
+        _engine_graphs(monkeypatch, rec)
 
     # fused steps: their CUDA branch (events after the inputs and the forward, the side stream's replay, its
     # done event that the engine's streams join) on the recording; with in_graph_waits (the default, as on
@@ -400,3 +404,29 @@ def _cuda_staging(monkeypatch, rec: RecordingStreams, cache, capturing) -> None:
 
     monkeypatch.setattr(staging_mod.Staging, "copy", copy)
     monkeypatch.setattr(StepRunner, "__init__", runner_init)
+
+
+def _engine_graphs(monkeypatch, rec: RecordingStreams) -> None:
+    """transformers' CUDA graphs on the CPU stand-in: a graph backend is declared, its memory pools are none, and
+    a capture records the forward on the compute stream. A CUDA capture runs nothing and the engine does not
+    replay right after it (its eager run before the capture did the work): the stand-in's capture runs the
+    forward a second time (the same inputs: the same writes), and its first replay runs everything."""
+    from transformers.generation.continuous_batching import initialization, model_runner
+
+    from kvcanary.runtime.graphs import DispatchGraph
+
+    @contextmanager
+    def capture_context(graph, stream, pool):
+        with rec.use(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                yield
+            finally:
+                graph.capture_end()
+        graph.fresh = False
+
+    monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
+    monkeypatch.setattr(model_runner, "get_memory_pools", lambda: (None, None))
+    monkeypatch.setattr(model_runner, "memory_pool_context", lambda pool: nullcontext())
+    monkeypatch.setattr(model_runner, "create_accelerator_graph", DispatchGraph)
+    monkeypatch.setattr(model_runner, "accelerator_graph_capture_context", capture_context)

@@ -81,6 +81,33 @@ def test_a_clean_async_run_over_the_engines_padded_inputs_is_clean_and_ordered(l
     assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
 
 
+def test_a_clean_async_run_with_the_engines_cuda_graphs_is_clean_and_ordered(llama, monkeypatch, steady):
+    # the engine's fastest configuration: its forward captured per pair and padded shape, replayed (on the
+    # CPU stand-in), async batching on; the engine's padding as its graphs need it
+    from hf_async_model import recorded_async, restart
+    from transformers.generation.continuous_batching import model_runner
+
+    cb = {"use_cuda_graph": True, "use_async_batching": True}
+    with recorded_async(monkeypatch, allocations=True, engine_graphs=True) as rec:
+        base = run_workload(llama, canary=False, cb=cb, **RUN)
+        restart(rec)
+        made, replays, make = [], [], model_runner.create_accelerator_graph
+
+        def create():
+            graph = make()
+            replay = graph.replay
+            graph.replay = lambda: (replays.append(1), replay())[1]
+            made.append(graph)
+            return graph
+
+        monkeypatch.setattr(model_runner, "create_accelerator_graph", create)
+        run = run_workload(llama, cb=cb, **RUN)
+    assert run.violations == [], run.report
+    assert run.tokens == base.tokens and run.stats["forwards"] > 20
+    assert made and len(replays) > len(made)  # (the engine's graphs were captured and replayed)
+    assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
+
+
 def test_a_fused_steps_graph_waits_for_the_forward_in_its_first_nodes(llama, monkeypatch, steady):
     # in_graph_waits (the default): the host records two events of the graph's own, the graph's first nodes
     # wait for them; planted: the wait nodes dropped (the host still waits for nothing eagerly)

@@ -283,6 +283,10 @@ class DispatchGraph:
         self.calls = [(fn, _hold(args, owned), _hold(kw, owned), _hold(out, owned))
                       for fn, args, kw, out in self.calls]
 
+    def reset(self) -> None:
+        """Forget the captured work (``torch.cuda.CUDAGraph.reset``)."""
+        self.calls, self.fresh = [], False
+
     def replay(self) -> None:
         if self.fresh:
             self.fresh = False
