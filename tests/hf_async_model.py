@@ -15,6 +15,9 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 from kvcanary.runtime.streams import RecordingStreams, _FakeStream
+from memory_watch import watch_memory
+
+from kvcanary.runtime.graphs import _flat
 
 NAMES = ("h2d", "d2h", "compute")  # transformers makes its streams in this order (ContinuousBatchingAsyncIOs)
 
@@ -57,118 +60,6 @@ class Event:
         return True
 
 
-class AllocatorWatch:
-    """CUDA's caching allocator as far as ordering goes, on the recording. A tensor's memory belongs to the stream
-    current at its allocation; once freed, it serves that stream's next allocation at once, unless
-    ``record_stream`` named the other streams that used it (the allocator then waits for their work). So a
-    tensor used on another stream and freed before that use is ordered before the allocating stream is a race:
-    noted as a ``free`` (a write of its memory, on the allocating stream) against the ``use`` (a read, on the
-    other stream), which ``races()`` then lists. Allocations inside a capture are the graph pool's: not watched.
-    Every aten op and Triton launch while the watch is on is seen (``TorchDispatchMode``, the launch hook)."""
-
-    def __init__(self, rec: RecordingStreams, capturing):
-        self.rec, self.capturing = rec, capturing
-        # storage cdata -> [weak ref, allocating stream, op, {stream: its count at the last use}, recorded
-        # streams, a number of its own (a storage made later may take a freed one's cdata)]
-        self.live: dict = {}
-        self.used: dict = {}  # the live entries used on another stream (checked for frees after each op)
-        self.made = 0
-
-    def op(self, name, inputs, outputs) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        here = self.rec.current().name
-        seen = set()
-        for t in inputs:
-            cdata = t.untyped_storage()._cdata
-            seen.add(cdata)
-            e = self.live.get(cdata)
-            if e is None or e[1] == here or e[0].expired():
-                continue
-            if e[3].get(here) != self.rec.clocks[here].get(here, 0):  # (no access on its stream since: alike)
-                self.rec.note(f"use:{name} of {e[2]}", reads=(("memory", e[5]),))
-                e[3][here] = self.rec.clocks[here][here]
-                self.used[cdata] = e
-        if not self.capturing():
-            for t in outputs:
-                st = t.untyped_storage()
-                cdata = st._cdata
-                e = self.live.get(cdata)
-                if cdata not in seen and st.nbytes() and (e is None or e[0].expired()):
-                    self.made += 1
-                    self.live[cdata] = [StorageWeakRef(st), here, name, {}, set(), self.made]
-        self._frees()
-        if len(self.live) > 4096:
-            self.live = {k: e for k, e in self.live.items() if not e[0].expired()}
-
-    def recorded(self, t, stream: str) -> None:
-        e = self.live.get(t.untyped_storage()._cdata)
-        if e is not None:
-            e[4].add(stream)
-
-    def _frees(self) -> None:
-        for cdata, e in list(self.used.items()):
-            if not e[0].expired():
-                continue
-            del self.used[cdata]
-            if self.live.get(cdata) is e:
-                del self.live[cdata]
-            if set(e[3]) <= e[4]:
-                continue  # (record_stream: the allocator waits for those streams' work)
-            with self.rec.use(self.rec.streams[e[1]]):
-                self.rec.note(f"free of {e[2]}", writes=(("memory", e[5]),))
-
-
-@contextmanager
-def watch_allocations(monkeypatch, rec: RecordingStreams, capturing=lambda: False):
-    """``AllocatorWatch`` on for the block: every aten op and Triton launch, and the canary's hand-overs."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from kvcanary.ops import triton_ops
-    from kvcanary.runtime.graphs import _flat
-    from kvcanary.runtime.launch import ForwardLauncher
-
-    watch = AllocatorWatch(rec, capturing)
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            watch.op(func.__name__, _flat((args, kwargs or {})), _flat(out))
-            return out
-
-    orig_launch, orig_hand = triton_ops._launch, ForwardLauncher.hand_over
-
-    def launch(fn, grid, **kw):
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():  # (the interpreter's own tensor calls: the kernel's tensors are below)
-            orig_launch(fn, grid, **kw)
-        watch.op(getattr(fn, "__name__", "kernel"), _flat(kw), ())
-
-    def hand_over(self, *tensors):
-        orig_hand(self, *tensors)
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                watch.recorded(t, self.streams.side().name)
-
-    monkeypatch.setattr(triton_ops, "_launch", launch)
-    monkeypatch.setattr(ForwardLauncher, "hand_over", hand_over)
-    # (a dispatch mode is the thread's own: transformers generates on a thread of its own)
-    from transformers.generation.continuous_batching import continuous_api
-
-    manager = continuous_api.ContinuousBatchingManager
-    orig_loop = manager._run_generation_loop
-
-    def loop(self, *a, **k):
-        with Mode():
-            return orig_loop(self, *a, **k)
-
-    monkeypatch.setattr(manager, "_run_generation_loop", loop)
-    with Mode():
-        yield watch
-
-
 def restart(rec: RecordingStreams) -> None:
     """Forget what was recorded so far (an earlier run's accesses and clocks); the streams stay."""
     rec.log.clear()
@@ -176,6 +67,9 @@ def restart(rec: RecordingStreams) -> None:
     rec.host.clear()
     for clock in rec.clocks.values():
         clock.clear()
+    memory = getattr(rec, "memory", None)
+    if memory is not None:
+        memory.storages.restart()
 
 
 def runner_streams(monkeypatch, rec: RecordingStreams) -> None:
@@ -205,12 +99,13 @@ def _pair_key(io) -> tuple:
 
 
 @contextmanager
-def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = False, engine_graphs: bool = False):
+def recorded_async(monkeypatch, cuda_staging: bool = True, memory: bool = False, engine_graphs: bool = False):
     """Patch transformers' async IO, the adapter's CUDA-only checks and stream calls onto one recording;
     yields it. The adapter's step graphs run on ``DispatchGraph``; run with ``backend="triton"``.
     ``cuda_staging``: the step's host part staged as on CUDA (``STAGING_TURNS`` buffers, each refilled by a copy
     whose turn event the host waits for before it refills the turn again), not through the CPU's one buffer.
-    ``allocations``: the allocator's reuse of freed memory on the recording too (``AllocatorWatch``).
+    ``memory``: every tensor access on the recording too (``memory_watch``: the caching allocator's reuse of freed
+    memory, and conflicting accesses to any storage that no event orders).
     ``engine_graphs``: the engine's own CUDA graphs on ``DispatchGraph`` too (run with ``use_cuda_graph=True``): each
     pair's forward captured per padded shape (after one eager run, as transformers does) and replayed.
     """
@@ -239,9 +134,30 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = F
 
     orig_pair_init = pair_cls.__init__
 
+    kinds = []  # (the pair makes its host IO, then its device IO: which one a set-up is for)
+
     def pair_init(self, *a, **k):
+        kinds[:] = ["host", "device"]
         orig_pair_init(self, *a, **k)
         self.h2d_over, self.compute_over, self.d2h_over = Event(rec), Event(rec), Event(rec)
+
+    io_cls = input_outputs.ContinuousBatchingIOs
+    orig_io_init = io_cls.__init__
+
+    def io_init(self, *a, **k):
+        # what the host fills and what the device holds; the engine's set-up (its first resets) is taken as
+        # ordered before its first step (on CUDA a synchronize comes between them)
+        memory = getattr(rec, "memory", None)
+        if memory is None or not kinds:
+            return orig_io_init(self, *a, **k)
+        with memory.paused():
+            orig_io_init(self, *a, **k)
+        kind = kinds.pop(0)
+        register = memory.host if kind == "host" else memory.device
+        for name, value in vars(self).items():
+            register(*_flat(value), label=f"{kind} {name}")
+
+    monkeypatch.setattr(io_cls, "__init__", io_init)
 
     monkeypatch.setattr(pair_cls, "__init__", pair_init)
     orig_h2d, orig_d2h = pair_cls.transfer_inputs_h2d, pair_cls.transfer_outputs_d2h
@@ -311,6 +227,8 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = F
         # (a CUDA graph's temporaries live in its memory pool, which graphs captured into the same pool share:
         # two replays of such graphs on unordered streams would write each other's temporaries)
         self.notes = [("graph_replay", (), (("pool", id(kw.get("pool"))),), ())]
+        if getattr(rec, "memory", None) is not None:
+            rec.memory.captured = self.accesses = []
         capturing.append(self)
         rec.note = lambda op, reads=(), writes=(), atomic=(): self.notes.append((op, reads, writes, atomic))
         orig_begin(self, **kw)
@@ -321,12 +239,16 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = F
         finally:
             del rec.note
             capturing.pop()
+            if getattr(rec, "memory", None) is not None:
+                rec.memory.captured = None
 
     def replay(self):
         for event in getattr(self, "waits_on", ()):  # (a fused graph's first nodes: waits for its own events)
             rec.wait(rec.current(), event.clock)
         for op, reads, writes, atomic in getattr(self, "notes", ()):
             rec.note(op, reads, writes, atomic)
+        if self.fresh and getattr(rec, "memory", None) is not None:
+            rec.memory.replayed(getattr(self, "accesses", ()))  # (later replays run the work: seen as it runs)
         orig_replay(self)
 
     # (each CUDA pool a pool of its own here: the stand-in's pools are None)
@@ -336,7 +258,7 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = F
     monkeypatch.setattr(DispatchGraph, "replay", replay)
     if cuda_staging:
         _cuda_staging(monkeypatch, rec, Cache, lambda: bool(capturing))
-    watching = watch_allocations(monkeypatch, rec, lambda: bool(capturing)) if allocations else nullcontext()
+    watching = watch_memory(monkeypatch, rec, lambda: bool(capturing)) if memory else nullcontext()
     if engine_graphs:
         _engine_graphs(monkeypatch, rec)
 
@@ -364,7 +286,9 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, allocations: bool = F
     monkeypatch.setattr(fused_mod, "event_wait", lambda event, stream: rec.wait(stream, event.clock))
     monkeypatch.setattr(hf_session.Session, "_step_runner", lambda self, graph_type=None: orig_runner(
         self, DispatchGraph))
-    with watching:
+    rec.memory = None
+    with watching as watch:
+        rec.memory = watch
         yield rec
 
 
@@ -389,12 +313,25 @@ def _cuda_staging(monkeypatch, rec: RecordingStreams, cache, capturing) -> None:
     monkeypatch.setattr(staging_mod, "capturing", capturing)
     monkeypatch.setattr(staging_mod, "event_synchronize", lambda event: event.synchronize())
     monkeypatch.setattr(staging_mod, "record_event", lambda event, stream: setattr(event, "clock", rec.record(stream)))
-    orig_copy, orig_init = staging_mod.Staging.copy, StepRunner.__init__
+    orig_copy, orig_init, orig_send = staging_mod.Staging.copy, StepRunner.__init__, staging_mod.Staging.send
 
     def copy(self):
         if self.pending is not None:
             rec.note("stage_copy", writes=(self.pending[0],))
         orig_copy(self)
+
+    def send(self, parts, copy=True, last=None):
+        # (the host's numpy write into the turn's pinned buffer, after its wait for the turn: before any copy)
+        turn, grown = self.turn, self.size
+        out = orig_send(self, parts, False, last)
+        memory = getattr(rec, "memory", None)
+        if memory is not None:
+            if self.size != grown or not self.host:
+                memory.host(*self.host, label="staging host")
+            memory.host_write(self.host[turn], "staging send")
+        if copy:
+            self.copy()
+        return out
 
     def runner_init(self, canary, source, *a, **k):
         orig_init(self, canary, source, *a, **k)
@@ -403,6 +340,7 @@ def _cuda_staging(monkeypatch, rec: RecordingStreams, cache, capturing) -> None:
         source.stage = stage
 
     monkeypatch.setattr(staging_mod.Staging, "copy", copy)
+    monkeypatch.setattr(staging_mod.Staging, "send", send)
     monkeypatch.setattr(StepRunner, "__init__", runner_init)
 
 

@@ -98,11 +98,10 @@ def watch_blocks(session) -> FreedBlocks | None:
         counts[list(ledger.cached_blocks)] = 0
         return AllocatorSnapshot(free, (BlockTable(blocks, lens, holders),), refcounts=counts)
 
-    check = session.canary.watch_allocator(snapshot, num_blocks=num_blocks,
-                                           slots_per_block=full.block_physical_stride)
-    freed = FreedBlocks(session, pool, full.index) if (
-        session.canary.config.poison_on_free and session.canary.enabled and full.index == session.layout.full_group
-    ) else None
+    check = session.canary.watch_allocator(snapshot, num_blocks=num_blocks, slots_per_block=full.block_physical_stride)
+    c = session.canary
+    on = c.config.poison_on_free and c.enabled and full.index == session.layout.full_group
+    freed = FreedBlocks(session, pool, full.index) if on else None
     free_blocks = pool.free_blocks
 
     def noted_free_blocks(index, block_ids):

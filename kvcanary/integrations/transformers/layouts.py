@@ -16,8 +16,7 @@ from kvcanary.integrations.transformers.layout import SUPPORTED_RANGE, EngineLay
 def layout_of(cache) -> EngineLayout:
     """The layout of ``cache``, by which generation's fields it has (a RuntimeError names what is missing)."""
     gen = SectorLayout if hasattr(cache, "cache_tensor") or hasattr(cache, "cache_allocators") else BlockLayout
-    # (with allow_unsupported_version another transformers may have moved a field: say what is missing
-    # here, once, instead of an AttributeError from the engine's loop)
+    # (another transformers may have moved a field: say what is missing, not an AttributeError in the loop)
     missing = [name for name in gen.FIELDS if not hasattr(cache, name)]
     if missing:
         version = getattr(sys.modules.get("transformers"), "__version__", "unknown")

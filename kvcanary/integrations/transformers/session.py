@@ -5,9 +5,9 @@ Hooks, all instance attributes of the processor's objects (restored by ``close``
   model_runner.compute_batch(...)   late hooks (default): both of the above once the forward is enqueued
   bp.update_batch()                 block positions for sweeps, dedup-remap count, history clean-up
   cache.search_prefix_match(...)    prefix hits (counted; the HEAD verify checks what they map)
-  fork copies, offloads and restores   copy_records / save_records / restore_records (the layout's hooks:
-                                    EngineLayout.install_hooks, one set per paged-cache generation)
+  fork copies, offloads, restores   copy/save/restore_records (EngineLayout.install_hooks, per cache generation)
   model_runner._sample              token oracle (optional)
+  async IO: get_model_kwargs, reset  a pair's H2D waits for its last step's canary work; a reset is waited for
 """
 
 from __future__ import annotations
@@ -177,14 +177,19 @@ class Session(KvMoves):
         p.set(cache, "search_prefix_match", search_prefix_match)
         if self.done is not None:  # async: H2D of a pair waits for the canary work of the step that last read it
             aio = bp.inputs_and_outputs
-            orig_kwargs = aio.get_model_kwargs
+            orig_kwargs, orig_reset = aio.get_model_kwargs, aio.reset
 
             def get_model_kwargs(*args, **kwargs):
                 if self.done[aio.current_pair] is not None:
                     aio.h2d_stream.wait_event(self.done[aio.current_pair])
                 return orig_kwargs(*args, **kwargs)
 
+            def reset():  # (a loop's start: its device resets run on this stream, which canary work may hold back)
+                orig_reset()
+                self.canary.launcher.streams.synchronize()
+
             p.set(aio, "get_model_kwargs", get_model_kwargs)
+            p.set(aio, "reset", reset)
         self.layout.install_hooks(p, self)
         if self.handle.options.get("token_oracle"):
             orig_sample = runner._sample
@@ -232,9 +237,8 @@ class Session(KvMoves):
         return self.runner.engine_stream()
 
     def _ranged(self, name: str, fn, *args) -> None:
-        """``fn(*args)`` inside the profiler range ``name`` while a profiler records (ranges are for
-        benchmarks, which turn timing on), else plainly: a context entered for nothing costs the host
-        two Python calls."""
+        """``fn(*args)`` inside the profiler range ``name`` while a profiler records (benchmarks turn timing on),
+        else plainly: a context entered for nothing costs the host two Python calls."""
         if self.timing and torch.autograd._profiler_enabled():
             with torch.profiler.record_function(name):
                 fn(*args)
