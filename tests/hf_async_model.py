@@ -17,7 +17,7 @@ from contextlib import contextmanager, nullcontext
 from kvcanary.runtime.streams import RecordingStreams, _FakeStream
 from memory_watch import watch_memory
 
-from kvcanary.runtime.graphs import _flat
+from kvcanary.runtime.graphs import tensors_in as _flat
 
 NAMES = ("h2d", "d2h", "compute")  # transformers makes its streams in this order (ContinuousBatchingAsyncIOs)
 

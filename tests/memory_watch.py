@@ -27,7 +27,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from kvcanary.runtime.graphs import _flat
+from kvcanary.runtime.graphs import tensors_in as _flat
 from kvcanary.runtime.streams import RecordingStreams
 
 LARGE = 16 << 20  # bytes: a Triton launch's tensor larger than this is taken as read only (the KV pool)

@@ -102,26 +102,27 @@ class _Held:
         return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
 
 
+def _map(x, fn):
+    """``x`` with ``fn`` applied to each leaf of its nested tuples, lists and dict values."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(v, fn) for v in x)
+    if isinstance(x, dict):
+        return {k: _map(v, fn) for k, v in x.items()}
+    return fn(x)
+
+
 def _hold(x, owned=frozenset()):
     """``x`` (a call's arguments) with every tensor whose storage is not in ``owned`` held weakly."""
-    if isinstance(x, torch.Tensor):
-        return x if x.untyped_storage()._cdata in owned or not x.untyped_storage().nbytes() else _Held(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_hold(v, owned) for v in x)
-    if isinstance(x, dict):
-        return {k: _hold(v, owned) for k, v in x.items()}
-    return x
+    def leaf(t):
+        if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in owned or not t.untyped_storage().nbytes():
+            return t
+        return _Held(t)
+    return _map(x, leaf)
 
 
 def _resolve(x, op):
     """``_hold``'s inverse at a replay: the held tensors as they are now (raises for a freed one)."""
-    if type(x) is _Held:
-        return x.get(op)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_resolve(v, op) for v in x)
-    if isinstance(x, dict):
-        return {k: _resolve(v, op) for k, v in x.items()}
-    return x
+    return _map(x, lambda v: v.get(op) if type(v) is _Held else v)
 
 
 class _Recorded:
@@ -278,8 +279,8 @@ class DispatchGraph:
         # other tensor is held by address, as a CUDA graph holds it
         seen, owned = set(), set()
         for _, args, kw, out in self.calls:
-            seen.update(t.untyped_storage()._cdata for t in _flat((args, kw)))
-            owned.update(c for c in (t.untyped_storage()._cdata for t in _flat(out)) if c not in seen)
+            seen.update(t.untyped_storage()._cdata for t in tensors_in((args, kw)))
+            owned.update(c for c in (t.untyped_storage()._cdata for t in tensors_in(out)) if c not in seen)
         self.calls = [(fn, _hold(args, owned), _hold(kw, owned), _hold(out, owned))
                       for fn, args, kw, out in self.calls]
 
@@ -295,25 +296,17 @@ class DispatchGraph:
             with _disable_current_modes():
                 args, kw, out = _resolve(args, fn), _resolve(kw, fn), _resolve(out, fn)
             res = fn(*args, **kw)
-            for old, new in zip(_tensors(out), _tensors(res)):
+            for old, new in zip(tensors_in(out), tensors_in(res)):
                 if old.data_ptr() != new.data_ptr() or old.stride() != new.stride():
                     old.copy_(new)
 
 
-def _flat(x) -> list:
-    """Every tensor in ``x`` (nested tuples, lists and dict values)."""
+def tensors_in(x) -> list:
+    """Every tensor in ``x`` (nested tuples, lists and dict values), in order."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _flat(v)]
+        return [t for v in x for t in tensors_in(v)]
     if isinstance(x, dict):
-        return [t for v in x.values() for t in _flat(v)]
-    return []
-
-
-def _tensors(x) -> list:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for t in x if isinstance(t, torch.Tensor)]
+        return [t for v in x.values() for t in tensors_in(v)]
     return []
