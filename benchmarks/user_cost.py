@@ -116,6 +116,8 @@ def profile_hooks(out: str) -> None:
         setattr(session.Session, name, hooked)
 
     def dump():
+        if not prof.getstats():  # (no timers run reached a hook: a failed run, or no canary arm)
+            return
         with open(out, "w") as f:
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
             pstats.Stats(prof, stream=f).sort_stats("cumtime").print_stats(60)
