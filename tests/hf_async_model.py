@@ -103,7 +103,8 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, memory: bool = False,
     """Patch transformers' async IO, the adapter's CUDA-only checks and stream calls onto one recording;
     yields it. The adapter's step graphs run on ``DispatchGraph``; run with ``backend="triton"``.
     ``cuda_staging``: the step's host part staged as on CUDA (``STAGING_TURNS`` buffers, each refilled by a copy
-    whose turn event the host waits for before it refills the turn again), not through the CPU's one buffer.
+    whose turn event the host waits for before it refills the turn again), not through the CPU's one buffer;
+    and the step's close observed as on CUDA (``_cuda_observer``: snapshot slots and their events).
     ``memory``: every tensor access on the recording too (``memory_watch``: the caching allocator's reuse of freed
     memory, and conflicting accesses to any storage that no event orders).
     ``engine_graphs``: the engine's own CUDA graphs on ``DispatchGraph`` too (run with ``use_cuda_graph=True``): each
@@ -258,6 +259,7 @@ def recorded_async(monkeypatch, cuda_staging: bool = True, memory: bool = False,
     monkeypatch.setattr(DispatchGraph, "replay", replay)
     if cuda_staging:
         _cuda_staging(monkeypatch, rec, Cache, lambda: bool(capturing))
+        _cuda_observer(monkeypatch, rec, Cache)
     watching = watch_memory(monkeypatch, rec, lambda: bool(capturing)) if memory else nullcontext()
     if engine_graphs:
         _engine_graphs(monkeypatch, rec)
@@ -342,6 +344,51 @@ def _cuda_staging(monkeypatch, rec: RecordingStreams, cache, capturing) -> None:
     monkeypatch.setattr(staging_mod.Staging, "copy", copy)
     monkeypatch.setattr(staging_mod.Staging, "send", send)
     monkeypatch.setattr(StepRunner, "__init__", runner_init)
+
+
+def _cuda_observer(monkeypatch, rec: RecordingStreams, cache) -> None:
+    """The canary's observer as on CUDA (``runtime/observer.py``, its own code): ``NUM_SLOTS`` snapshot slots, each
+    copied into on the stream that closes the step (a fused step: inside its graph), its event recorded after the
+    copy into (pinned) host memory and read by the host only once that event is known complete. The slot's
+    event also stands for the fused step's end (the engine's streams join it) and for its staging turn's copy
+    (``SlotFence``: the turn's next refill waits for it): the parts of the stream model the CPU's one
+    eagerly read slot leaves out."""
+    from kvcanary.runtime import observer as observer_mod
+
+    orig_init, orig_finish = observer_mod.HostObserver.__init__, observer_mod.HostObserver._finish
+
+    def init(self, ring, watched):
+        orig_init(self, ring, watched)
+        self.cuda, self.streams = True, cache()
+        size = self.slots[0].small.numel()
+        self.slots = [observer_mod._Slot(ring, size, False, i) for i in range(observer_mod.NUM_SLOTS)]
+        for slot in self.slots:  # (pinned host memory and an event: plain memory and the recording's)
+            slot.host_small = slot.small.clone()
+            slot.host_np, slot.event = slot.host_small.numpy(), Event(rec)
+            memory = getattr(rec, "memory", None)
+            if memory is not None:
+                memory.host(slot.host_small, label="observer slot")
+
+    def finish(self, slot, landed=False):
+        if slot.pending is not None:
+            # (the host's read of the slot's pinned values: after the wait, or what the slot's fence said)
+            if slot.known < slot.records and not landed:
+                observer_mod.event_synchronize(slot.event)
+                landed = True
+            memory = getattr(rec, "memory", None)
+            if memory is not None:
+                memory.host_read(slot.host_small, "observe")
+        return orig_finish(self, slot, landed)
+
+    def query(event):  # (complete at once here: the host learns that the event's stream got so far)
+        event.synchronize()
+        return True
+
+    monkeypatch.setattr(observer_mod.HostObserver, "__init__", init)
+    monkeypatch.setattr(observer_mod.HostObserver, "_finish", finish)
+    monkeypatch.setattr(observer_mod, "record_event", lambda event, stream: setattr(event, "clock", rec.record(stream)))
+    monkeypatch.setattr(observer_mod, "event_query", query)
+    monkeypatch.setattr(observer_mod, "event_synchronize", lambda event: event.synchronize())
 
 
 def _engine_graphs(monkeypatch, rec: RecordingStreams) -> None:

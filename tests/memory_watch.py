@@ -197,6 +197,10 @@ class MemoryWatch:
         """The host wrote ``t`` itself (numpy, not an aten op)."""
         self.storages.access(t.untyped_storage(), True, op, host=True)
 
+    def host_read(self, t: torch.Tensor, op: str) -> None:
+        """The host read ``t`` itself (numpy, not an aten op)."""
+        self.storages.access(t.untyped_storage(), False, op, host=True)
+
     def aten(self, func, args, kwargs, out) -> None:
         name = func.__name__
         ins = _flat((args, kwargs))

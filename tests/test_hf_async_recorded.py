@@ -172,3 +172,36 @@ def test_the_engines_reset_of_its_inputs_is_ordered_before_the_next_loops_copies
     listed = {(storage.split(" ")[1], later) for storage, earlier, later in rec.memory.races()
               if storage.startswith("device ") and earlier.endswith("@engine")}
     assert ("write_index_storage", "copy_.default@h2d") in listed, rec.memory.races()
+
+
+@pytest.mark.parametrize("plant", [None, "fence-not-waited", "slot-read-unwaited"])
+def test_the_observers_slot_events_are_ordered_and_the_engines_sync_covers_their_shortcuts(llama, monkeypatch,
+                                                                                          steady, plant):
+    # The step's close as on CUDA (hf_async_model._cuda_observer): snapshot slots in pinned memory, each read by
+    # the host once its event is known complete; a fused step's slot event also stands for its staging turn's copy
+    # (SlotFence: the turn's next refill waits for it). A clean run is ordered per storage. The two host-side
+    # shortcuts planted away (the fence's wait dropped; a slot read as if known complete) leave it ordered too:
+    # transformers' host waits for each step's sampled tokens, which follow the compute stream's join of that
+    # step's canary work, before it prepares the step that refills a turn or reads a slot. The shortcuts save CUDA
+    # calls; under this engine they carry no ordering of their own.
+    from kvcanary.runtime import observer as observer_mod
+    from kvcanary.runtime.step import staging as staging_mod
+
+    fenced = []
+    orig_copied = staging_mod.Staging.copied
+    monkeypatch.setattr(staging_mod.Staging, "copied",
+                        lambda self, fence=None: (fenced.append(fence is not None), orig_copied(self, fence))[1])
+    if plant == "fence-not-waited":
+        monkeypatch.setattr(observer_mod.SlotFence, "wait", lambda self: None)
+    elif plant == "slot-read-unwaited":
+        orig_finish = observer_mod.HostObserver._finish
+
+        def finish(self, slot, landed=False):
+            slot.known = slot.records
+            return orig_finish(self, slot, landed)
+
+        monkeypatch.setattr(observer_mod.HostObserver, "_finish", finish)
+    base, run, rec = _recorded_run(llama, monkeypatch, memory=True)
+    assert run.violations == [] and run.tokens == base.tokens
+    assert any(fenced), "no fused step closed into a snapshot slot"
+    assert rec.races() == [] and rec.memory.races() == [], (rec.races()[:3], rec.memory.races()[:3])
