@@ -355,37 +355,35 @@ def _cuda_observer(monkeypatch, rec: RecordingStreams, cache) -> None:
     eagerly read slot leaves out."""
     from kvcanary.runtime import observer as observer_mod
 
-    orig_init, orig_finish = observer_mod.HostObserver.__init__, observer_mod.HostObserver._finish
+    orig_init = observer_mod.HostObserver.__init__
+
+    class HostValues:  # (the slot's numpy view of its pinned values: the host's read of them noted where it reads)
+        def __init__(self, t):
+            self.t, self.np = t, t.numpy()
+
+        def tolist(self):
+            memory = getattr(rec, "memory", None)
+            if memory is not None:
+                memory.host_read(self.t, "observe")
+            return self.np.tolist()
 
     def init(self, ring, watched):
         orig_init(self, ring, watched)
         self.cuda, self.streams = True, cache()
         size = self.slots[0].small.numel()
         self.slots = [observer_mod._Slot(ring, size, False, i) for i in range(observer_mod.NUM_SLOTS)]
+        memory = getattr(rec, "memory", None)
         for slot in self.slots:  # (pinned host memory and an event: plain memory and the recording's)
             slot.host_small = slot.small.clone()
-            slot.host_np, slot.event = slot.host_small.numpy(), Event(rec)
-            memory = getattr(rec, "memory", None)
+            slot.host_np, slot.event = HostValues(slot.host_small), Event(rec)
             if memory is not None:
                 memory.host(slot.host_small, label="observer slot")
-
-    def finish(self, slot, landed=False):
-        if slot.pending is not None:
-            # (the host's read of the slot's pinned values: after the wait, or what the slot's fence said)
-            if slot.known < slot.records and not landed:
-                observer_mod.event_synchronize(slot.event)
-                landed = True
-            memory = getattr(rec, "memory", None)
-            if memory is not None:
-                memory.host_read(slot.host_small, "observe")
-        return orig_finish(self, slot, landed)
 
     def query(event):  # (complete at once here: the host learns that the event's stream got so far)
         event.synchronize()
         return True
 
     monkeypatch.setattr(observer_mod.HostObserver, "__init__", init)
-    monkeypatch.setattr(observer_mod.HostObserver, "_finish", finish)
     monkeypatch.setattr(observer_mod, "record_event", lambda event, stream: setattr(event, "clock", rec.record(stream)))
     monkeypatch.setattr(observer_mod, "event_query", query)
     monkeypatch.setattr(observer_mod, "event_synchronize", lambda event: event.synchronize())

@@ -61,16 +61,10 @@ def test_what_must_precede_the_forward_is_refused_under_async(llama):
 def lagging_side(monkeypatch):
     """The canary's side-stream work made to lag the host by steps (a sleep before each step's work there), as
     it does when the GPU is busy (a 1B model): what the host writes for a later step must wait for it."""
-    import torch
+    from conftest import lag_before
     from kvcanary.runtime.step.graphs import StepGraphs
 
-    orig = StepGraphs._run
-
-    def lagging(self, e, sightings, h):
-        torch.cuda._sleep(5_000_000)  # (a few milliseconds on the side stream, before this step's work)
-        return orig(self, e, sightings, h)
-
-    monkeypatch.setattr(StepGraphs, "_run", lagging)
+    lag_before(monkeypatch, StepGraphs, "_run")
 
 
 def test_a_clean_async_run_stays_clean_when_the_side_stream_lags(llama, lagging_side):

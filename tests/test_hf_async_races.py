@@ -25,24 +25,17 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import DEVICE  # noqa: E402
-from kvcanary.demo import build_tiny_model, run_workload  # noqa: E402
+from conftest import DEVICE, lag_before  # noqa: E402
+from kvcanary.demo import run_workload  # noqa: E402
 
 import transformers  # noqa: E402
 from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version  # noqa: E402
+from test_hf_async import ASYNC, DEV, lagging_side, llama  # noqa: E402,F401  (the model and the side lag)
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cuda" or parse_version(transformers.__version__) < ASYNC_SINCE,
                                 reason="async batching needs CUDA and transformers >= 5.24")
 
-DEV = str(DEVICE)
-ASYNC = {"use_cuda_graph": True, "use_async_batching": True}
 RUN = dict(cb=ASYNC, device=DEV, num_return_sequences=1, max_new_tokens=24)
-LAG_CYCLES = 5_000_000  # (a few milliseconds of the GPU's clock: many times a tiny model's step)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return build_tiny_model(DEV)
 
 
 @pytest.fixture(scope="module")
@@ -65,29 +58,16 @@ def lagging_compute(monkeypatch):
     forward's first work)."""
     from transformers.generation.continuous_batching.model_runner import ModelRunner
 
-    orig = ModelRunner.compute_batch
-
-    def compute_batch(self, model, batch_data):
-        stream = self.inputs_and_outputs.compute_stream
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(LAG_CYCLES)
-        return orig(self, model, batch_data)
-
-    monkeypatch.setattr(ModelRunner, "compute_batch", compute_batch)
+    lag_before(monkeypatch, ModelRunner, "compute_batch", lambda runner: runner.inputs_and_outputs.compute_stream)
 
 
 @pytest.fixture
-def lagging_side(monkeypatch):
-    """The canary's side stream lags before each step's captured work."""
-    from kvcanary.runtime.step.graphs import StepGraphs
+def lagging_stage(monkeypatch):
+    """The stream the canary's staging copy of a step's inputs runs on lags before it (that copy reads the engine's
+    input storage set, which the set's next host-to-device rewrite overwrites)."""
+    from kvcanary.runtime.launch import ForwardLauncher
 
-    orig = StepGraphs._run
-
-    def lagging(self, e, sightings, h):
-        torch.cuda._sleep(LAG_CYCLES)
-        return orig(self, e, sightings, h)
-
-    monkeypatch.setattr(StepGraphs, "_run", lagging)
+    lag_before(monkeypatch, ForwardLauncher, "_stage")
 
 
 def _kinds(run) -> str:
@@ -154,21 +134,6 @@ def test_a_fused_steps_graph_waits_for_the_forward(llama, base, monkeypatch, ste
         assert run.violations, "a fused step's graph ahead of the forward: nothing reported"
     else:
         _clean(run, base)
-
-
-@pytest.fixture
-def lagging_stage(monkeypatch):
-    """The stream the canary's staging copy of a step's inputs runs on lags before it (that copy reads the engine's
-    input storage set, which the set's next host-to-device rewrite overwrites)."""
-    from kvcanary.runtime.launch import ForwardLauncher
-
-    orig = ForwardLauncher._stage
-
-    def lagging(self, batch):
-        torch.cuda._sleep(LAG_CYCLES)
-        return orig(self, batch)
-
-    monkeypatch.setattr(ForwardLauncher, "_stage", lagging)
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["ordered", "planted-no-done-event"])
