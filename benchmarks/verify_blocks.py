@@ -1,8 +1,8 @@
 """Probe of the verify kernel's block shape against SGLang's kernels (benchmarks/sglang_kernels.py's plans).
 
-Each config sets ``kvcanary.ops.triton_ops.VERIFY_BLOCK`` / ``VERIFY_WARPS`` for the run of a workload's
-verify (identity checks, then timing); the one-pass path's programs follow the block (one block per
-program). Used to pick the one-pass path's block; not part of the suite.
+Each config sets ``kvcanary.ops.triton_ops.VERIFY_SPECULATE_BLOCK`` / ``VERIFY_SPECULATE_WARPS`` (the
+one-pass path of plans of at most 64K entries: one block per program) for the run of a workload's verify
+(identity checks, then timing). Used to pick those constants; not part of the suite.
 
     bash benchmarks/sglang_wheels.sh install /tmp/sgl
     PYTHONPATH=/tmp/sgl:$PWD python3 benchmarks/verify_blocks.py --configs 128/2 64/2 32/1 --out blocks.json
@@ -25,7 +25,7 @@ from kvcanary.ops import triton_ops  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", nargs="+", default=["128/2", "64/2", "64/1", "32/1"], help="BLOCK/WARPS each")
+    ap.add_argument("--configs", nargs="+", default=["128/2", "64/2", "64/1", "32/1", "128/4"], help="BLOCK/WARPS each")
     ap.add_argument("--workloads", nargs="+", default=["prefill-bs4-8k"])
     ap.add_argument("--budget-s", type=float, default=1.0)
     ap.add_argument("--out", default=None)
@@ -44,7 +44,7 @@ def main() -> None:
     run_args = argparse.Namespace(seed=0, no_time=False, budget_s=args.budget_s)
     rows = []
     for block, warps in configs:
-        triton_ops.VERIFY_BLOCK, triton_ops.VERIFY_WARPS = block, warps
+        triton_ops.VERIFY_SPECULATE_BLOCK, triton_ops.VERIFY_SPECULATE_WARPS = block, warps
         for name in args.workloads:
             bs, P, E, _ = sk.WORKLOADS[name]
             _, results = sk.run_workload(sgl, name, (bs, P, E, ("verify",)), ["triton"], device, run_args)

@@ -445,6 +445,20 @@ def test_verify_triton_looping_pass(case, monkeypatch):
     check(build, run, "triton")
 
 
+@pytest.mark.skipif("triton" not in FAST_BACKENDS, reason="Triton is not installed")
+@pytest.mark.parametrize("case", list(VERIFY_CASES), ids=str)
+def test_verify_triton_one_pass_over_several_programs(case, monkeypatch):
+    # the one-pass kernel's own block: a small one spreads the six entries over two programs of four
+    from kvcanary.ops import triton_ops
+
+    monkeypatch.setattr(triton_ops, "VERIFY_SPECULATE_BLOCK", 4)
+    monkeypatch.setattr(triton_ops, "VERIFY_SPECULATE_WARPS", 1)
+    assert triton_ops._verify_shape(6, torch.device("cpu")) == (2, 4, 1, True)
+    assert triton_ops._verify_shape(9, torch.device("cpu"))[3] is False  # over two programs' blocks: looping
+    build, run = _verify_run(case)
+    check(build, run, "triton")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stride", [32, 64])
 def test_verify_other_strides(backend, stride):

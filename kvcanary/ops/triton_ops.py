@@ -26,10 +26,14 @@ PLAN_BLOCK = 1024
 PLAN_PROGRAMS = 512
 WRITE_BLOCK = 128
 VERIFY_BLOCK = 128
+# The one-pass verify's block: its programs each load one block, so a smaller block spreads a small plan
+# over more programs (more record gathers in flight in a latency-bound launch).
+VERIFY_SPECULATE_BLOCK = 128
 ACCEPT_BLOCK = 128
 PLAN_WARPS = 8
 WRITE_WARPS = 4
 VERIFY_WARPS = 2
+VERIFY_SPECULATE_WARPS = 2
 # Persistent verify programs per SM: many small programs keep the most record gathers in flight
 # (H200: 72% of copy bandwidth at 1M entries, vs 61% with 4 programs of 256 entries per SM).
 VERIFY_PROGRAMS_PER_SM = 32
@@ -285,21 +289,28 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
     )
 
 
-def verify_in_one_pass(capacity: int, num_programs: int) -> bool:
-    """Whether a verify of a plan of ``capacity`` entries over ``num_programs`` programs loads its
-    entries before the count (one block per program, a small plan)."""
-    return capacity <= min(num_programs * VERIFY_BLOCK, VERIFY_SPECULATE_ENTRIES)
+def verify_in_one_pass(capacity: int, max_programs: int) -> bool:
+    """Whether a verify of a plan of ``capacity`` entries, given at most ``max_programs`` programs, loads
+    its entries before the count (one block per program, a small plan)."""
+    return capacity <= min(max_programs * VERIFY_SPECULATE_BLOCK, VERIFY_SPECULATE_ENTRIES)
+
+
+def _verify_shape(capacity: int, device: torch.device) -> tuple[int, int, int, bool]:
+    """(programs, block, warps, one pass) of a verify launch over a plan of ``capacity`` entries."""
+    max_programs = _verify_programs(device)
+    if verify_in_one_pass(capacity, max_programs):
+        return max(1, _cdiv(capacity, VERIFY_SPECULATE_BLOCK)), VERIFY_SPECULATE_BLOCK, VERIFY_SPECULATE_WARPS, True
+    return max(1, min(_cdiv(capacity, VERIFY_BLOCK), max_programs)), VERIFY_BLOCK, VERIFY_WARPS, False
 
 
 def verify(*, buf, entries, ring, counters, launch_tag, sources=(), real_kv_mode=0, check_token=True) -> None:
-    num_programs = max(1, min(_cdiv(entries.capacity, VERIFY_BLOCK), _verify_programs(buf.device)))
+    num_programs, block, warps, one_pass = _verify_shape(entries.capacity, buf.device)
     _launch(k._verify_kernel, (num_programs,),
         p_buf=buf, stride=buf.shape[1], num_slots=buf.shape[0], p_slot=entries.slot, p_position=entries.position,
         p_prev=entries.prev, p_expected=entries.expected_token, p_count=entries.count, p_enable=entries.enable,
         capacity=entries.capacity, p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,
         p_counters=counters, launch_tag=launch_tag, **_source_args(sources, real_kv_mode, buf),
-        CHECK_TOKEN=bool(check_token), SPECULATE=verify_in_one_pass(entries.capacity, num_programs),
-        BLOCK=VERIFY_BLOCK, num_warps=VERIFY_WARPS,
+        CHECK_TOKEN=bool(check_token), SPECULATE=one_pass, BLOCK=block, num_warps=warps,
     )
 
 
