@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -51,9 +52,13 @@ def main() -> None:
             rows += [dict(r, block=block, warps=warps) for r in results]
     print("block/warps " + "workload             op     real_kv graph median per launch; ratio = sglang / ours")
     print("\n".join(f"{r['block']:5d}/{r['warps']:<5d} {sk.fmt_row(r)}" for r in rows))
+    # the config with the best geometric mean of its ratios (every workload, mode and launch count)
+    score = {c: math.prod(r["ratio"] for r in rows if (r["block"], r["warps"]) == c) for c in configs}
+    best = max(configs, key=lambda c: score[c])
+    print(f"best: {best[0]}/{best[1]}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"rows": rows, "best": list(best)}, f, indent=2)
 
 
 if __name__ == "__main__":
