@@ -5,7 +5,7 @@ one-pass path of plans of at most 64K entries: one block per program) for the ru
 (identity checks, then timing). Used to pick those constants; not part of the suite.
 
     bash benchmarks/sglang_wheels.sh install /tmp/sgl
-    PYTHONPATH=/tmp/sgl:$PWD python3 benchmarks/verify_blocks.py --configs 128/2 64/2 32/1 --out blocks.json
+    PYTHONPATH=/tmp/sgl:$PWD python3 benchmarks/verify_blocks.py --out blocks.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvcanary.ops import triton_ops  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", nargs="+", default=["128/2", "64/2", "64/1", "32/1", "128/4"], help="BLOCK/WARPS each")
+    ap.add_argument("--configs", nargs="+", default=["128/2", "64/2", "64/1", "32/1", "16/1", "128/4"], help="BLOCK/WARPS each")
     ap.add_argument("--workloads", nargs="+", default=["prefill-bs4-8k"])
     ap.add_argument("--budget-s", type=float, default=1.0)
     ap.add_argument("--out", default=None)
@@ -50,7 +50,7 @@ def main() -> None:
             bs, P, E, _ = sk.WORKLOADS[name]
             _, results = sk.run_workload(sgl, name, (bs, P, E, ("verify",)), ["triton"], device, run_args)
             rows += [dict(r, block=block, warps=warps) for r in results]
-    print("block/warps " + "workload             op     real_kv graph median per launch; ratio = sglang / ours")
+    print("block/warps workload             op     real_kv graph median per launch; ratio = sglang / ours")
     print("\n".join(f"{r['block']:5d}/{r['warps']:<5d} {sk.fmt_row(r)}" for r in rows))
     # the config with the best geometric mean of its ratios (every workload, mode and launch count)
     score = {c: math.prod(r["ratio"] for r in rows if (r["block"], r["warps"]) == c) for c in configs}
