@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	# tested one, 3.6, natively).
 	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0
 	# [cpu]: numba, the compiled CPU backend the canary picks on the CPU (~6x less host time than torch).
-	$(BIN)/pip install -q -e '.[cpu,triton,transformers,test]' transformers==5.24.0
+	$(BIN)/pip install -q -e '.[cpu,triton,transformers,test]' transformers==5.25.0
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# transformers 5.24 for the GPU image (python3.12, torch 2.11, triton 3.6, transformers 5.17, no internet):
+# transformers 5.25 for the GPU image (python3.12, torch 2.11, triton 3.6, transformers 5.17, no internet):
 #   bash benchmarks/gpu_wheels.sh download      # here, with the package index: wheels/ (git-ignored, < 40 MB)
 #   bash benchmarks/gpu_wheels.sh install DIR   # there: the wheels into DIR; prints the PYTHONPATH to use
 # download resolves transformers $VERSION and the image's transformers $IMAGE_VERSION for cp312 manylinux
@@ -8,7 +8,7 @@
 # nothing in the image changes; DIR first on PYTHONPATH shadows the image's transformers and hub.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VERSION=${VERSION:-5.24.0}
+VERSION=${VERSION:-5.25.0}
 IMAGE_VERSION=${IMAGE_VERSION:-5.17.0}
 WHEELS=${WHEELS:-wheels}
 PY=${PY:-python3}

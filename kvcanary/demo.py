@@ -20,8 +20,9 @@ TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, n
 BLOCK_SIZE = 4
 
 
-def build_tiny_model(device: str = "cpu", seed: int = 0, sliding_window: int | None = None):
-    """Llama-shaped model with seeded random weights (Qwen2 with one sliding layer when ``sliding_window``)."""
+def build_tiny_model(device: str = "cpu", seed: int = 0, sliding_window: int | None = None, mla: bool = False):
+    """Llama-shaped model with seeded random weights (Qwen2 with one sliding layer when ``sliding_window``; a
+    DeepSeek-V3-shaped model whose layers cache MLA latents when ``mla``: transformers 5.25+ pages those)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -29,6 +30,16 @@ def build_tiny_model(device: str = "cpu", seed: int = 0, sliding_window: int | N
         cfg = Qwen2Config(**TINY_CONFIG, use_sliding_window=True, sliding_window=sliding_window,
                           max_window_layers=1)
         model = Qwen2ForCausalLM(cfg)
+    elif mla:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        # one latent row per token: kv_lora_rank 16 + rope 8 floats (96 bytes, a 16-byte multiple); the
+        # latents expand to every head (no grouped KV heads)
+        tiny = {**TINY_CONFIG, "num_key_value_heads": TINY_CONFIG["num_attention_heads"]}
+        cfg = DeepseekV3Config(**tiny, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                               v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                               n_group=1, topk_group=1, first_k_dense_replace=1)
+        model = DeepseekV3ForCausalLM(cfg)
     else:
         model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG))
     model = model.to(device).eval()

@@ -210,9 +210,9 @@ def test_clean_sliding_window_hybrid(hybrid):
 
 # -- gates -------------------------------------------------------------------------------------------
 def test_version_gate_names_the_range():
-    for verified in ("5.17.0", "5.18.0", "5.21.0", "5.24.0"):
+    for verified in ("5.17.0", "5.18.0", "5.21.0", "5.24.0", "5.25.0"):
         assert check_version(verified) == verified
-    for unverified in ("5.25.1", "5.16.2", "6.0.0"):
+    for unverified in ("5.26.0", "5.16.2", "6.0.0"):
         with pytest.raises(RuntimeError, match=SUPPORTED_RANGE.replace(".", r"\.")):
             check_version(unverified)
     assert check_version("4.57.0", allow_unsupported=True) == "4.57.0"

@@ -1,4 +1,4 @@
-"""The paged cache of transformers 5.18 and later (verified on 5.24): one byte tensor in sectors.
+"""The paged cache of transformers 5.18 and later (verified on 5.24 and 5.25): one byte tensor in sectors.
 
 ``cache.cache_tensor`` holds all KV. It is cut into sectors; each attention type has one allocator
 (``cache.cache_allocators[type]``, its ``index`` is the engine group: the row of the read and write
@@ -6,7 +6,8 @@ indices) that splits its sectors into blocks, and a block into one K page and on
 ``page_size`` tokens per layer of that type. The engine's indices address rows of ``[kv_heads,
 head_dim]`` over the whole tensor: token ``offset`` of block ``b`` is row ``b * block_physical_stride
 + offset`` for the first layer's K, shifted by ``page_size`` for its V and by ``2 * page_size`` per
-further layer. A canary slot is that index, so one slot space spans every allocator (their sectors
+further layer (an MLA allocator, 5.25+: one row of both latents per token and layer, no V page, so
+``page_size`` per further layer). A canary slot is that index, so one slot space spans every allocator (their sectors
 are disjoint) and holds ``2 * layers`` rows per token: the canary's records are that much larger
 than the pool's token count.
 
@@ -26,11 +27,29 @@ __all__ = ["SectorLayout"]
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
+def _per_token(allocator) -> int:
+    """Rows per token and layer: 2 (a K and a V page; 5.18 to 5.24 name no such field), 1 for MLA latents."""
+    return getattr(allocator, "rows_per_token", 2)
+
+
+def _rows(cache, allocator) -> torch.Tensor:
+    """The whole cache tensor as one allocator's rows, indexed by the engine's slot: ``[kv_heads, head_dim]`` per
+    row, or (an MLA allocator, transformers 5.25+) one row of ``kv_lora_rank + qk_rope_head_dim`` per token and
+    layer, its two latents side by side (no K and V pages)."""
+    flat = cache.cache_tensor.view(allocator.cache_dtype)
+    if _per_token(allocator) == 1:
+        width = allocator.row_numel
+        return flat[:flat.numel() // width * width].view(-1, width)
+    return flat.view(-1, allocator.num_key_value_heads, allocator.head_dim)
+
+
 def _layer_rows(cache, allocator) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(layer, K rows, V rows) of each layer of one allocator, each indexed by slot."""
-    rows = cache.cache_tensor.view(allocator.cache_dtype).view(-1, allocator.num_key_value_heads, allocator.head_dim)
-    page = allocator.tokens_per_page
-    return [(layer, rows[2 * i * page:], rows[(2 * i + 1) * page:]) for i, layer in enumerate(allocator.layer_indices)]
+    """(layer, K rows, V rows) of each layer of one allocator, each indexed by slot (an MLA layer's K and V rows
+    are its one latent row: the real-KV hash of either covers both latents)."""
+    rows, page = _rows(cache, allocator), allocator.tokens_per_page
+    per_token = _per_token(allocator)
+    return [(layer, rows[per_token * i * page:], rows[(per_token * i + per_token - 1) * page:])
+            for i, layer in enumerate(allocator.layer_indices)]
 
 
 class SectorLayout(EngineLayout):
@@ -45,6 +64,9 @@ class SectorLayout(EngineLayout):
             raise ValueError("kv-canary: the model needs at least one full-attention layer, got only "
                              f"{sorted(allocs)} layers")
         full, sliding = allocs[FULL], allocs.get(SLIDING)
+        if sliding is not None and _per_token(full) != _per_token(sliding):
+            raise ValueError("kv-canary: MLA (kv_lora_rank) layers beside sliding-window layers are not supported: "
+                             "their rows differ in size, so no one slot space spans both groups")
         strides = [0] * len(allocs)
         for a in allocs.values():
             strides[a.index] = a.block_physical_stride
@@ -53,7 +75,7 @@ class SectorLayout(EngineLayout):
         page = full.tokens_per_page
         keys, values = tuple(k for _, k, _ in full_rows), tuple(v for _, _, v in full_rows)
         swa_keys, swa_values = tuple(k for _, k, _ in swa_rows), tuple(v for _, _, v in swa_rows)
-        num_slots = cache.cache_tensor.numel() // (full.cache_dtype.itemsize * full.num_key_value_heads * full.head_dim)
+        num_slots = _rows(cache, full).shape[0]
         return cls(cache=cache, block_size=page, num_blocks=max(1, cache.max_tokens_read // page),
                    num_slots=num_slots, full_group=full.index,
                    swa_group=None if sliding is None else sliding.index,

@@ -25,10 +25,10 @@ from kvcanary.runtime.step.carry import early_work
 
 log = logging.getLogger("kvcanary")
 
-# (first, first unsupported) minor versions the hooks were verified on: 5.17 (the GPU image's) to 5.24 (the newest
-# that installs here; 5.25 needs a ``kernels`` release the index lacks); 5.17, 5.18, 5.21, 5.23 and 5.24 passed
-# the adapter's tests. Later releases are refused unless allow_unsupported_version.
-_RANGES = (((5, 17), (5, 25)),)
+# (first, first unsupported) minor versions the hooks were verified on: 5.17 (the GPU image's) to 5.25 (the newest
+# release); 5.17, 5.18, 5.21, 5.23, 5.24 and 5.25 passed the adapter's tests. Later releases are refused unless
+# allow_unsupported_version.
+_RANGES = (((5, 17), (5, 26)),)
 SUPPORTED_RANGE = " or ".join(f">={a[0]}.{a[1]},<{b[0]}.{b[1]}" for a, b in _RANGES)
 # async batching's IO as 5.24 has it (docs/notes/async_batching.md; its instances' io_pairs, current_pair, h2d_stream)
 _ASYNC_IO = ("get_cb_kwargs", "carry_over_tokens", "swap_io_pairs", "get_model_kwargs")
