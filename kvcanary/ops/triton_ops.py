@@ -27,13 +27,14 @@ PLAN_PROGRAMS = 512
 WRITE_BLOCK = 128
 VERIFY_BLOCK = 128
 # The one-pass verify's block: its programs each load one block, so a smaller block spreads a small plan
-# over more programs (more record gathers in flight in a latency-bound launch).
-VERIFY_SPECULATE_BLOCK = 128
+# over more programs (more record gathers in flight in a latency-bound launch): 32 entries of one warp each
+# beat 128 of two against SGLang's kernel on the prefill plan (benchmarks/verify_blocks.py, docs/benchmarks.md).
+VERIFY_SPECULATE_BLOCK = 32
 ACCEPT_BLOCK = 128
 PLAN_WARPS = 8
 WRITE_WARPS = 4
 VERIFY_WARPS = 2
-VERIFY_SPECULATE_WARPS = 2
+VERIFY_SPECULATE_WARPS = 1
 # Persistent verify programs per SM: many small programs keep the most record gathers in flight
 # (H200: 72% of copy bandwidth at 1M entries, vs 61% with 4 programs of 256 entries per SM).
 VERIFY_PROGRAMS_PER_SM = 32

@@ -6,14 +6,12 @@ indices) that splits its sectors into blocks, and a block into one K page and on
 ``page_size`` tokens per layer of that type. The engine's indices address rows of ``[kv_heads,
 head_dim]`` over the whole tensor: token ``offset`` of block ``b`` is row ``b * block_physical_stride
 + offset`` for the first layer's K, shifted by ``page_size`` for its V and by ``2 * page_size`` per
-further layer (an MLA allocator, 5.25+: one row of both latents per token and layer, no V page, so
-``page_size`` per further layer). A canary slot is that index, so one slot space spans every allocator (their sectors
-are disjoint) and holds ``2 * layers`` rows per token: the canary's records are that much larger
-than the pool's token count.
+further layer (an MLA allocator, 5.25+: one row of both latents per token and layer, no V page).
+A canary slot is that index, so one slot space spans every allocator (their sectors are disjoint).
 
 The first two sectors are never allocated: row 0 is the read trash (the canary's padding slot 0,
-which no real token can take, so no block is reserved), row 1 the sliding group's sentinel, and the
-second sector's first row the write trash of padding tokens.
+which no real token can take, so no block is reserved: the base class's ``reserve_padding``), row 1
+the sliding group's sentinel, and the second sector's first row the write trash of padding tokens.
 """
 
 from __future__ import annotations
@@ -75,9 +73,8 @@ class SectorLayout(EngineLayout):
         page = full.tokens_per_page
         keys, values = tuple(k for _, k, _ in full_rows), tuple(v for _, _, v in full_rows)
         swa_keys, swa_values = tuple(k for _, k, _ in swa_rows), tuple(v for _, _, v in swa_rows)
-        num_slots = _rows(cache, full).shape[0]
         return cls(cache=cache, block_size=page, num_blocks=max(1, cache.max_tokens_read // page),
-                   num_slots=num_slots, full_group=full.index,
+                   num_slots=_rows(cache, full).shape[0], full_group=full.index,
                    swa_group=None if sliding is None else sliding.index,
                    window=0 if sliding is None else int(sliding.sliding_window) - 1,
                    write_trash=full.write_trash_index, strides=tuple(strides), k_full=keys[0], v_full=values[0],
@@ -99,12 +96,6 @@ class SectorLayout(EngineLayout):
             raise RuntimeError("kv-canary: attach before the paged cache holds KV (its slots have no canary records), "
                                f"got a cache with {held} request tables and {cached} cached blocks; call "
                                "model.destroy_cached_continuous_batching_manager() or attach before the first run")
-
-    def reserve_padding(self) -> bool:
-        return False  # (slot 0 is the read trash: its sector is never allocated)
-
-    def release_padding(self, reserved: bool) -> None:
-        pass
 
     def block_table(self, group: int) -> dict[str, list[int]]:
         return next(a for a in self.cache.cache_allocators.values() if a.index == group).block_table

@@ -2,8 +2,8 @@
 
 Nothing is patched at import time. ``attach(model)`` rebinds a few methods on that model instance
 (and, as they are created, on its batching managers and processors); ``detach()`` removes exactly
-those instance attributes again. Supported: transformers ``SUPPORTED_RANGE``, synchronous batching
-with or without the engine's CUDA graphs, full-attention models and hybrid full + sliding-window models
+those instance attributes again. Supported: transformers ``SUPPORTED_RANGE``, the engine's CUDA graphs
+and (5.24+, CUDA) async batching, full-attention and MLA models and hybrid full + sliding-window models
 (the latter with ``allow_block_sharing=False``). See docs/transformers.md.
 
 Example:
@@ -129,12 +129,11 @@ def _check_options(options: dict) -> None:
         if name in options and not isinstance(options[name], bool):
             raise TypeError(f"kv-canary: attach {name} must be a bool (True/False), got {options[name]!r}")
     ctx = options.get("max_context")
-    if ctx is not None:
-        if not isinstance(ctx, int) or isinstance(ctx, bool):
-            raise TypeError(f"kv-canary: attach max_context must be an int >= 1 or None, got {ctx!r}")
-        if ctx < 1:
-            raise ValueError(f"kv-canary: attach max_context must be an int >= 1 or None (None: the cache's "
-                             f"pages), got {ctx!r}")
+    if ctx is not None and (not isinstance(ctx, int) or isinstance(ctx, bool)):
+        raise TypeError(f"kv-canary: attach max_context must be an int >= 1 or None, got {ctx!r}")
+    if ctx is not None and ctx < 1:
+        raise ValueError(f"kv-canary: attach max_context must be an int >= 1 or None (None: the cache's "
+                         f"pages), got {ctx!r}")
 
 
 def _warn_unused(options: dict, config: CanaryConfig) -> None:
@@ -148,17 +147,13 @@ def _warn_unused(options: dict, config: CanaryConfig) -> None:
 
 def live_handle(model_or_manager) -> TransformersHandle | None:
     """The attached handle whose hooks are on this model or manager (or on the model's cached manager)."""
-    objs = [model_or_manager]
-    cached = vars(model_or_manager).get("_cached_continuous_batching_manager") if hasattr(
-        model_or_manager, "__dict__") else None
-    if cached is not None:
-        objs.append(cached)
-    for obj in objs:
-        for names in _HOOKED.values():
-            for name in names:
-                handle = getattr(vars(obj).get(name), "kvcanary_handle", None) if hasattr(obj, "__dict__") else None
-                if handle is not None and handle._attached:
-                    return handle
+    own = vars(model_or_manager) if hasattr(model_or_manager, "__dict__") else {}
+    for obj in (model_or_manager, own.get("_cached_continuous_batching_manager")):
+        attrs = vars(obj) if hasattr(obj, "__dict__") else {}
+        for name in (n for names in _HOOKED.values() for n in names):
+            handle = getattr(attrs.get(name), "kvcanary_handle", None)
+            if handle is not None and handle._attached:
+                return handle
     return None
 
 

@@ -6,7 +6,7 @@ implements it, and ``layouts.layout_of`` picks the one whose fields the cache ha
 
 - ``cache_blocks.BlockLayout`` (transformers 5.17): per-layer K and V tensors and one block
   manager; slot = ``block_id * block_size + offset``.
-- ``cache_sectors.SectorLayout`` (transformers 5.18 and later, verified on 5.24): one byte tensor
+- ``cache_sectors.SectorLayout`` (transformers 5.18 and later, verified to 5.25): one byte tensor
   in sectors, one allocator per attention type; slot = ``block_id * block_stride + offset``, where a
   block's stride spans the K and V pages of every layer of its attention type.
 """
@@ -44,11 +44,8 @@ def patcher() -> Patcher:
 
 
 def parse_version(text: str) -> tuple[int, int]:
-    parts = []
-    for piece in text.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
-        parts.append(int(digits))
-    return tuple(parts + [0] * (2 - len(parts)))
+    """(major, minor) of a version string; missing or non-numeric parts read 0 (``"5.25.0.dev0"`` -> (5, 25))."""
+    return tuple(int("".join(ch for ch in piece if ch.isdigit()) or "0") for piece in (text.split(".") + ["0"])[:2])
 
 
 def check_version(version: str | None = None, allow_unsupported: bool = False, config=None) -> str:
@@ -173,12 +170,12 @@ class EngineLayout:
         raise NotImplementedError
 
     def reserve_padding(self) -> bool:
-        """Keep slot 0 (the canary's padding slot) from ever holding a real token; True if this took a block."""
-        raise NotImplementedError
+        """Keep slot 0 (the canary's padding slot) from ever holding a real token; True if this took a block
+        (by default nothing: a cache whose slot 0 no block can take)."""
+        return False
 
     def release_padding(self, reserved: bool) -> None:
         """Undo ``reserve_padding`` (detach)."""
-        raise NotImplementedError
 
     def block_table(self, group: int) -> dict[str, list[int]]:
         """The engine's live block tables of one group (request id -> block ids), updated in place."""

@@ -224,10 +224,7 @@ class Session(KvMoves):
     # -- helpers ---------------------------------------------------------------------------------
     def request_id(self, name: str) -> int:
         """Stable int id of an engine request id (first seen = 1); soft resets keep theirs."""
-        rid = self.ids.get(name)
-        if rid is None:
-            rid = self.ids[name] = len(self.ids) + 1
-        return rid
+        return self.ids.setdefault(name, len(self.ids) + 1)
 
     def oracle(self, rid: int, position: int) -> int:
         return oracle_token(rid, position, self.vocab)
@@ -247,11 +244,7 @@ class Session(KvMoves):
 
     def _guarded(self, fn, *args):
         """Run hook work; an exception is recorded on the handle (the caller sees it) and re-raised in the engine."""
-        try:
-            return fn(*args)
-        except BaseException as e:
-            self.handle._record_error(e)
-            raise
+        return self.handle._guarded(fn, *args)
 
     def close(self) -> None:
         """Final drain, restore this processor's hooks and the reserved block, drop engine references."""
