@@ -61,6 +61,22 @@ def test_drawn_workloads_are_well_formed():
         assert not (w.offload_blocks and w.model == "hybrid")
 
 
+def test_mla_takes_only_the_model_of_some_full_attention_workloads():
+    """mla=True (transformers 5.25+) swaps Llama for the MLA model in some workloads without CPU offload (the
+    soak's swap-pool shim sizes K and V pages) and changes nothing else of any seed."""
+    swapped = []
+    for s in range(200):
+        plain, w = make_hf_workload(s), make_hf_workload(s, mla=True)
+        assert ("mla" in w.features) == (w.model == "mla")
+        if w.model == "mla":
+            swapped.append(s)
+            assert plain.model == "llama" and not w.offload_blocks
+        assert {**w.to_dict(), "model": None, "features": [f for f in w.features if f != "mla"]} == \
+            {**plain.to_dict(), "model": None}
+    assert 20 < len(swapped) < 100, len(swapped)
+    assert any(s < HF_SLICE for s in swapped)  # the CI slice runs some (where transformers pages latents)
+
+
 # -- the CI slice: clean campaigns find nothing ---------------------------------------------------------
 @transformers_installed
 def test_transformers_slice_is_clean():
@@ -77,6 +93,10 @@ def test_transformers_slice_is_clean():
     from kvcanary.sim.hf_reach import has_block_pool
 
     assert s["events"]["allocator_checks"]["workloads"] == (HF_SLICE if has_block_pool() else 0)
+    # and where transformers pages MLA latents, some ran the MLA model, clean like the rest
+    from kvcanary.sim.hf_reach import has_mla_paging
+
+    assert (s["features"].get("mla", 0) > 0) == has_mla_paging()
 
 
 def test_sim_slice_is_clean():

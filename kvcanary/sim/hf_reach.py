@@ -18,7 +18,7 @@ import inspect
 
 import torch
 
-__all__ = ["attach_with", "cb_config", "has_block_pool", "reach", "sdpa_name"]
+__all__ = ["attach_with", "cb_config", "has_block_pool", "has_mla_paging", "reach", "sdpa_name"]
 
 FULL = "full_attention"
 
@@ -39,6 +39,15 @@ def has_block_pool() -> bool:
     from kvcanary.integrations.transformers.layout import BLOCK_POOL_SINCE, parse_version
 
     return parse_version(transformers.__version__) >= BLOCK_POOL_SINCE
+
+
+def has_mla_paging() -> bool:
+    """Whether the installed transformers pages MLA latents (5.25+: an MLA allocator, one latent row per token)."""
+    try:
+        from transformers.generation.continuous_batching import cache_allocators
+    except ImportError:  # (5.17: no allocators)
+        return False
+    return hasattr(cache_allocators, "MLACacheAllocator")
 
 
 def cb_config(**kwargs):

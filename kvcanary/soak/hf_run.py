@@ -21,12 +21,13 @@ _MODELS: dict[tuple[str, str], object] = {}
 
 
 def tiny_model(kind: str, device: str):
-    """The tiny seeded model of ``kind`` ('llama' or 'hybrid'), built once per process and device."""
+    """The tiny seeded model of ``kind`` ('llama', 'hybrid' or 'mla'), built once per process and device."""
     key = (kind, device)
     if key not in _MODELS:
         from kvcanary.demo import build_tiny_model
 
-        _MODELS[key] = build_tiny_model(device, sliding_window=SLIDING_WINDOW if kind == "hybrid" else None)
+        _MODELS[key] = build_tiny_model(device, sliding_window=SLIDING_WINDOW if kind == "hybrid" else None,
+                                        mla=kind == "mla")
     return _MODELS[key]
 
 

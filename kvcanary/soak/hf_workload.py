@@ -18,6 +18,8 @@ Features a workload may draw (names as the summary counts them):
   greedy / sampled       greedy runs compare tokens with the run without the canary; sampled runs only
                          count violations
   block-size-N           the engine's block size (4 to 64: transformers 5.17 refuses blocks below 4)
+  mla                    (``mla=True``: transformers 5.25+, which pages MLA latents) the DeepSeek-V3-shaped model
+                         instead of Llama, drawn from a stream of its own: the seed draws everything else as without mla
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass
 VOCAB = 512  # the tiny models' vocabulary (kvcanary.demo.TINY_CONFIG)
 BLOCK_SIZES = (4, 4, 8, 8, 16, 32, 64)
 SLIDING_WINDOW = 8
+MLA_SHARE = 0.4  # of the full-attention workloads without offload, where mla=True
 FEATURES = ("shared-system-prompt", "exact-cached-prefix", "identical-prompts", "parallel-sampling",
             "chunked-prefill", "tight-pool", "cpu-offload", "sliding-window", "greedy", "sampled")
 
@@ -37,7 +40,7 @@ class HfWorkload:
     """One transformers workload; ``features`` lists what it was drawn to exercise."""
 
     seed: int
-    model: str  # "llama" (full attention) or "hybrid" (Qwen2 with a sliding-window layer)
+    model: str  # "llama" (full attention), "hybrid" (Qwen2 with a sliding-window layer) or "mla" (DeepSeek-V3)
     block_size: int
     num_blocks: int
     max_batch_tokens: int
@@ -77,8 +80,9 @@ def blocks_per_request(prompts, max_new: int, n: int, block_size: int, hybrid: b
     return per_request
 
 
-def make_hf_workload(seed: int) -> HfWorkload:
-    """The transformers workload of ``seed`` (see the module docstring for what it may contain)."""
+def make_hf_workload(seed: int, mla: bool = False) -> HfWorkload:
+    """The transformers workload of ``seed`` (see the module docstring for what it may contain); ``mla``: some
+    full-attention workloads without CPU offload run the MLA model (the soak's swap-pool shim sizes K and V pages)."""
     rng = random.Random(f"kvcanary-soak-hf-{seed}")
     tok = lambda: rng.randrange(1, VOCAB)  # noqa: E731
     hybrid = rng.random() < 0.2
@@ -137,7 +141,11 @@ def make_hf_workload(seed: int) -> HfWorkload:
     options = (("sweep_interval", rng.choice((1, 2, 4, 8))), ("check_v", rng.random() < 0.3),
                ("real_kv", rng.choice(("partial", "partial", "all"))),
                ("allocator_check_interval", 1))  # (drawn from no rng: the seeds' workloads stay as they were)
-    return HfWorkload(seed=seed, model="hybrid" if hybrid else "llama", block_size=bs, num_blocks=num_blocks,
+    model = "hybrid" if hybrid else "llama"
+    if mla and not hybrid and not offload and random.Random(f"kvcanary-soak-hf-mla-{seed}").random() < MLA_SHARE:
+        model = "mla"
+        features.append("mla")
+    return HfWorkload(seed=seed, model=model, block_size=bs, num_blocks=num_blocks,
                       max_batch_tokens=budget, max_requests_per_batch=rng.choice((4, 8, 16)),
                       prompts=tuple(tuple(p) for p in prompts), max_new_tokens=max_new, num_return_sequences=n,
                       sampling=sampling, offload_blocks=offload, canary_options=options,
