@@ -62,19 +62,20 @@ def test_drawn_workloads_are_well_formed():
 
 
 def test_mla_takes_only_the_model_of_some_full_attention_workloads():
-    """mla=True (transformers 5.25+) swaps Llama for the MLA model in some workloads without CPU offload (the
-    soak's swap-pool shim sizes K and V pages) and changes nothing else of any seed."""
+    """mla=True (transformers 5.25+) swaps Llama for the MLA model in some workloads (CPU offload among them)
+    and changes nothing else of any seed."""
     swapped = []
     for s in range(200):
         plain, w = make_hf_workload(s), make_hf_workload(s, mla=True)
         assert ("mla" in w.features) == (w.model == "mla")
         if w.model == "mla":
             swapped.append(s)
-            assert plain.model == "llama" and not w.offload_blocks
+            assert plain.model == "llama"
         assert {**w.to_dict(), "model": None, "features": [f for f in w.features if f != "mla"]} == \
             {**plain.to_dict(), "model": None}
     assert 20 < len(swapped) < 100, len(swapped)
     assert any(s < HF_SLICE for s in swapped)  # the CI slice runs some (where transformers pages latents)
+    assert any(make_hf_workload(s).offload_blocks for s in swapped)
 
 
 # -- the CI slice: clean campaigns find nothing ---------------------------------------------------------

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 VOCAB = 512  # the tiny models' vocabulary (kvcanary.demo.TINY_CONFIG)
 BLOCK_SIZES = (4, 4, 8, 8, 16, 32, 64)
 SLIDING_WINDOW = 8
-MLA_SHARE = 0.4  # of the full-attention workloads without offload, where mla=True
+MLA_SHARE = 0.4  # of the full-attention workloads, where mla=True
 FEATURES = ("shared-system-prompt", "exact-cached-prefix", "identical-prompts", "parallel-sampling",
             "chunked-prefill", "tight-pool", "cpu-offload", "sliding-window", "greedy", "sampled")
 
@@ -82,7 +82,7 @@ def blocks_per_request(prompts, max_new: int, n: int, block_size: int, hybrid: b
 
 def make_hf_workload(seed: int, mla: bool = False) -> HfWorkload:
     """The transformers workload of ``seed`` (see the module docstring for what it may contain); ``mla``: some
-    full-attention workloads without CPU offload run the MLA model (the soak's swap-pool shim sizes K and V pages)."""
+    full-attention workloads run the MLA model."""
     rng = random.Random(f"kvcanary-soak-hf-{seed}")
     tok = lambda: rng.randrange(1, VOCAB)  # noqa: E731
     hybrid = rng.random() < 0.2
@@ -142,7 +142,7 @@ def make_hf_workload(seed: int, mla: bool = False) -> HfWorkload:
                ("real_kv", rng.choice(("partial", "partial", "all"))),
                ("allocator_check_interval", 1))  # (drawn from no rng: the seeds' workloads stay as they were)
     model = "hybrid" if hybrid else "llama"
-    if mla and not hybrid and not offload and random.Random(f"kvcanary-soak-hf-mla-{seed}").random() < MLA_SHARE:
+    if mla and not hybrid and random.Random(f"kvcanary-soak-hf-mla-{seed}").random() < MLA_SHARE:
         model = "mla"
         features.append("mla")
     return HfWorkload(seed=seed, model=model, block_size=bs, num_blocks=num_blocks,
