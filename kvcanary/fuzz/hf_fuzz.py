@@ -54,8 +54,11 @@ class HfPerturbation:
 
 
 def fuzz_workload(seed: int) -> HfWorkload:
-    """The soak's workload of ``seed``, greedy (the fuzzer compares greedy tokens)."""
-    return dataclasses.replace(make_hf_workload(seed), sampling="greedy")
+    """The soak's workload of ``seed`` (the MLA model in some, on transformers 5.25+), greedy (the fuzzer compares
+    greedy tokens)."""
+    from kvcanary.sim.hf_reach import has_mla_paging
+
+    return dataclasses.replace(make_hf_workload(seed, mla=has_mla_paging()), sampling="greedy")
 
 
 def draw_hf_perturbation(w: HfWorkload, seed: int) -> HfPerturbation:
