@@ -1,7 +1,7 @@
 """Perturbed schedules of transformers continuous batching: what a perturbation seed changes, one run under it,
 and the near-tie test that tells a batch-variant divergence from a corrupted one.
 
-The workload of seed W is the soak's (``soak.hf_workload.make_hf_workload(W)``), always greedy. A
+The workload of seed W is the soak's (``soak.hf_run.installed_workload(W)``), always greedy. A
 perturbation changes how the engine schedules it, through ``ContinuousBatchingConfig`` and the order and
 time requests reach the scheduler:
 
@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass
 
 from kvcanary.fuzz.judge import Run
-from kvcanary.soak.hf_workload import HfWorkload, blocks_per_request, make_hf_workload
+from kvcanary.soak.hf_run import installed_workload
+from kvcanary.soak.hf_workload import HfWorkload, blocks_per_request
 
 # Logits of the same request differ across batch compositions by a few ULPs on the CPU (fp32 reductions of
 # another shape; log-probs by <= 5e-7 in docs/fuzz.md's measurement): a greedy divergence whose two tokens'
@@ -56,9 +57,7 @@ class HfPerturbation:
 def fuzz_workload(seed: int) -> HfWorkload:
     """The soak's workload of ``seed`` (the MLA model in some, on transformers 5.25+), greedy (the fuzzer compares
     greedy tokens)."""
-    from kvcanary.sim.hf_reach import has_mla_paging
-
-    return dataclasses.replace(make_hf_workload(seed, mla=has_mla_paging()), sampling="greedy")
+    return dataclasses.replace(installed_workload(seed), sampling="greedy")
 
 
 def draw_hf_perturbation(w: HfWorkload, seed: int) -> HfPerturbation:

@@ -45,10 +45,9 @@ def describe(engine: str, seed: int) -> dict:
     """What workload ``seed`` of ``engine`` runs (no model, no run): for replays and reports."""
     check_engine(engine)
     if engine == "transformers":
-        from kvcanary.sim.hf_reach import has_mla_paging
-        from kvcanary.soak.hf_workload import make_hf_workload
+        from kvcanary.soak.hf_run import installed_workload
 
-        return make_hf_workload(seed, mla=has_mla_paging()).to_dict()
+        return installed_workload(seed).to_dict()
     from dataclasses import asdict
 
     from kvcanary.soak.sim_workload import make_sim_config
@@ -60,11 +59,9 @@ def describe(engine: str, seed: int) -> dict:
 def run_one(engine: str, seed: int, device: str = "cpu", bug: str | None = None) -> Outcome:
     """Run workload ``seed`` of ``engine`` once and judge it."""
     if engine == "transformers":
-        from kvcanary.sim.hf_reach import has_mla_paging
-        from kvcanary.soak.hf_run import run_hf_workload
-        from kvcanary.soak.hf_workload import make_hf_workload
+        from kvcanary.soak.hf_run import installed_workload, run_hf_workload
 
-        return run_hf_workload(make_hf_workload(seed, mla=has_mla_paging()), device=device, bug=bug)
+        return run_hf_workload(installed_workload(seed), device=device, bug=bug)
     from kvcanary.soak.sim_workload import run_sim_workload
 
     return run_sim_workload(seed, bug=bug)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvcanary.soak.hf_engine import engine_config, processor_shims, wrap_processors
-from kvcanary.soak.hf_workload import SLIDING_WINDOW, HfWorkload
+from kvcanary.soak.hf_workload import SLIDING_WINDOW, HfWorkload, make_hf_workload
 
 # Engine events (canary stats) that show a drawn feature really happened in the run.
 EVENTS = ("prefix_hits", "dedup_remaps", "fork_block_copies", "soft_resets", "offloaded_requests",
@@ -29,6 +29,13 @@ def tiny_model(kind: str, device: str):
         _MODELS[key] = build_tiny_model(device, sliding_window=SLIDING_WINDOW if kind == "hybrid" else None,
                                         mla=kind == "mla")
     return _MODELS[key]
+
+
+def installed_workload(seed: int) -> HfWorkload:
+    """Workload ``seed`` as the installed transformers runs it: MLA models in some where it pages MLA latents."""
+    from kvcanary.sim.hf_reach import has_mla_paging
+
+    return make_hf_workload(seed, mla=has_mla_paging())
 
 
 @dataclass
