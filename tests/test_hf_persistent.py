@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+import transformers
 
 pytest.importorskip("transformers")
 
@@ -14,14 +15,18 @@ from transformers import GenerationConfig  # noqa: E402
 from kvcanary.demo import build_tiny_model, demo_prompts  # noqa: E402
 from kvcanary.format import FailReason  # noqa: E402
 from kvcanary.integrations.transformers import attach  # noqa: E402
+from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version  # noqa: E402
 from kvcanary.sim.hf_reach import cb_config  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
 
 logging.getLogger("kvcanary").setLevel(logging.ERROR)
 EAGER = {"use_cuda_graph": False, "use_async_batching": False}
-CONFIGS = [EAGER] + ([{"use_cuda_graph": True, "use_async_batching": False},
-                      {"use_cuda_graph": True, "use_async_batching": True}] if DEVICE.type == "cuda" else [])
+GRAPHS = {"use_cuda_graph": True, "use_async_batching": False}
+ASYNC = {"use_cuda_graph": True, "use_async_batching": True}
+# (async batching is refused below ASYNC_SINCE: that refusal has its own test in test_transformers.py)
+CONFIGS = [EAGER] + ([GRAPHS] if DEVICE.type == "cuda" else []) + (
+    [ASYNC] if DEVICE.type == "cuda" and parse_version(transformers.__version__) >= ASYNC_SINCE else [])
 
 
 @pytest.fixture(scope="module")
