@@ -1,5 +1,6 @@
 """Hardware selection: tests marked ``gpu`` skip without CUDA; TRITON_INTERPRET=1 runs Triton on CPU."""
 
+import functools
 import os
 
 import pytest
@@ -20,6 +21,40 @@ HAS_TRITON = _triton_usable()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # numba runs CPU tensors only; without the package its cases skip with the reason (ops_harness.use_backend).
 FAST_BACKENDS = ["torch"] + (["numba"] if DEVICE.type == "cpu" else []) + (["triton"] if HAS_TRITON else [])
+
+
+# transformers from this version on zeroes its KV pool when it allocates it (torch.zeros)
+ZEROED_POOL_SINCE = (5, 24)
+
+
+def _zero_new_kv_pools() -> None:
+    """Before 5.24, transformers allocates its KV pool uninitialised, and its CUDA-graph warm-up samples from fake
+    requests that read that pool. GPU memory left by an earlier test that decodes as NaN then fires the sampler's
+    device assert, which ends the process: the flaky worker crashes of the 5.17 GPU suite, in runs without the
+    canary too. On CUDA the tests zero each new pool, in runs with and without the canary alike."""
+    try:
+        import transformers
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    except ImportError:
+        return
+    from kvcanary.integrations.transformers.layout import parse_version
+
+    if parse_version(transformers.__version__) >= ZEROED_POOL_SINCE:
+        return
+    init = PagedAttentionCache.__init__
+
+    @functools.wraps(init)
+    def zeroed(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for t in (*getattr(self, "key_cache", ()), *getattr(self, "value_cache", ())):
+            t.zero_()
+
+    PagedAttentionCache.__init__ = zeroed
+
+
+def pytest_configure(config):
+    if HAS_CUDA:
+        _zero_new_kv_pools()
 
 
 def pytest_collection_modifyitems(config, items):
