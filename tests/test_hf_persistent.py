@@ -6,9 +6,8 @@ import logging
 
 import pytest
 import torch
-import transformers
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from transformers import GenerationConfig  # noqa: E402
 
