@@ -31,7 +31,7 @@ def _zero_new_kv_pools() -> None:
     """Before 5.24, transformers allocates its KV pool uninitialised, and its CUDA-graph warm-up samples from fake
     requests that read that pool. GPU memory left by an earlier test that decodes as NaN then fires the sampler's
     device assert, which ends the process: the flaky worker crashes of the 5.17 GPU suite, in runs without the
-    canary too. On CUDA the tests zero each new pool, in runs with and without the canary alike."""
+    canary too. On CUDA the tests zero each new pool (whichever generation), in runs with and without the canary alike."""
     try:
         import transformers
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -46,8 +46,11 @@ def _zero_new_kv_pools() -> None:
     @functools.wraps(init)
     def zeroed(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        for t in (*getattr(self, "key_cache", ()), *getattr(self, "value_cache", ())):
-            t.zero_()
+        # (5.17: per-layer K and V tensors; the sector generation: one byte tensor)
+        pool = [*getattr(self, "key_cache", ()), *getattr(self, "value_cache", ())]
+        for t in pool or [getattr(self, "cache_tensor", None)]:
+            if t is not None:
+                t.zero_()
 
     PagedAttentionCache.__init__ = zeroed
 
