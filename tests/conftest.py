@@ -31,7 +31,8 @@ def _zero_new_kv_pools() -> None:
     """Before 5.24, transformers allocates its KV pool uninitialised, and its CUDA-graph warm-up samples from fake
     requests that read that pool. GPU memory left by an earlier test that decodes as NaN then fires the sampler's
     device assert, which ends the process: the flaky worker crashes of the 5.17 GPU suite, in runs without the
-    canary too. On CUDA the tests zero each new pool (whichever generation), in runs with and without the canary alike."""
+    canary too. On CUDA the tests zero each new pool (either cache generation), in runs with and without the
+    canary alike."""
     try:
         import transformers
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
