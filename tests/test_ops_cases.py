@@ -432,6 +432,24 @@ def test_verify(backend, case):
 
 
 @pytest.mark.skipif("triton" not in FAST_BACKENDS, reason="Triton is not installed")
+@pytest.mark.parametrize("lanes", [64, 2])
+@pytest.mark.parametrize("case", [c for c in WRITE_CASES if not WRITE_CASES[c].get("serial")], ids=str)
+def test_write_triton_lane_kernel(case, lanes, monkeypatch):
+    # decode-shaped writes (an entry per request) take the lane-per-request kernel; here every case does,
+    # several entries per request included, and with two lanes a program: several programs per launch
+    from kvcanary.ops import triton_ops
+
+    picked = []
+    real = triton_ops._launch
+    monkeypatch.setattr(triton_ops, "_launch", lambda fn, grid, **kw: (picked.append(fn), real(fn, grid, **kw)))
+    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1 << 20)
+    monkeypatch.setattr(triton_ops, "WRITE_LANES", lanes)
+    build, run = _write_run(case)
+    check(build, run, "triton")
+    assert picked and set(picked) == {triton_ops.lanes._write_lanes_kernel}
+
+
+@pytest.mark.skipif("triton" not in FAST_BACKENDS, reason="Triton is not installed")
 @pytest.mark.parametrize("case", list(VERIFY_CASES), ids=str)
 def test_verify_triton_looping_pass(case, monkeypatch):
     # test_verify's six-entry plans take the one-pass kernel (entries loaded before the count is known);

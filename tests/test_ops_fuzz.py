@@ -137,6 +137,20 @@ def _random_buffer(num_slots, stride, seed, garbage):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_write_fuzz(backend):
+    _write_fuzz(backend)
+
+
+@pytest.mark.skipif("triton" not in FAST_BACKENDS, reason="Triton is not installed")
+def test_write_fuzz_lane_kernel(monkeypatch):
+    # every launch through the lane-per-request kernel (decode shapes take it), three requests a program
+    from kvcanary.ops import triton_ops
+
+    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1 << 20)
+    monkeypatch.setattr(triton_ops, "WRITE_LANES", 4)
+    _write_fuzz("triton")
+
+
+def _write_fuzz(backend):
     serial = backend != "triton"
 
     @fuzz(backend)

@@ -16,7 +16,15 @@ from kvcanary.ops import Plan, RealKvSource, ViolationRing, allocate_canary_buff
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
 
-KERNELS = ("_plan_kernel", "_write_kernel", "_verify_kernel", "_scatter_kernel", "_fingerprint_kernel")
+KERNELS = ("_plan_kernel", "_write_kernel", "_verify_kernel", "_scatter_kernel", "_fingerprint_kernel",
+           "_write_lanes_kernel")
+STEP_KERNELS = ("_plan_kernel", "_write_kernel", "_verify_kernel", "_write_lanes_kernel")
+
+
+def _kernel_module(name: str):
+    from kvcanary.ops import triton_kernels, triton_write_lanes
+
+    return triton_write_lanes if name == "_write_lanes_kernel" else triton_kernels
 
 
 def _specialization(jit_fn, kwargs) -> tuple:
@@ -41,11 +49,9 @@ def _specialization(jit_fn, kwargs) -> tuple:
 @pytest.fixture
 def launches(monkeypatch):
     """Record the specialization key of every Triton launch: {kernel name: set of keys}."""
-    from kvcanary.ops import triton_kernels
-
     seen = {name: set() for name in KERNELS}
     for name in KERNELS:
-        jit_fn = getattr(triton_kernels, name)
+        jit_fn = getattr(_kernel_module(name), name)
 
         class Recorder:
             def __getitem__(self, grid, jit_fn=jit_fn, name=name):
@@ -54,7 +60,7 @@ def launches(monkeypatch):
                     return jit_fn[grid](**kwargs)
                 return launch
 
-        monkeypatch.setattr(triton_kernels, name, Recorder())
+        monkeypatch.setattr(_kernel_module(name), name, Recorder())
     return seen
 
 
@@ -82,14 +88,12 @@ def test_new_batch_sizes_do_not_recompile(device, launches, dtype):
     rtt = torch.arange(64 * 32, device=device, dtype=dtype).view(64, 32)
     for bs, extend in ((2, 1), (3, 5), (17, 1), (32, 2), (5, 16), (33, 7)):
         _step(device, bs, extend, dtype, buf, ring, counters, plan_out, rtt)
-    for name in ("_plan_kernel", "_write_kernel", "_verify_kernel"):
+    for name in STEP_KERNELS:  # (decode-shaped writes take the lane kernel, the others the block one)
         assert len(launches[name]) == 1, (name, launches[name])
 
 
 @pytest.mark.gpu
 def test_kernel_cache_stable_on_gpu():
-    from kvcanary.ops import triton_kernels
-
     device = torch.device("cuda")
     buf = allocate_canary_buffer(1024, 48, device)
     ring, counters = ViolationRing.allocate(16, device), allocate_counters(device)
@@ -97,8 +101,8 @@ def test_kernel_cache_stable_on_gpu():
     rtt = torch.arange(64 * 32, device=device, dtype=torch.int32).view(64, 32)
 
     def compiled() -> dict:
-        return {name: sum(len(c[0]) for c in getattr(triton_kernels, name).device_caches.values())
-                for name in ("_plan_kernel", "_write_kernel", "_verify_kernel")}
+        return {name: sum(len(c[0]) for c in getattr(_kernel_module(name), name).device_caches.values())
+                for name in STEP_KERNELS}
 
     _step(device, 2, 1, torch.int32, buf, ring, counters, plan_out, rtt)
     before = compiled()

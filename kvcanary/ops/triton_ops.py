@@ -16,6 +16,7 @@ import torch
 
 from kvcanary.format import ATTRIBUTION_STRIDE, PARTIAL_READ_BYTES, RealKvMode
 from kvcanary.ops import triton_kernels as k
+from kvcanary.ops import triton_write_lanes as lanes
 from kvcanary.ops import validate as v
 
 SCATTER_BLOCK = 256
@@ -33,6 +34,11 @@ VERIFY_SPECULATE_BLOCK = 32
 ACCEPT_BLOCK = 128
 PLAN_WARPS = 8
 WRITE_WARPS = 4
+# Decode-shaped writes (no more entries than requests) take a lane per request (triton_write_lanes.py).
+WRITE_LANES = 64
+WRITE_LANES_WARPS = 2
+# ... up to this many entries per request on average (tests raise it to put every launch through that kernel)
+WRITE_LANES_MAX_RATIO = 1
 VERIFY_WARPS = 2
 VERIFY_SPECULATE_WARPS = 1
 # Persistent verify programs per SM: many small programs keep the most record gathers in flight
@@ -272,7 +278,7 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
     loc = _flat(out_cache_loc)
     # the hint stands in for the serial walk only where the walk pushes no rows (api.write)
     hint = chain_hint is not None and expected_input_ids is None and expected_positions is None and chain_check is None
-    _launch(k._write_kernel, (max(num_requests, 1),),
+    args = dict(
         p_buf=buf, stride=buf.shape[1], num_slots=buf.shape[0], p_write_offsets=write_offsets, p_seed=seed_slot,
         num_requests=num_requests, p_loc=loc, p_ids=_flat(input_ids), p_pos=_flat(positions),
         num_tokens=loc.shape[0], p_ring=ring.rows, p_write_index=ring.write_index, ring_capacity=ring.capacity,
@@ -281,13 +287,16 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
         p_exp_pos=loc if expected_positions is None else _flat(expected_positions),
         p_chain_check=ring.write_index if chain_check is None else chain_check,
         p_writer_ids=loc if writer_ids is None else _flat(writer_ids),
-        p_step=counters if step is None else step, p_hint=chain_hint if hint else buf,
+        p_step=counters if step is None else step,
         HAS_EXP_IDS=expected_input_ids is not None, HAS_EXP_POS=expected_positions is not None,
         HAS_CHAIN_CHECK=chain_check is not None, ATTRIBUTION=buf.shape[1] >= ATTRIBUTION_STRIDE,
-        HAS_WRITER_IDS=writer_ids is not None, HAS_STEP=step is not None, HAS_HINT=hint,
-        BLOCK=WRITE_BLOCK,
-        num_warps=WRITE_WARPS,
-    )
+        HAS_WRITER_IDS=writer_ids is not None, HAS_STEP=step is not None)
+    if loc.shape[0] <= WRITE_LANES_MAX_RATIO * max(num_requests, 1):  # (a decode step: an entry per request)
+        _launch(lanes._write_lanes_kernel, (max(_cdiv(num_requests, WRITE_LANES), 1),), **args,
+                LANES=WRITE_LANES, num_warps=WRITE_LANES_WARPS)
+        return
+    _launch(k._write_kernel, (max(num_requests, 1),), **args, p_hint=chain_hint if hint else buf, HAS_HINT=hint,
+            BLOCK=WRITE_BLOCK, num_warps=WRITE_WARPS)
 
 
 def verify_in_one_pass(capacity: int, max_programs: int) -> bool:
