@@ -81,7 +81,10 @@ def _step(device, bs: int, extend: int, dtype: torch.dtype, buf, ring, counters,
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-def test_new_batch_sizes_do_not_recompile(device, launches, dtype):
+def test_new_batch_sizes_do_not_recompile(device, launches, dtype, monkeypatch):
+    from kvcanary.ops import triton_ops
+
+    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1)  # (decode-shaped writes: the lane kernel)
     buf = allocate_canary_buffer(1024, 48, device)
     ring, counters = ViolationRing.allocate(16, device), allocate_counters(device)
     plan_out = Plan.allocate(4096, 64, device)
@@ -93,7 +96,10 @@ def test_new_batch_sizes_do_not_recompile(device, launches, dtype):
 
 
 @pytest.mark.gpu
-def test_kernel_cache_stable_on_gpu():
+def test_kernel_cache_stable_on_gpu(monkeypatch):
+    from kvcanary.ops import triton_ops
+
+    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1)  # (decode-shaped writes: the lane kernel)
     device = torch.device("cuda")
     buf = allocate_canary_buffer(1024, 48, device)
     ring, counters = ViolationRing.allocate(16, device), allocate_counters(device)

@@ -34,11 +34,13 @@ VERIFY_SPECULATE_BLOCK = 32
 ACCEPT_BLOCK = 128
 PLAN_WARPS = 8
 WRITE_WARPS = 4
-# Decode-shaped writes (no more entries than requests) take a lane per request (triton_write_lanes.py).
+# Decode-shaped writes (at most this many entries per request on average) take a lane per request
+# (triton_write_lanes.py). 0: off, every write takes _write_kernel: the lane kernel passes every CPU test and
+# compiles for sm_90, but has not yet run on a GPU (docs/ops.md); 1 takes it for decode steps. Tests raise it
+# to put every launch through that kernel; benchmarks/sglang_kernels.py --write-lanes sets 1.
+WRITE_LANES_MAX_RATIO = 0
 WRITE_LANES = 64
 WRITE_LANES_WARPS = 2
-# ... up to this many entries per request on average (tests raise it to put every launch through that kernel)
-WRITE_LANES_MAX_RATIO = 1
 VERIFY_WARPS = 2
 VERIFY_SPECULATE_WARPS = 1
 # Persistent verify programs per SM: many small programs keep the most record gathers in flight
@@ -291,7 +293,7 @@ def write(*, buf, write_offsets, seed_slot, num_requests, out_cache_loc, input_i
         HAS_EXP_IDS=expected_input_ids is not None, HAS_EXP_POS=expected_positions is not None,
         HAS_CHAIN_CHECK=chain_check is not None, ATTRIBUTION=buf.shape[1] >= ATTRIBUTION_STRIDE,
         HAS_WRITER_IDS=writer_ids is not None, HAS_STEP=step is not None)
-    if loc.shape[0] <= WRITE_LANES_MAX_RATIO * max(num_requests, 1):  # (a decode step: an entry per request)
+    if WRITE_LANES_MAX_RATIO and loc.shape[0] <= WRITE_LANES_MAX_RATIO * max(num_requests, 1):  # (decode steps)
         _launch(lanes._write_lanes_kernel, (max(_cdiv(num_requests, WRITE_LANES), 1),), **args,
                 LANES=WRITE_LANES, num_warps=WRITE_LANES_WARPS)
         return
