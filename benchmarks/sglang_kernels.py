@@ -41,8 +41,7 @@ WORKLOADS = {"decode-bs256-ctx4k": (256, 4095, 1, ("verify", "write")), "decode-
              "prefill-bs4-8k": (4, 8192, 8192, ("verify", "write"))}
 SMALL_WORKLOADS = {"decode-bs8-ctx64": (8, 63, 1, ("verify", "write")), "decode-bs4-ctx64": (4, 63, 1, ("write",)),
                    "prefill-bs2-32": (2, 32, 32, ("verify", "write"))}
-MODES = (RealKvMode.NONE, RealKvMode.PARTIAL)
-TAG = LaunchTag.TAIL_K_FULL
+MODES, TAG = (RealKvMode.NONE, RealKvMode.PARTIAL), LaunchTag.TAIL_K_FULL
 STRIDE = 32  # SGLang's record (4 fields); ours stores nothing past it without writer ids
 RING = 4096  # far above the planted rows: which rows land in a full ring would depend on the atomics' order
 CHAIN = 20  # launches per graph in timing mode (b)
@@ -339,13 +338,13 @@ def meta(device, sgl, compile_s) -> dict:
     info = {"device": str(device), "torch": torch.__version__, "sglang": sgl.version, "tvm_ffi": sgl.tvm_ffi_version,
             "sglang_import": "sglang's top-level __init__ not run (frontend API); its kernel modules as shipped",
             "ratio": "sglang_ms / ours_ms at the median (> 1: ours is faster)", "jit_compile_s": compile_s}
-    if importlib.util.find_spec("triton"):
-        info["triton"] = importlib.import_module("triton").__version__
+    info["triton"] = importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else None
     # KVCANARY_COMMIT names the commit where a checkout carries no (or a stale) .git; +dirty: ops changed since
     commit = os.environ.get("KVCANARY_COMMIT") or _stdout(["git", "rev-parse", "--short", "HEAD"])
     if commit and not os.environ.get("KVCANARY_COMMIT") and _stdout(["git", "status", "--porcelain", "kvcanary"]):
         commit += "+dirty"
-    info["commit"] = commit
+    info["commit"], info["write_lanes"] = commit, bool(getattr(sys.modules.get("kvcanary.ops.triton_ops"),
+                                                               "WRITE_LANES_MAX_RATIO", 0))
     if device.type == "cpu":
         info["timing"] = "coarse: eager wall time on the CPU (SGLang's Python reference), not a kernel figure"
     else:
@@ -364,14 +363,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0.6, help="cuda: seconds of replays per provider and timing")
     ap.add_argument("--reps", type=int, default=3, help="cpu: eager calls timed per provider")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--write-lanes", action="store_true", help="decode-shaped writes take the lane-per-request "
-                    "Triton kernel (triton_ops.WRITE_LANES_MAX_RATIO = 1; docs/ops.md)")
+    ap.add_argument("--write-lanes", action="store_true", help="decode writes through the lane kernel (docs/ops.md)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args()
-    if args.write_lanes:
-        from kvcanary.ops import triton_ops
-
-        triton_ops.WRITE_LANES_MAX_RATIO = 1
+    if args.write_lanes:  # (off by default: triton_ops.WRITE_LANES_MAX_RATIO)
+        importlib.import_module("kvcanary.ops.triton_ops").WRITE_LANES_MAX_RATIO = 1
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kv-canary: --device cuda must have a CUDA GPU, got none")
@@ -390,8 +386,7 @@ def main() -> None:
     compile_s = compile_sglang(sgl) if device.type == "cuda" else None
     runs = [run_workload(sgl, name, spec, providers, device, args) for name, spec in workloads.items()]
     checks, results = [c for cs, _ in runs for c in cs], [r for _, rs in runs for r in rs]
-    out = {"meta": meta(device, sgl, compile_s) | {"write_lanes": args.write_lanes}, "checks": checks,
-           "results": results}
+    out = {"meta": meta(device, sgl, compile_s), "checks": checks, "results": results}
     print(f"{len(checks)} checks identical (plans, record buffers, violation rows, counters)")
     print("\n".join([f"{'workload':20s} {'op':6s} {'real_kv':7s} {'graph':5s} median per launch (p20-p80); "
                      "ratio = sglang / ours"] * bool(results) + [fmt_row(r) for r in results]))

@@ -59,6 +59,12 @@ def _zero_new_kv_pools() -> None:
 def pytest_configure(config):
     if HAS_CUDA:
         _zero_new_kv_pools()
+    if os.environ.get("KVCANARY_TEST_WRITE_LANES") == "1" and HAS_TRITON:
+        # the whole suite with decode writes through the lane kernel, off by default until a GPU run of the suite
+        # passes with it on (docs/ops.md "Decode writes")
+        from kvcanary.ops import triton_ops
+
+        triton_ops.WRITE_LANES_MAX_RATIO = 1
 
 
 def pytest_collection_modifyitems(config, items):
