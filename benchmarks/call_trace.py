@@ -70,26 +70,12 @@ def traced_call(model, arm: str, prompts, new, top: int) -> list[str]:
 
 def hook_profile(model, arm: str, prompts, new) -> str:
     """cProfile of the adapter's hooks (the engine thread's canary work) over one call."""
-    from kvcanary.integrations.transformers import session
-
     prof = cProfile.Profile()
-    saved = {}
-    for name in ("_before", "_after", "_before_update", "_after_update"):
-        orig = saved[name] = getattr(session.Session, name)
-
-        def hooked(self, *args, _orig=orig):
-            prof.enable()
-            try:
-                return _orig(self, *args)
-            finally:
-                prof.disable()
-
-        setattr(session.Session, name, hooked)
+    restore = user_cost.wrap_hooks(prof)
     try:
         user_cost.run_arm(model, arm, prompts, new)
     finally:
-        for name, orig in saved.items():
-            setattr(session.Session, name, orig)
+        restore()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(25)

@@ -1,24 +1,20 @@
 """What a user pays for the canary: whole generations through transformers' public API, against the
 engine's fastest configuration.
 
-Five arms run the same workload through ``model.generate_batch`` in one process, alternating in rounds
-(the arm order rotates each round so drift in the host or the GPU falls on every arm alike):
+The arms (``--arms``) run the same workload through transformers' serving API in one process, alternating
+in rounds (the arm order rotates each round so drift in the host or the GPU falls on every arm alike):
 
-- ``fast``: the engine's fastest configuration (CUDA graphs and async batching on), no canary;
-- ``sync``: CUDA graphs and async batching off, no canary;
-- ``canary``: graphs and async off with ``attach(model)``;
-- ``graphs``: CUDA graphs on, async batching off (the canary refuses async batching), no canary;
-- ``canary_graphs``: the same with ``attach(model)``: the fastest configuration the canary accepts;
-- ``canary_graphs_noslots``: the same with the slot checks off (``reserved_check``, ``nonfinite_check``:
-  docs/slots.md), for their share of the cost; ``canary_graphs_poison``: with the debug ``poison_on_free`` on
-  (opt-in arms: ``--arms``); ``canary_fast``: the fastest configuration (graphs and async) with ``attach(model)``
-  (opt-in: the canary's async support, docs/transformers.md "Async batching").
+- ``fast``: the engine's fastest configuration (CUDA graphs and async batching on), no canary; ``canary_fast``:
+  the same with ``attach(model)`` (docs/transformers.md "Async batching");
+- ``sync``: CUDA graphs and async batching off, no canary; ``canary``: the same with ``attach(model)``;
+- ``graphs``: CUDA graphs on, async batching off, no canary; ``canary_graphs``: the same with ``attach(model)``;
+  ``canary_graphs_noslots``: with the slot checks off too (``reserved_check``, ``nonfinite_check``: docs/slots.md);
+  ``canary_graphs_poison``: with the debug ``poison_on_free`` on.
 
-Each call of ``generate_batch`` is timed whole (the engine's set-up and graph captures included: that is
-what a user's call costs). Reported per workload: tokens/s per arm (median over rounds), the ratios
-canary/fast and canary/sync with their spread over rounds, whether greedy tokens are identical (canary
-against sync: the same batches; fast against sync: graphs pad batches, so rounding may differ), and the
-canary's violations.
+Each call is timed whole (the engine's set-up and graph captures included: that is what a user's call costs).
+Reported per workload: tokens/s per arm (median over rounds), the canary arms' ratios with their spread over
+rounds, whether greedy tokens are identical (canary against sync: the same batches; fast against sync: graphs
+pad batches, so rounding may differ), and the canary's violations. Where the time goes: ``call_trace.py``.
 
     PYTHONPATH=$PWD python3 benchmarks/user_cost.py --model-size 1b --rounds 3 --json out.json
 
@@ -98,22 +94,8 @@ def profile_hooks(out: str) -> None:
     import cProfile
     import pstats
 
-    from kvcanary.integrations.transformers import session
-
     prof = cProfile.Profile()
-    for name in ("_before", "_after", "_before_update", "_after_update"):
-        orig = getattr(session.Session, name)
-
-        def hooked(self, *args, _orig=orig):
-            if not self.timing:  # (the timers run only)
-                return _orig(self, *args)
-            prof.enable()
-            try:
-                return _orig(self, *args)
-            finally:
-                prof.disable()
-
-        setattr(session.Session, name, hooked)
+    wrap_hooks(prof, timing_only=True)  # (the timers run only)
 
     def dump():
         if not prof.getstats():  # (no timers run reached a hook: a failed run, or no canary arm)
@@ -123,6 +105,28 @@ def profile_hooks(out: str) -> None:
             pstats.Stats(prof, stream=f).sort_stats("cumtime").print_stats(60)
 
     atexit.register(dump)
+
+
+def wrap_hooks(prof, timing_only: bool = False):
+    """Run ``prof`` (a cProfile.Profile) inside the adapter's before, after and update hooks (``timing_only``: of
+    sessions with the private ``timing`` toggle on); returns a function that puts the hooks back."""
+    from kvcanary.integrations.transformers import session
+
+    saved = {}
+    for name in ("_before", "_after", "_before_update", "_after_update"):
+        orig = saved[name] = getattr(session.Session, name)
+
+        def hooked(self, *args, _orig=orig):
+            if timing_only and not self.timing:
+                return _orig(self, *args)
+            prof.enable()
+            try:
+                return _orig(self, *args)
+            finally:
+                prof.disable()
+
+        setattr(session.Session, name, hooked)
+    return lambda: [setattr(session.Session, n, f) for n, f in saved.items()]
 
 
 def workload(name: str, seed: int = 0) -> tuple[list[list[int]], list[int]]:
