@@ -55,7 +55,7 @@ def traced_call(model, arm: str, prompts, new, top: int) -> list[str]:
             gpu.append((e.time_range.start, e.time_range.end))
             k = kernels.setdefault(e.name[:70], [0, 0.0])
             k[0], k[1] = k[0] + 1, k[1] + e.time_range.end - e.time_range.start
-        elif e.name.startswith("cuda") or e.name.startswith("cu"):
+        elif e.name.startswith("cu"):  # (runtime cuda*, driver cu* calls)
             a = api.setdefault(e.name, [0, 0.0])
             a[0], a[1] = a[0] + 1, a[1] + e.cpu_time_total
     lines = [f"== {arm}: call {run['seconds']:.3f} s, GPU busy {busy_ms(gpu):.1f} ms, {len(gpu)} GPU events, "

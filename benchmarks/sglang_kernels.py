@@ -334,17 +334,17 @@ def _stdout(cmd: list[str]) -> str | None:
         return None
 
 
-def meta(device, sgl, compile_s) -> dict:
+def meta(device, sgl, compile_s, write_lanes: bool) -> dict:
     info = {"device": str(device), "torch": torch.__version__, "sglang": sgl.version, "tvm_ffi": sgl.tvm_ffi_version,
             "sglang_import": "sglang's top-level __init__ not run (frontend API); its kernel modules as shipped",
             "ratio": "sglang_ms / ours_ms at the median (> 1: ours is faster)", "jit_compile_s": compile_s}
-    info["triton"] = importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else None
+    if importlib.util.find_spec("triton"):
+        info["triton"] = importlib.import_module("triton").__version__
     # KVCANARY_COMMIT names the commit where a checkout carries no (or a stale) .git; +dirty: ops changed since
     commit = os.environ.get("KVCANARY_COMMIT") or _stdout(["git", "rev-parse", "--short", "HEAD"])
     if commit and not os.environ.get("KVCANARY_COMMIT") and _stdout(["git", "status", "--porcelain", "kvcanary"]):
         commit += "+dirty"
-    info["commit"], info["write_lanes"] = commit, bool(getattr(sys.modules.get("kvcanary.ops.triton_ops"),
-                                                               "WRITE_LANES_MAX_RATIO", 0))
+    info["commit"], info["write_lanes"] = commit, write_lanes
     if device.type == "cpu":
         info["timing"] = "coarse: eager wall time on the CPU (SGLang's Python reference), not a kernel figure"
     else:
@@ -386,7 +386,7 @@ def main() -> None:
     compile_s = compile_sglang(sgl) if device.type == "cuda" else None
     runs = [run_workload(sgl, name, spec, providers, device, args) for name, spec in workloads.items()]
     checks, results = [c for cs, _ in runs for c in cs], [r for _, rs in runs for r in rs]
-    out = {"meta": meta(device, sgl, compile_s), "checks": checks, "results": results}
+    out = {"meta": meta(device, sgl, compile_s, args.write_lanes), "checks": checks, "results": results}
     print(f"{len(checks)} checks identical (plans, record buffers, violation rows, counters)")
     print("\n".join([f"{'workload':20s} {'op':6s} {'real_kv':7s} {'graph':5s} median per launch (p20-p80); "
                      "ratio = sglang / ours"] * bool(results) + [fmt_row(r) for r in results]))
