@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(DEVICE.type == "cpu" and __import__("os").enviro
 NUM_SLOTS = 500
 
 
-def builder(glue: bool) -> StepTables:
+def builder(glue: bool, verdicts: dict | None = None) -> StepTables:
     from kvcanary.runtime.step import kernels as hf_glue
 
     b = StepTables.__new__(StepTables)
@@ -27,8 +27,10 @@ def builder(glue: bool) -> StepTables:
     b.group, b.num_slots, b.block_size = 0, NUM_SLOTS, 4
     b.iota = torch.arange(4, device=DEVICE)
     if glue:
-        b.glue = hf_glue.IndexKernels()
-        b.glue.checked = {"read table", "new tokens' read entries"}  # (the kernels alone: no check against ops)
+        # (the kernels alone, no check against the ops, unless the test passes its verdicts)
+        b.glue = hf_glue.IndexKernels(DEVICE, {(DEVICE.type, "read table"): True,
+                                               (DEVICE.type, "new tokens' read entries"): True}
+                                      if verdicts is None else verdicts)
     return b
 
 
@@ -116,8 +118,8 @@ def test_a_kernel_is_checked_once_against_the_tensor_ops_and_given_up_if_it_fail
     io, rows, prefix, extend, total = case(5, 4, short=2)
     want = torch.full((9, 40), -5, dtype=torch.int64, device=DEVICE)
     builder(False)._read_table(io, rows, prefix, extend, 40, total, out=want, host=False)
-    b = builder(True)
-    b.glue.checked = set()
+    verdicts = {}
+    b = builder(True, verdicts)
     calls = []
 
     def kernel(out, *args):
@@ -140,3 +142,14 @@ def test_a_kernel_is_checked_once_against_the_tensor_ops_and_given_up_if_it_fail
                                   "on this Triton); using tensor ops"],
                        "wrong-cells": ["kv-canary: the adapter's read table kernel gave other cells than the "
                                        "tensor ops; using tensor ops"], None: []}[fault])
+    # The verdict outlives the runner (transformers makes one per call): the next one neither checks again
+    # (no synchronize, no tensor ops) nor, after a failure, tries the kernel again.
+    assert verdicts == {(DEVICE.type, "read table"): fault is None}
+    later = builder(True, verdicts)
+    later.glue.read_table, ops_calls, calls[:] = kernel, [], []
+    tensor_ops = later._read_table_ops
+    later._read_table_ops = lambda *a: (ops_calls.append(1), tensor_ops(*a))[1]
+    got = torch.full((9, 40), -5, dtype=torch.int64, device=DEVICE)
+    later._read_table(io, rows, prefix, extend, 40, total, out=got, host=False)
+    assert torch.equal(got, want) and later.glue.ok == (fault is None)
+    assert (len(calls), len(ops_calls)) == ((1, 0) if fault is None else (0, 1))

@@ -19,9 +19,12 @@ one kernel, with the same results cell for cell:
 The tensor-op versions (the read table's: the op's torch body) run from ``tables.py`` (the torch backend, and
 the check these are held to: tests/test_hf_glue.py); the CPU's eager steps use the op's numpy body there, or its
 numba loops (``ops/read_table_ops.py``: ``compiled_loop``, ``compiled_new_reads_match``).
-``IndexKernels`` runs each kernel as the runner calls it: on its first eager call also the tensor ops,
-compared on the host, and the tensor ops from then on, with a warning, where the kernel fails to compile
-or launch or gives other cells. The kernels are an optimisation, never a new way to fail or to report.
+``IndexKernels`` runs each kernel as the runner calls it: on its first eager call in the process (per device
+type) also the tensor ops, compared on the host, and the tensor ops from then on, with a warning, where the
+kernel fails to compile or launch or gives other cells. The kernels are an optimisation, never a new way to fail
+or to report. The verdict is kept for the process, not per runner: transformers makes a new batch processor,
+so a new runner, for every ``generate_batch`` call, and a check per runner put its synchronize (a stall of the
+engine's async pipeline) and some twenty eager tensor ops into every call.
 """
 
 from __future__ import annotations
@@ -81,12 +84,21 @@ def new_read_entries(entries, rtt: torch.Tensor, rows: torch.Tensor, extend: tor
                        p_enable=entries.enable, BLOCK_B=max(16, triton.next_power_of_2(bs)), BLOCK=ENTRY_BLOCK)
 
 
-class IndexKernels:
-    """The runner's way to run the kernels above (``StepTables``): ``ok`` until one of them fails."""
+# (device type, kernel name) -> True: held to the tensor ops once in this process; False: failed there
+VERDICTS: dict[tuple[str, str], bool] = {}
 
-    def __init__(self):
-        self.ok = True
-        self.checked: set[str] = set()
+
+class IndexKernels:
+    """The runner's way to run the kernels above (``StepTables``): ``ok`` until one of them fails, in this
+    runner or, on the same device type, in an earlier one of the process (``verdicts``: ``VERDICTS``; tests pass
+    their own)."""
+
+    def __init__(self, device: torch.device | str = "cuda", verdicts: dict | None = None):
+        self.verdicts = VERDICTS if verdicts is None else verdicts
+        self.where = torch.device(device).type
+        mine = {n: v for (d, n), v in self.verdicts.items() if d == self.where}
+        self.ok = all(mine.values())
+        self.checked: set[str] = {n for n, v in mine.items() if v}
         self.read_table, self.new_read_entries = read_table, new_read_entries  # (tests put others in)
 
     def run(self, name: str, kernel, tensor_ops, outs: tuple) -> None:
@@ -97,7 +109,7 @@ class IndexKernels:
         try:
             kernel()
         except Exception as e:  # (Triton's compilation errors have no common base besides Exception)
-            self._give_up(f"{name} kernel failed ({type(e).__name__}: {e})")
+            self._give_up(name, f"{name} kernel failed ({type(e).__name__}: {e})")
             tensor_ops()
             return
         if not check:
@@ -107,11 +119,14 @@ class IndexKernels:
             t.copy_(b)
         tensor_ops()
         self.checked.add(name)
-        if not all(torch.equal(a, b) for a, b in zip(got, outs)):
-            self._give_up(f"{name} kernel gave other cells than the tensor ops")  # (theirs are in place)
+        if all(torch.equal(a, b) for a, b in zip(got, outs)):
+            self.verdicts.setdefault((self.where, name), True)
+        else:
+            self._give_up(name, f"{name} kernel gave other cells than the tensor ops")  # (theirs are in place)
 
-    def _give_up(self, why: str) -> None:
+    def _give_up(self, name: str, why: str) -> None:
         self.ok = False
+        self.verdicts[self.where, name] = False
         log.warning("kv-canary: the adapter's %s; using tensor ops", why)
 
 

@@ -66,7 +66,7 @@ class StepTables:
         if backend == "triton":
             from kvcanary.runtime.step import kernels  # (imports Triton)
 
-            self.glue = kernels.IndexKernels()
+            self.glue = kernels.IndexKernels(self.device)
         elif backend == "numba":  # (compiled on first use: numba imports then)
             self.host_table, self.new_reads_match = compiled_loop(), compiled_new_reads_match()
 
