@@ -17,6 +17,9 @@ that enqueue them.
     TRITON_INTERPRET=1 python benchmarks/host_profile.py --device cpu --model-size tiny --batch 8 --context 64 \
         --steps 40 --canary-option backend=triton --stand-in-graphs --count-calls
         # the same count for the CUDA-graph paths, on the CPU (use_stand_in_graphs)
+    TRITON_INTERPRET=1 python benchmarks/host_profile.py --device cpu --model-size tiny --batch 8 --context 512 \
+        --mode prefill --chunk 128 --canary-option backend=triton --stand-in-graphs --count-calls --chunks
+        # the same for a prefill's chunks (every multi-token step, its captures and first sightings included)
 """
 
 from __future__ import annotations
@@ -78,10 +81,16 @@ _STEADY = [False]  # the current step is a steady decode step (_steady): the onl
 STEADY_AFTER = 20  # canary steps before a decode step counts as steady (kernels compiled, graphs captured)
 
 
+_KIND = ["decode"]  # --chunks: multi-token steps (prefill chunks) instead of steady decode steps
+
+
 def _steady(session) -> bool:
-    """One new token per request, same batch as the step before, and past the first steps."""
+    """One new token per request, same batch as the step before, and past the first steps (``--chunks``: a
+    step with more new tokens than requests, from the session's first on: a prefill call's steps)."""
     io = session.bp.inputs_and_outputs
     reqs = io.requests_in_batch
+    if _KIND[0] == "chunks":
+        return sum(fs.query_length for fs in reqs) > len(reqs)
     names = [fs.state.request_id for fs in reqs]
     last, session._profile_names = getattr(session, "_profile_names", None), names
     return (session.canary.step > STEADY_AFTER and names == last
@@ -148,6 +157,9 @@ def _install_timers() -> None:
 
 
 _COUNTS: dict[str, list[int]] = {"python": [], "c": []}
+_BY_FUNC: list[dict[str, int]] = []  # per step (HOST_PROFILE_BY_FUNC=1)
+_ALLOCATING = frozenset(("empty", "empty_like", "zeros", "zeros_like", "full", "arange", "tensor", "clone",
+                         "Tensor.clone", "Tensor.to", "Tensor.contiguous", "cat", "stack"))
 
 
 def _install_counter() -> None:
@@ -160,7 +172,15 @@ def _install_counter() -> None:
     counts = [0, 0]
     # a CPU stand-in's replay (tests' graphs) runs its recorded calls in Python: one call, as a CUDA replay
     replays = {DispatchGraph.replay.__code__, _Recorded.replay.__code__}
+    try:  # under TRITON_INTERPRET=1 a launch runs the kernel in Python: one call, as a launch on a GPU
+        from triton.runtime.interpreter import GridExecutor
+
+        replays.add(GridExecutor.__call__.__code__)
+    except ImportError:
+        pass
     inside = [0]
+    # HOST_PROFILE_BY_FUNC=1: the calls by function too (Python: file:line(name); C: its qualified name)
+    by_func = {} if os.environ.get("HOST_PROFILE_BY_FUNC") == "1" else None
 
     def tracer(frame, event, arg):
         if inside[0]:
@@ -172,8 +192,19 @@ def _install_counter() -> None:
             counts[0] += 1
             if frame.f_code in replays:
                 inside[0] = 1
+            if by_func is not None:
+                code = frame.f_code
+                k = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}({code.co_name})"
+                if code.co_name == "_launch" and "fn" in frame.f_locals:  # (which kernel)
+                    k += f" {getattr(frame.f_locals['fn'], '__name__', frame.f_locals['fn'])}"
+                by_func[k] = by_func.get(k, 0) + 1
         elif event == "c_call":
             counts[1] += 1
+            if by_func is not None:
+                k = getattr(arg, "__qualname__", str(arg))
+                if k in _ALLOCATING:  # (who allocates: a device allocation may stall the engine's streams)
+                    k += f" <- {frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+                by_func[k] = by_func.get(k, 0) + 1
 
     def counted(fn, last):
         def run(self, *args):
@@ -187,6 +218,9 @@ def _install_counter() -> None:
                 if last:
                     _COUNTS["python"].append(counts[0])
                     _COUNTS["c"].append(counts[1])
+                    if by_func is not None:  # (a step's tally: _print_counts keeps the typical steps')
+                        _BY_FUNC.append(dict(by_func))
+                        by_func.clear()
                     counts[0] = counts[1] = 0
         return run
 
@@ -197,11 +231,22 @@ def _install_counter() -> None:
 def _print_counts() -> None:
     import statistics
 
-    print(f"steady decode steps counted: {len(_COUNTS['python'])}", file=sys.stderr)
+    print(f"{'steady decode' if _KIND[0] == 'decode' else 'multi-token'} steps counted: {len(_COUNTS['python'])}",
+          file=sys.stderr)
     for kind, n in _COUNTS.items():
         if n:
-            print(f"{kind} calls per step: median {statistics.median(n):.0f}, min {min(n)}, max {max(n)}",
-                  file=sys.stderr)
+            print(f"{kind} calls per step: median {statistics.median(n):.0f}, min {min(n)}, max {max(n)}, "
+                  f"total {sum(n)}", file=sys.stderr)
+    if _BY_FUNC:  # the steps within twice the median count (compiles and captures apart): calls per step
+        cap = 2 * statistics.median(_COUNTS["python"])
+        typical = [t for t, n in zip(_BY_FUNC, _COUNTS["python"]) if n <= cap]
+        total: dict[str, int] = {}
+        for t in typical:
+            for k, n in t.items():
+                total[k] = total.get(k, 0) + n
+        print(f"by function, over the {len(typical)} steps within twice the median:", file=sys.stderr)
+        for k, n in sorted(total.items(), key=lambda kv: -kv[1])[:int(os.environ.get("HOST_PROFILE_TOP", "45"))]:
+            print(f"{n / len(typical):9.1f}  {k}", file=sys.stderr)
 
 
 def _print_timers() -> None:
@@ -238,9 +283,13 @@ def main(argv: list[str]) -> None:
     """Extra flags: --stub-kernels (the canary's own Python only: every op a no-op, so its health
     check complains of missing launches), --no-cprofile (time without the profiler's overhead),
     --no-step-graphs (the transformers adapter's steps all eager, as with attach(step_graphs=False)),
-    --stand-in-graphs (use_stand_in_graphs)."""
-    flags = ("--stub-kernels", "--no-cprofile", "--no-step-graphs", "--timers", "--count-calls", "--stand-in-graphs")
-    stub, plain, eager, timers, count, stand_in = (f in argv for f in flags)
+    --stand-in-graphs (use_stand_in_graphs), --chunks (count, time or profile the multi-token steps, a prefill's
+    chunks, first sightings and captures included, instead of steady decode steps)."""
+    flags = ("--stub-kernels", "--no-cprofile", "--no-step-graphs", "--timers", "--count-calls", "--stand-in-graphs",
+             "--chunks")
+    stub, plain, eager, timers, count, stand_in, chunks = (f in argv for f in flags)
+    if chunks:
+        _KIND[0] = "chunks"
     plain = plain or timers or count
     if timers:
         _install_timers()
