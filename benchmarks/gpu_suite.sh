@@ -7,6 +7,10 @@
 #   bash benchmarks/gpu_suite.sh probe    # the decode-like op benchmark step by step (diagnosis of a device fault)
 #   bash benchmarks/gpu_suite.sh engine [SPEC ...]  # canary cost inside transformers continuous batching, 1B and 8B
 #   bash benchmarks/gpu_suite.sh lag      # the lagging-side-stream async clean run per step path (>= 5.24 wheels)
+#   bash benchmarks/gpu_suite.sh fastpath # the fast path's open questions in one call (about 5 minutes; carries
+#                                         # wheels/ and wheels_sglang/): SGLang's kernels with and without the
+#                                         # decode-write lane kernel, the 1B prefill call trace, 1B user cost
+# (the lane kernel's whole suite: KVCANARY_TEST_WRITE_LANES=1 bash benchmarks/gpu_suite.sh tests)
 # Results and logs go to $OUT (default ./out). Runs from a checkout without installing (PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,5 +89,22 @@ case "$part" in
     # (benchmarks/async_lag_probe.py: which step path a lagging side stream's false alarm comes from)
     timeout ${LAG_TIMEOUT:-300} $py benchmarks/async_lag_probe.py 2>&1 | grep -v Warning | tee "$OUT/lag.log" | tail -40
     ;;
-  *) echo "unknown part $part (tests | quick | ops | probe | engine | lag)"; exit 2 ;;
+  fastpath)
+    # each step's own timeout keeps the call under 10 minutes; the wheels install offline from the carried folders
+    t=${T525:-/tmp/t525}; sgl=${SGL:-/tmp/sgl}
+    [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
+    [ -d "$sgl" ] || bash benchmarks/sglang_wheels.sh install "$sgl" >> "$OUT/wheels.log" 2>&1
+    for lanes in "" --write-lanes; do
+      echo "== sglang_kernels ${lanes:-(block write kernel)}"
+      PYTHONPATH=$sgl:$PYTHONPATH timeout 120 $py benchmarks/sglang_kernels.py --device cuda $lanes \
+        --out "$OUT/sglang${lanes:+_lanes}.json" 2>&1 | tail -16
+    done
+    echo "== call_trace 1B prefill"
+    PYTHONPATH=$t:$PYTHONPATH timeout 200 $py benchmarks/call_trace.py --model-size 1b --workload prefill \
+      > "$OUT/call_trace.txt" 2>&1; tail -60 "$OUT/call_trace.txt"
+    echo "== user_cost 1B"
+    PYTHONPATH=$t:$PYTHONPATH timeout 150 $py benchmarks/user_cost.py --model-size 1b --workloads \
+      serving,batch1,prefill --arms fast,canary_fast --rounds 6 --budget-s 100 --json "$OUT/uc1b.json" 2>&1 | tail -12
+    ;;
+  *) echo "unknown part $part (tests | quick | ops | probe | engine | lag | fastpath)"; exit 2 ;;
 esac
