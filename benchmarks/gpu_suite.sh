@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_suite.sh fastpath # the fast path's open questions in one call (about 5 minutes; carries
 #                                         # wheels/ and wheels_sglang/): SGLang's kernels with and without the
 #                                         # decode-write lane kernel, the 1B prefill call trace, 1B user cost
-# (the lane kernel's whole suite: KVCANARY_TEST_WRITE_LANES=1 bash benchmarks/gpu_suite.sh tests)
+# (the whole suite with every write through the block kernel: KVCANARY_TEST_WRITE_LANES=0 ... tests)
 # Results and logs go to $OUT (default ./out). Runs from a checkout without installing (PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,10 +94,10 @@ case "$part" in
     t=${T525:-/tmp/t525}; sgl=${SGL:-/tmp/sgl}
     [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
     [ -d "$sgl" ] || bash benchmarks/sglang_wheels.sh install "$sgl" >> "$OUT/wheels.log" 2>&1
-    for lanes in "" --write-lanes; do
-      echo "== sglang_kernels ${lanes:-(block write kernel)}"
-      PYTHONPATH=$sgl:$PYTHONPATH timeout 120 $py benchmarks/sglang_kernels.py --device cuda $lanes \
-        --out "$OUT/sglang${lanes:+_lanes}.json" 2>&1 | tail -16
+    for blocks in "" --no-write-lanes; do
+      echo "== sglang_kernels ${blocks:-(decode writes: the lane kernel)}"
+      PYTHONPATH=$sgl:$PYTHONPATH timeout 120 $py benchmarks/sglang_kernels.py --device cuda $blocks \
+        --out "$OUT/sglang${blocks:+_blocks}.json" 2>&1 | tail -16
     done
     echo "== call_trace 1B prefill"
     PYTHONPATH=$t:$PYTHONPATH timeout 200 $py benchmarks/call_trace.py --model-size 1b --workload prefill \

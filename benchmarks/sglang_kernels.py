@@ -363,11 +363,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0.6, help="cuda: seconds of replays per provider and timing")
     ap.add_argument("--reps", type=int, default=3, help="cpu: eager calls timed per provider")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--write-lanes", action="store_true", help="decode writes through the lane kernel (docs/ops.md)")
+    ap.add_argument("--no-write-lanes", action="store_true", help="decode writes through the block kernel (docs/ops.md)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args()
-    if args.write_lanes:  # (off by default: triton_ops.WRITE_LANES_MAX_RATIO)
-        importlib.import_module("kvcanary.ops.triton_ops").WRITE_LANES_MAX_RATIO = 1
+    if args.no_write_lanes:  # (on by default: triton_ops.WRITE_LANES_MAX_RATIO)
+        importlib.import_module("kvcanary.ops.triton_ops").WRITE_LANES_MAX_RATIO = 0
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kv-canary: --device cuda must have a CUDA GPU, got none")
@@ -386,7 +386,7 @@ def main() -> None:
     compile_s = compile_sglang(sgl) if device.type == "cuda" else None
     runs = [run_workload(sgl, name, spec, providers, device, args) for name, spec in workloads.items()]
     checks, results = [c for cs, _ in runs for c in cs], [r for _, rs in runs for r in rs]
-    out = {"meta": meta(device, sgl, compile_s, args.write_lanes), "checks": checks, "results": results}
+    out = {"meta": meta(device, sgl, compile_s, not args.no_write_lanes), "checks": checks, "results": results}
     print(f"{len(checks)} checks identical (plans, record buffers, violation rows, counters)")
     print("\n".join([f"{'workload':20s} {'op':6s} {'real_kv':7s} {'graph':5s} median per launch (p20-p80); "
                      "ratio = sglang / ours"] * bool(results) + [fmt_row(r) for r in results]))

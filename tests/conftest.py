@@ -59,12 +59,12 @@ def _zero_new_kv_pools() -> None:
 def pytest_configure(config):
     if HAS_CUDA:
         _zero_new_kv_pools()
-    if os.environ.get("KVCANARY_TEST_WRITE_LANES") == "1" and HAS_TRITON:
-        # the whole suite with decode writes through the lane kernel, off by default until a GPU run of the suite
-        # passes with it on (docs/ops.md "Decode writes")
+    if os.environ.get("KVCANARY_TEST_WRITE_LANES") == "0" and HAS_TRITON:
+        # the whole suite with every write through the block kernel, decode steps' too (by default they take
+        # the lane kernel: docs/ops.md "Decode writes")
         from kvcanary.ops import triton_ops
 
-        triton_ops.WRITE_LANES_MAX_RATIO = 1
+        triton_ops.WRITE_LANES_MAX_RATIO = 0
 
 
 def pytest_collection_modifyitems(config, items):

@@ -432,21 +432,23 @@ def test_verify(backend, case):
 
 
 @pytest.mark.skipif("triton" not in FAST_BACKENDS, reason="Triton is not installed")
-@pytest.mark.parametrize("lanes", [64, 2])
+@pytest.mark.parametrize("lanes", [64, 2, 0], ids=["lanes64", "lanes2", "block"])
 @pytest.mark.parametrize("case", [c for c in WRITE_CASES if not WRITE_CASES[c].get("serial")], ids=str)
 def test_write_triton_lane_kernel(case, lanes, monkeypatch):
     # decode-shaped writes (an entry per request) take the lane-per-request kernel; here every case does,
-    # several entries per request included, and with two lanes a program: several programs per launch
+    # several entries per request included, and with two lanes a program: several programs per launch.
+    # lanes 0: every case through the block kernel, decode-shaped ones too (WRITE_LANES_MAX_RATIO = 0)
     from kvcanary.ops import triton_ops
 
     picked = []
     real = triton_ops._launch
     monkeypatch.setattr(triton_ops, "_launch", lambda fn, grid, **kw: (picked.append(fn), real(fn, grid, **kw)))
-    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1 << 20)
-    monkeypatch.setattr(triton_ops, "WRITE_LANES", lanes)
+    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1 << 20 if lanes else 0)
+    monkeypatch.setattr(triton_ops, "WRITE_LANES", lanes or 64)
     build, run = _write_run(case)
     check(build, run, "triton")
-    assert picked and set(picked) == {triton_ops.lanes._write_lanes_kernel}
+    want = triton_ops.lanes._write_lanes_kernel if lanes else triton_ops.k._write_kernel
+    assert picked and set(picked) == {want}
 
 
 @pytest.mark.skipif("triton" not in FAST_BACKENDS, reason="Triton is not installed")
