@@ -173,3 +173,19 @@ def test_async_decode_steps_send_each_rows_cell_one_step_late_on_the_steady_path
         assert [cell for cell in cells if cell[0]] == [(row, n0 - 1 + step, base * 10 + step - 1)
                                                       for row, n0, base in zip(rows, (3, 2, 1), (8, 4, 2))]
     assert sent == {"a": 8, "c": 7, "e": 6}
+
+
+def test_staging_sized_for_the_canary_limits_never_grows_within_them():
+    # A prefill's chunks grew the staging buffers several times a session (each growth a new pinned and device
+    # buffer per turn, allocated inside the step); sized for the canary's limits, steps within them reuse the
+    # first buffers, and a larger step (a cached prefix's tokens) still grows them.
+    stage = Staging(torch.device("cpu"), depth=3)
+    grown = []
+    stage.on_alloc = lambda *bufs: grown.append(len(bufs))
+    stage.sized_for(max_batch=8, max_tokens=512)
+    for n in (3, 40, 600, 9 * 8 + 4 * 512):
+        view, _ = stage.send([list(range(n))])
+        assert view.tolist() == list(range(n))
+    assert grown == [4] and stage.size == 9 * 8 + 4 * 512
+    stage.send([list(range(stage.size + 1))])
+    assert grown == [4, 4]

@@ -68,6 +68,7 @@ class StepRunner:
         self.carries = bool(getattr(source, "carries", False))
         self.graphs = self._step_graphs(graph_type)  # (it may stage through turns of its own: graphs.py)
         self.stage.on_alloc = canary.launcher.hand_over  # (the side stream reads the staging buffers)
+        self.stage.sized_for(canary.max_batch, canary.max_tokens)
         self.fused = None if self.graphs is None else self.graphs.fused
         self.carry = Carry(self) if self.carries else None
         # the CPU's steady decode steps from a bound plan (steady.py; None: every step takes the eager path)

@@ -37,6 +37,8 @@ class Staging:
     def __init__(self, device: torch.device, depth: int = STAGING_TURNS):
         self.device, self.cuda, self.depth = device, device.type == "cuda", depth
         self.size = 0
+        # the buffers' first size, at least (``sized_for``): a step's values within it never outgrow them
+        self.size_hint = 0
         self.host: list[torch.Tensor] = []  # CUDA: the pinned buffer of each turn
         self.ring: list[torch.Tensor] = []
         self.views: dict = {}  # (turn, size) -> the device slice, the pinned slice, the numpy destination
@@ -66,7 +68,7 @@ class Staging:
             else:
                 fence.wait()
         if self.size < n:
-            self.size = max(n, 2 * self.size, 1024)
+            self.size = max(n, 2 * self.size, 1024, self.size_hint)
             if self.cuda:
                 self.host = [torch.empty(self.size, dtype=torch.int64, pin_memory=True) for _ in range(self.depth)]
             # (remembered batches keep their old buffers alive)
@@ -97,6 +99,16 @@ class Staging:
             if copy:
                 self.copy()
         return out, n - (len(parts[-1]) if last is None else last)
+
+    def sized_for(self, max_batch: int, max_tokens: int) -> None:
+        """Make the first buffers hold any step of at most ``max_batch`` requests (padding included) and
+        ``max_tokens`` new tokens whose token cells are its new positions: 4 values per request, a valid length per
+        request and 3 per cell, a batch index per token (``host_part``; a padded decode step's padding requests
+        take a cell each: 9 per request bounds it). A prefill chunk's values grew the
+        buffers several times in each session (and transformers makes a session per call): a new pinned and
+        device buffer per turn each time, device allocations that the engine's emptied allocator cache turns into
+        ``cudaMalloc`` calls inside the step. A step that sends a cached prefix's tokens may still outgrow them."""
+        self.size_hint = 9 * max_batch + 4 * max_tokens
 
     def copy(self) -> None:
         """Issue the last ``send``'s host-to-device copy on the current stream (a no-op once issued, and
