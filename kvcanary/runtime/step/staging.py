@@ -102,12 +102,12 @@ class Staging:
 
     def sized_for(self, max_batch: int, max_tokens: int) -> None:
         """Make the first buffers hold any step of at most ``max_batch`` requests (padding included) and
-        ``max_tokens`` new tokens whose token cells are its new positions: 4 values per request, a valid length per
-        request and 3 per cell, a batch index per token (``host_part``; a padded decode step's padding requests
-        take a cell each: 9 per request bounds it). A prefill chunk's values grew the
-        buffers several times in each session (and transformers makes a session per call): a new pinned and
-        device buffer per turn each time, device allocations that the engine's emptied allocator cache turns into
-        ``cudaMalloc`` calls inside the step. A step that sends a cached prefix's tokens may still outgrow them."""
+        ``max_tokens`` new tokens whose token cells are its new positions (``host_part``: 4 values per request, a
+        valid length per request and 3 per cell, a batch index per token; a padded decode step's padding requests
+        take a cell each, so 9 per request bounds it). Grown on demand instead, a prefill's chunks grew them
+        several times a session (transformers makes one per call), each time a pinned and a device buffer per
+        turn inside a step, where the engine's emptied allocator cache makes them ``cudaMalloc`` calls. A step
+        that sends a cached prefix's tokens may still outgrow them."""
         self.size_hint = 9 * max_batch + 4 * max_tokens
 
     def copy(self) -> None:
