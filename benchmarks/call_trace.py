@@ -1,8 +1,8 @@
 """Where one whole call's time goes, with the canary and without: a diagnosis beside ``user_cost.py``.
 
 ``user_cost.py`` says how much slower a whole ``generate_batch``-style call is with the canary; this says where
-the difference lies. After warm-up calls of each arm, one call per arm runs under ``torch.profiler`` (CPU and
-CUDA activity) and the script prints, per arm: the call's seconds, the GPU's busy time (the union of its kernel
+the difference lies. After warm-up calls of each arm, two calls per arm (alternating) run under ``torch.profiler``
+(CPU and CUDA activity) and the script prints, per call: its seconds, the GPU's busy time (the union of its kernel
 and copy intervals: a call whose busy time is far below its length is bound by the host), the host's time in
 each CUDA runtime/driver call (synchronizes, graph launches and instantiations, allocations), and for canary
 arms the GPU's kernels by total time. Then a cProfile of the adapter's hooks in one more canary call: who
