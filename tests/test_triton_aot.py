@@ -71,7 +71,7 @@ def _recorded_launches(monkeypatch) -> dict:
         orig(fn, grid, **kw)
 
     monkeypatch.setattr(triton_ops, "_launch", launch)
-    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1)  # (decode-shaped writes: the lane kernel too)
+    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1)  # (the default, whatever KVCANARY_TEST_WRITE_LANES)
     # the adapter's step graphs on the CPU stand-in: captured steps run the slot checks' kernels (eager CPU steps
     # answer them on the host)
     from kvcanary.integrations.transformers import session as hf_session

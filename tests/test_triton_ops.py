@@ -84,7 +84,7 @@ def _step(device, bs: int, extend: int, dtype: torch.dtype, buf, ring, counters,
 def test_new_batch_sizes_do_not_recompile(device, launches, dtype, monkeypatch):
     from kvcanary.ops import triton_ops
 
-    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1)  # (decode-shaped writes: the lane kernel)
+    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1)  # (the default; KVCANARY_TEST_WRITE_LANES=0 sets 0)
     buf = allocate_canary_buffer(1024, 48, device)
     ring, counters = ViolationRing.allocate(16, device), allocate_counters(device)
     plan_out = Plan.allocate(4096, 64, device)
@@ -99,7 +99,7 @@ def test_new_batch_sizes_do_not_recompile(device, launches, dtype, monkeypatch):
 def test_kernel_cache_stable_on_gpu(monkeypatch):
     from kvcanary.ops import triton_ops
 
-    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1)  # (decode-shaped writes: the lane kernel)
+    monkeypatch.setattr(triton_ops, "WRITE_LANES_MAX_RATIO", 1)  # (the default; KVCANARY_TEST_WRITE_LANES=0 sets 0)
     device = torch.device("cuda")
     buf = allocate_canary_buffer(1024, 48, device)
     ring, counters = ViolationRing.allocate(16, device), allocate_counters(device)
