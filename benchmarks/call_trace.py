@@ -89,7 +89,7 @@ def hook_profile(model, arm: str, prompts, new) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-size", default="1b", choices=("1b", "8b"))
-    p.add_argument("--workload", default="prefill", choices=("serving", "batch1", "prefill"))
+    p.add_argument("--workload", default="prefill", choices=("serving", "batch1", "batch1_1k", "batch1_4k", "prefill"))
     p.add_argument("--arms", default="fast,canary_fast")
     p.add_argument("--warmup", type=int, default=2, help="untraced calls of each arm first")
     p.add_argument("--top", type=int, default=12, help="rows per table")
