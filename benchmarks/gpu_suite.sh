@@ -3,8 +3,7 @@
 #   bash benchmarks/gpu_suite.sh tests    # the whole test suite natively (Triton compiled), self-check, demo
 #   bash benchmarks/gpu_suite.sh quick    # the adapter's graph, fused-step and index-kernel tests, then the host
 #                                         # timers of a steady decode step (1B, batch 1 and 64): about 3 minutes
-#   bash benchmarks/gpu_suite.sh ops      # op throughput (benchmarks/ops_bench.py)
-#   bash benchmarks/gpu_suite.sh probe    # the decode-like op benchmark step by step (diagnosis of a device fault)
+#   bash benchmarks/gpu_suite.sh ops      # op throughput (kvcanary bench: kvcanary/bench/ops.py)
 #   bash benchmarks/gpu_suite.sh engine [SPEC ...]  # canary cost inside transformers continuous batching, 1B and 8B
 #   bash benchmarks/gpu_suite.sh lag      # the lagging-side-stream async clean run per step path (>= 5.24 wheels)
 #   bash benchmarks/gpu_suite.sh fastpath # the fast path's open questions in one call (about 5 minutes; carries
@@ -46,20 +45,6 @@ case "$part" in
     ;;
   ops)
     timeout ${OPS_TIMEOUT:-500} $py -m kvcanary.cli bench --device cuda --out "$OUT/ops_bench.json" --plot "$OUT/ops_bench.png" 2>&1 | tee "$OUT/ops.log"
-    ;;
-  probe)
-    # Diagnosis of a device fault in the decode-like op benchmark (it found the ring-count wrap described
-    # in docs/benchmarks.md): each step synced, then the workload alone, then under the memory checker.
-    CUDA_LAUNCH_BLOCKING=1 timeout ${PROBE_TIMEOUT:-120} $py benchmarks/ops_probe.py 256 4095 1 --repeat 6 2>&1 | tee "$OUT/probe.log"
-    CUDA_LAUNCH_BLOCKING=1 timeout ${OPS_TIMEOUT:-200} $py -m kvcanary.cli bench --device cuda --providers triton \
-      --workloads decode-bs256-ctx4k --out "$OUT/ops_decode.json" 2>&1 | tee "$OUT/ops_decode.log"
-    # The memory checker names the faulting kernel and address (it runs on Firecracker machines, not gVisor).
-    if command -v compute-sanitizer > /dev/null; then
-      # (the benchmark itself: under the checker kernels run slowly, so its graphs hold few repeats)
-      timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck --print-limit 5 \
-        $py -m kvcanary.cli bench --device cuda --providers triton --workloads decode-bs256-ctx4k 2>&1 \
-        | tail -60 | tee "$OUT/sanitizer.log"
-    fi
     ;;
   engine)
     # Specs "size batch context mode"; the default list covers the performance targets (1B and 8B,
@@ -106,5 +91,5 @@ case "$part" in
     PYTHONPATH=$t:$PYTHONPATH timeout 150 $py benchmarks/user_cost.py --model-size 1b --workloads \
       serving,batch1,prefill --arms fast,canary_fast --rounds 6 --budget-s 100 --json "$OUT/uc1b.json" 2>&1 | tail -12
     ;;
-  *) echo "unknown part $part (tests | quick | ops | probe | engine | lag | fastpath)"; exit 2 ;;
+  *) echo "unknown part $part (tests | quick | ops | engine | lag | fastpath)"; exit 2 ;;
 esac

@@ -71,7 +71,7 @@ def test_a_clean_async_run_stays_clean_when_the_side_stream_lags(llama, lagging_
     # every step's canary work queued behind milliseconds of other work: whatever the host prepares for later
     # steps (staged values, read tables, the engine's next inputs) must wait for it, or this run reports
     # false violations. (It did not reproduce the static-buffer race seen at 1B serving, which
-    # benchmarks/async_probe.sh checks on the H200: the tiny model's host waits for the GPU elsewhere.)
+    # a probe of 1B serving on the H200 checked, docs/benchmarks.md: the tiny model's host waits for the GPU elsewhere.)
     base = run_workload(llama, canary=False, cb=ASYNC, device=DEV, num_return_sequences=1, max_new_tokens=16)
     run = run_workload(llama, cb=ASYNC, device=DEV, num_return_sequences=1, max_new_tokens=16)
     assert run.violations == [], _summary(run)

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("engine_overhead: --device cuda needs a CUDA GPU")
+        raise SystemExit("kvcanary.bench.engine: --device cuda needs a CUDA GPU")
     args.chunk = args.chunk or (4096 if device.type == "cuda" else 256)
     args.block_size = args.block_size or (256 if device.type == "cuda" else 16)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
         err = self_check(device)
         if err > 0.05:
-            raise SystemExit(f"engine_overhead: the varlen attention disagrees with per-request SDPA by {err}")
+            raise SystemExit(f"kvcanary.bench.engine: the varlen attention disagrees with per-request SDPA by {err}")
     model = build_model(args.model_size, device, dtype, args.context + args.steps + 8, args.attention)
     wl = Workload(args, device)
     build_s = time.perf_counter() - t0

@@ -12,7 +12,7 @@ Results are compared across providers before any number is printed. Bandwidth is
 the strongest of several references measured in the same run (``kvcanary.bench.bandwidth``).
 
     kvcanary bench --device cuda --providers triton torch --out results.json
-    python benchmarks/ops_bench.py ...   (the same, from a checkout)
+    python -m kvcanary.bench.ops ...   (the same, from a checkout)
 """
 
 from __future__ import annotations
