@@ -155,9 +155,9 @@ def test_a_steady_run_repeats_only_steps_of_its_shape(cap):
         g = StepGraphs.__new__(StepGraphs)
         g.fused = SimpleNamespace(run=None)
         g.s = SimpleNamespace(canary=SimpleNamespace(max_context=cap), group=0)
-        h = HostStep(io, [], 2, 2, [0, 0], [1, 1], [1, 2], None, 8, 14, width, 40)
+        h = HostStep(io, [], 2, 2, [0, 0], [1, 1], [1, 2], None, 2, width, 40)
         rounded = table_width(width, cap, WIDTH_STEP)
-        run = g.fused.run = g._run_for(h, io, (2, 2, 14, rounded, False, True, *ptrs), rounded, ptrs)
+        run = g.fused.run = g._run_for(h, io, (2, 2, 2, rounded, False, True, *ptrs), rounded, ptrs)
         for w in [w for w in list(range(1, 5200, 7)) + [width - 1, width + 1, 512, 513, 2049, cap, cap + 1] if w > 0]:
             same = table_width(w, cap, WIDTH_STEP) == rounded
             # below the cap exactly the widths that round alike; past it (no rounding) the width alone

@@ -2,7 +2,6 @@
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -189,7 +188,6 @@ def steady_builder() -> BatchBuilder:
     b.s.bp = SimpleNamespace(inputs_and_outputs=SimpleNamespace(requests_in_batch=[]))
     b.want_history = True
     b.stage = Staging(torch.device("cpu"))
-    b.iota_np = np.arange(8)
     return b
 
 
@@ -229,7 +227,7 @@ def test_steady_decode_steps_stage_what_the_general_path_stages(twist):
                 reqs.append(SimpleNamespace(state=state, query_length=1))
             b.s.bp.inputs_and_outputs.requests_in_batch = reqs
             h = b.host_part()
-            staged.append((h.packed.tolist(), h.small, h.n, h.width, h.total, list(h.prefix), list(h.extend)))
+            staged.append((h.packed.tolist(), h.cells, h.width, h.total, list(h.prefix), list(h.extend)))
         assert staged[0] == staged[1], f"step {step}"
         for n in names:
             offset[n] += 1

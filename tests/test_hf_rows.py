@@ -67,11 +67,9 @@ class _Scheduled:  # a FutureRequestState
 
 
 def _host_builder():
-    import numpy as np
-
     b = BatchBuilder.__new__(BatchBuilder)  # the host half alone: no engine session, no device work
     b.init_rows(8)
-    b.want_history, b.stage, b.iota_np = True, Staging(torch.device("cpu")), np.arange(4, dtype=np.int64)
+    b.want_history, b.stage = True, Staging(torch.device("cpu"))
     ids = {}
     b.s = SimpleNamespace(ids=ids, request_id=lambda n: ids.setdefault(n, len(ids) + 1),
                           bp=SimpleNamespace(inputs_and_outputs=None))
@@ -88,11 +86,9 @@ def _run(b, scheduled):
 
 def _unpack(h):
     """A host part's valid lengths, token cells (row, column, token) and new tokens' batch indices."""
-    values = h.packed.tolist()
-    k = (h.small - h.n - h.bs) // 3  # token cells
-    c0 = h.n + h.bs
-    cells = list(zip(values[c0:c0 + k], values[c0 + k:c0 + 2 * k], values[c0 + 2 * k:c0 + 3 * k]))
-    return values[h.n:h.n + h.bs], cells, values[h.small:]
+    p = h.unpack()
+    cells = list(zip(p.cell_rows.tolist(), p.cell_cols.tolist(), p.cell_tokens.tolist()))
+    return p.valid.tolist(), cells, p.token_req.tolist()
 
 
 def test_a_step_of_as_many_tokens_as_requests_but_not_one_each_is_packed_per_request():

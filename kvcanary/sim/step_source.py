@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
-from kvcanary.runtime.engine import HostStep
+from kvcanary.runtime.engine import HostStep, TokenCells
 from kvcanary.runtime.report import MISSING_TOKEN
 from kvcanary.runtime.step.carry import history_need
 
@@ -88,21 +87,12 @@ class SimSource:
     def host_part(self, copy: bool = True, padded: bool = False) -> HostStep:
         """The forward's host part (``runtime.engine.HostStep``), staged through the runner's ``Staging``."""
         works = self.works
-        rows = [w.row for w in works]
-        prefix = [w.start for w in works]
         extend = [w.n for w in works]
-        rids = [w.req.rid for w in works]
-        parts = [rows + prefix + extend + rids]
-        if self.want_history:
-            parts.append(self._cells(works))
-        parts.append(np.repeat(np.arange(len(works), dtype=np.int64), extend))
-        packed, small = self.stage.send(parts, copy)
-        width = max((p + q for p, q in zip(prefix, extend)), default=0)
-        T = sum(extend)
-        return HostStep(self.inputs, works, len(works), T, prefix, extend, rids, packed, 4 * len(works), small,
-                        width, sum(prefix) + T)
+        cells = self._cells(works) if self.want_history else None
+        return HostStep.pack(self.stage, self.inputs, works, [w.row for w in works], [w.start for w in works],
+                             extend, [w.req.rid for w in works], cells, copy=copy)
 
-    def _cells(self, works: list) -> list[int]:
+    def _cells(self, works: list) -> TokenCells:
         """Valid lengths, then the token-table cells the rows lack (rows, columns, tokens): a row handed to
         another request starts again from position 0."""
         valid, cell_rows, cell_cols, cell_tokens = [], [], [], []
@@ -121,7 +111,7 @@ class SimSource:
                 cell_tokens += [tokens[p] if p < known else MISSING_TOKEN for p in range(have, need)]
                 have = need
             self.sent[w.row] = (w.req.rid, have)
-        return valid + cell_rows + cell_cols + cell_tokens
+        return TokenCells(valid, cell_rows, cell_cols, cell_tokens)
 
     def finish(self, batch, h: HostStep, arange) -> None:
         """Nothing beyond the runner's batch (no sliding-window table, no token oracle)."""

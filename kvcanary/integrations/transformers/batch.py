@@ -17,7 +17,7 @@ from operator import add, attrgetter, getitem, sub
 import numpy as np
 import torch
 
-from kvcanary.runtime.engine import HostStep
+from kvcanary.runtime.engine import HostLayout, HostStep, TokenCells
 from kvcanary.runtime.report import MISSING_TOKEN
 from kvcanary.runtime.step.carry import PairInputs, history_need
 from kvcanary.runtime.step.window import fill_swa_table
@@ -70,13 +70,13 @@ class TokenRows:
             rows.append(row)
         return rows
 
-    def _token_cells(self, reqs, names, rows, prefix, extend, decode: bool = False) -> list:
+    def _token_cells(self, reqs, names, rows, prefix, extend, decode: bool = False) -> TokenCells:
         """valid lengths [bs], then the token table cells the rows lack: rows, columns, tokens.
 
         Each request's cells are packed with its own row and columns, as many as its positions need:
         a history shorter than the positions (an engine bug) fills the missing cells with
         ``MISSING_TOKEN``, so the gap is reported against that request alone and never shifts
-        another request's cells. Returns parts for ``Staging.send``: lists, or arrays for long runs.
+        another request's cells. Lists, or arrays where a request has a long run of cells (a prefill chunk).
         """
         if decode:
             cells = self._decode_cells(reqs, names, rows, prefix)
@@ -112,14 +112,14 @@ class TokenRows:
             else:
                 runs.append((row, have, need, toks))
         if not runs:
-            return [valid + cell_rows + cell_cols + cell_tokens]
+            return TokenCells(valid, cell_rows, cell_cols, cell_tokens)
         # long runs as arrays: a list of thousands of ints converts far slower than np.arange / np.full
         r = [np.asarray(cell_rows, dtype=np.int64)] + [np.full(n - h, row, dtype=np.int64) for row, h, n, _ in runs]
         c = [np.asarray(cell_cols, dtype=np.int64)] + [np.arange(h, n, dtype=np.int64) for _, h, n, _ in runs]
         t = [np.asarray(cell_tokens, dtype=np.int64)] + [np.asarray(tk, dtype=np.int64) for _, _, _, tk in runs]
-        return [valid] + r + c + t
+        return TokenCells(valid, np.concatenate(r), np.concatenate(c), np.concatenate(t))
 
-    def _decode_cells(self, reqs, names, rows, prefix) -> list | None:
+    def _decode_cells(self, reqs, names, rows, prefix) -> TokenCells | None:
         """The common decode step in C loops: every request one new position, its row holding all
         before it, past its prompt, its history long enough. None: take the general path (which
         handles every exception to this, a short history included)."""
@@ -135,7 +135,7 @@ class TokenRows:
             return None
         need = [p + 1 for p in prefix]
         sent.update(zip(names, need))
-        return [need + rows + prefix + tokens]
+        return TokenCells(need, rows, prefix, tokens)
 
     def _steady(self, io, reqs, states: list, copy: bool, padded: bool = False) -> HostStep | None:
         """A decode step of the same requests as the step before, each one position past its row's tokens:
@@ -156,7 +156,7 @@ class TokenRows:
         # first step, the rows' lengths) plus one (a difference of one is a cached int: no int is made)
         if list(map(sub, offsets, st.need)) != st.ones:
             return None
-        words = st.words
+        words, lay = st.words, st.layout
         if self.want_history:
             at = st.at
             if at is None:  # (the run's first step: each request's newest token must be a generated one)
@@ -167,7 +167,7 @@ class TokenRows:
                 tokens = list(map(getitem, map(_S_GENERATED, states), at))
             except IndexError:
                 return None
-            words[7 * bp:7 * bp + bs] = array("q", tokens)
+            words[lay.cell_tokens:lay.cell_tokens + bs] = array("q", tokens)
             st.at = list(map(add, at, st.ones))
             self.unsynced = True
         ends = array("q", offsets)  # (``array`` converts ints faster than numpy, and costs less per call)
@@ -179,21 +179,19 @@ class TokenRows:
             prefix, positions = st.prefix, st.ends
             st.width += 1
             st.total += bs
-        words[bp:bp + bs] = positions
+        words[lay.prefix:lay.prefix + bs] = positions
         if self.want_history and st.lag:
             # async: each newest token is carried over (device only): each row gains the cell one position back,
             # valid lengths one short (history_need): this step's positions, and the last step's as columns
-            words[4 * bp:4 * bp + bs] = positions
-            words[6 * bp:6 * bp + bs] = array("q", map(sub, prefix, st.ones)) if st.cols is None else st.cols
+            words[lay.valid:lay.valid + bs] = positions
+            words[lay.cell_cols:lay.cell_cols + bs] = array("q", map(sub, prefix, st.ones)) if st.cols is None else st.cols
             st.cols = positions
         elif self.want_history:
-            words[4 * bp:4 * bp + bs] = ends
-            words[6 * bp:6 * bp + bs] = positions
+            words[lay.valid:lay.valid + bs] = ends
+            words[lay.cell_cols:lay.cell_cols + bs] = positions
         st.prefix, st.need, st.ends = offsets, offsets, ends  # the next step's prefix; the rows hold them (sync_sent)
-        # (the batch indices, the last bp values: the last part, as in the general path)
-        packed, small = self.stage.send([words], copy, last=bp)
-        return HostStep(io, reqs, bp, bp, prefix, st.ones, self.last_rids, packed, 4 * bp, small, st.width, st.total,
-                        bp - bs)
+        return HostStep.pack_kept(self.stage, words, io, reqs, prefix, st.ones, self.last_rids,
+                                  bp if self.want_history else -1, st.width, st.total, bp - bs, copy)
 
     def sync_sent(self) -> None:
         """``sent`` as the steady steps left the rows (they advance a kept array, not the dict)."""
@@ -228,13 +226,14 @@ class TokenRows:
 
 
 class _Steady:
-    """The kept values of a batch of the same requests, in ``host_part``'s layout: rows, positions,
-    new tokens (1 each), ids, then (with a token history) valid lengths, cell rows, cell columns,
-    cell tokens, then each new token's batch index; and what the next steady step checks. Each part holds
+    """The kept values of a batch of the same requests, laid out as ``runtime.engine.HostLayout`` says (sent by
+    ``HostStep.pack_kept``): rows, positions, new tokens (1 each), ids, then (with a token history) valid
+    lengths, cell rows, cell columns, cell tokens, then each new token's batch index; and what the next steady
+    step checks. Each part holds
     ``bp`` values: the ``bs`` requests', then the padding requests' (row 0, position 0, one token, id 0, no
     history, a cell of token 0 at the padding row's column 0)."""
 
-    __slots__ = ("values", "words", "need", "base", "at", "ones", "prefix", "ends", "width", "total", "bp",
+    __slots__ = ("values", "words", "layout", "need", "base", "at", "ones", "prefix", "ends", "width", "total", "bp",
                  "padded", "lag", "cols")
 
     def __init__(self, rows: TokenRows, states: list, pad: int = 0, padded: bool = False):
@@ -251,6 +250,7 @@ class _Steady:
         parts.append(np.arange(bs + pad, dtype=np.int64))
         self.values = np.concatenate(parts)  # (int64 arrays, every one)
         self.words = memoryview(self.values).cast("B").cast("q")  # the same memory, written from ``array``s
+        self.layout = HostLayout.of(self.bp, self.bp if rows.want_history else -1)
         self.ones = [1] * bs
         # async (``rows.carries``): each row lags its request's newest token by one (``history_need``)
         self.lag = lag = int(rows.carries)
@@ -285,7 +285,6 @@ class BatchBuilder(TokenRows):
         # decode steps padded to their size bucket (``bucket``; the runner sets it where step graphs run): at
         # most this many requests, 0 = no padding
         self.pad_cap = 0
-        self.iota_np = np.arange(256, dtype=np.int64)
         # async batching (docs/notes/async_batching.md): the forward carries the last one's tokens over into its
         # input ids; two storage sets in turn, one view each (their requests: the host half's)
         aio = session.bp.inputs_and_outputs
@@ -338,7 +337,6 @@ class BatchBuilder(TokenRows):
         one_each = extend.count(1) == bs  # a decode step: one new token per request
         names = list(map(STATE_ID, states))
         offsets = list(map(STATE_OFFSET, states))
-        T = sum(extend)
         self.sync_sent()
         self.steady = None  # rows, ids or token cells may change below: the steady path starts again
         prefix = list(map(sub, offsets, extend))
@@ -350,23 +348,10 @@ class BatchBuilder(TokenRows):
             rids = [ids.get(n) or s.request_id(n) for n in names]
             self.last_names, self.last_rows, self.last_rids = names, rows, rids
         self.last_states = states
-        cells = self._token_cells(reqs, names, rows, prefix, extend, one_each) if self.want_history else []
-        pad = self.padding(io, bs) if padded and one_each and len(cells) < 2 else 0  # (long runs: never decode)
-        if pad:
-            z = [0] * pad
-            parts = [rows + z + prefix + z + extend + [1] * pad + rids + z]
-            if cells:
-                c, k = cells[0], (len(cells[0]) - bs) // 3  # valid lengths, then k cell rows, columns, tokens
-                cells = [c[:bs] + z + c[bs:bs + k] + z + c[bs + k:bs + 2 * k] + z + c[bs + 2 * k:] + z]
-        else:
-            parts = [rows + prefix + extend + rids]
-        parts += cells
-        # Each new token's batch index, made on the host (CPU repeat_interleave is slow at small sizes).
-        parts.append(self._iota_np(bs + pad) if one_each else np.repeat(self._iota_np(bs), extend))
-        packed, small = self.stage.send(parts, copy)
-        width = max(map(add, prefix, extend), default=0)
-        return HostStep(io, reqs, bs + pad, T + pad, prefix, extend, rids, packed, 4 * (bs + pad), small, width,
-                        sum(prefix) + T, pad)
+        cells = self._token_cells(reqs, names, rows, prefix, extend, one_each) if self.want_history else None
+        # (long runs, arrays: never a decode step)
+        pad = self.padding(io, bs) if padded and one_each and (cells is None or type(cells.rows) is list) else 0
+        return HostStep.pack(self.stage, io, reqs, rows, prefix, extend, rids, cells, pad, copy)
 
     def padding(self, io, bs: int) -> int:
         """Padding requests that take a decode step of ``bs`` requests to its bucket: within the canary's sizes
@@ -375,11 +360,6 @@ class BatchBuilder(TokenRows):
             return 0
         cap = min(self.pad_cap, io.input_ids.shape[0], io.position_ids.shape[0], io.write_index_storage.shape[1])
         return bucket(bs, cap) - bs
-
-    def _iota_np(self, n: int) -> np.ndarray:
-        if self.iota_np.shape[0] < n:
-            self.iota_np = np.arange(max(n, 2 * self.iota_np.shape[0]), dtype=np.int64)
-        return self.iota_np[:n]
 
     def _oracle(self, batch, reqs, prefix, extend, rids) -> None:
         """Expected inputs (prompt, then oracle tokens) and the tokens the sampler will be forced to emit."""

@@ -272,15 +272,15 @@ class Run:
     storages) and each (staging turn, snapshot slot) pair's entry and graph, found by the turn buffer's
     address and the slot's index: a repeat builds no keys and looks nothing up in the kept graphs."""
 
-    __slots__ = ("bs", "small", "lo", "hi", "no_read", "ptrs", "group", "pairs")
+    __slots__ = ("bs", "cells", "lo", "hi", "no_read", "ptrs", "group", "pairs")
 
     def __init__(self, h, lo: int, hi: int, no_read: bool, ptrs: tuple, group: int):
-        self.bs, self.small, self.lo, self.hi = h.bs, h.small, lo, hi
+        self.bs, self.cells, self.lo, self.hi = h.bs, h.cells, lo, hi
         self.no_read, self.ptrs, self.group = no_read, ptrs, group
         self.pairs: dict = {}
 
     def matches(self, h, io, ptrs: tuple) -> bool:
         """Step ``h`` has the run's shape (its width in (lo, hi]; the read index lists every slot it reads)."""
-        return (h.T == h.bs == self.bs and h.small == self.small and self.lo < h.width <= self.hi
+        return (h.T == h.bs == self.bs and h.cells == self.cells and self.lo < h.width <= self.hi
                 and ptrs is self.ptrs and (io.max_kv_read == 0) is self.no_read
                 and io.true_read_sizes[self.group] >= h.total)

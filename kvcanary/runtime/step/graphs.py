@@ -151,7 +151,7 @@ class StepGraphs:
             self.inline = self.fused_now = self.last_fused = False
         g = s.group
         width = table_width(h.width, s.canary.max_context, WIDTH_STEP)
-        shape = (h.bs, h.T, h.small, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
+        shape = (h.bs, h.T, h.cells, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
                  *ptrs)
         # a steady decode shape: a graph per turn (see the module's docstring); anything else reads a
         # static copy of the staged values, and the monitor keeps the turn's values and a copy of the
@@ -314,7 +314,7 @@ class StepGraphs:
     def _report(self, h, width: int, table: torch.Tensor):
         """A multi-token step's batch for the monitor: views into this turn's staged buffer and its own
         read table (a copy of the captured batch's), assembled only when a report reads it (``_Report``)."""
-        key = (h.packed.data_ptr(), h.bs, h.T, h.small, width, h.io.input_ids.data_ptr(),
+        key = (h.packed.data_ptr(), h.bs, h.T, h.cells, width, h.io.input_ids.data_ptr(),
                h.io.write_index_storage.data_ptr())
         batch = self.reports.get(key)
         if batch is None:

@@ -53,7 +53,7 @@ class SteadyStaging(Staging):
 
 def _key(h, io, group: int) -> tuple:
     """What a step must share with the bound one: its shape and packed host part, and the engine's storages."""
-    return (h.bs, h.T, h.small, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
+    return (h.bs, h.T, h.cells, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
             io.write_index_storage.data_ptr(), io.read_index_storage[group].data_ptr())
 
 

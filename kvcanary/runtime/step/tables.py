@@ -88,7 +88,7 @@ class StepTables:
         # the read table's width rounded up: decode steps grow it by one column each, and cells past a
         # request's length are never read, so one batch serves many steps
         width = table_width(h.width, self.canary.max_context, CPU_WIDTH_STEP)
-        key = (h.bs, h.T, h.small, width, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
+        key = (h.bs, h.T, h.cells, width, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
                io.write_index_storage.data_ptr(), io.read_index_storage.data_ptr(), io.use_block_table)
         batch = self.cpu_batches.get(key)
         if batch is None:
@@ -110,9 +110,9 @@ class StepTables:
     def assemble(self, h: HostStep, width: int | None = None) -> ForwardBatch:
         """The ForwardBatch of views into the staged buffer, the engine's inputs and a read table of
         ``width`` columns (not yet filled: ``fill_read_table``)."""
-        io, bs, T, packed, B = h.io, h.bs, h.T, h.packed, self.block_size
-        rows_t, prefix_t, extend_t, rids_t = (packed[i * bs:(i + 1) * bs] for i in range(4))
-        token_req = packed[h.small:]
+        io, bs, T, B = h.io, h.bs, h.T, self.block_size
+        p = h.unpack()
+        rows_t, prefix_t, extend_t, rids_t, token_req = p.rows, p.prefix, p.extend, p.rids, p.token_req
         input_ids, positions = io.input_ids[:T], io.position_ids[:T]
         width = max(1, h.width if width is None else width)
         if io.use_block_table:
@@ -129,10 +129,7 @@ class StepTables:
                              mode=ForwardMode.DECODE if T == bs else ForwardMode.EXTEND)
         batch.token_req = token_req  # each new token's batch index (verify_new_reads, the block-table path)
         if self.want_history:
-            k = (h.small - h.n - bs) // 3
-            c0 = h.n + bs
-            batch.token_history = TokenAppend(packed[c0:c0 + k], packed[c0 + k:c0 + 2 * k],
-                                              packed[c0 + 2 * k:c0 + 3 * k], packed[h.n:h.n + bs])
+            batch.token_history = TokenAppend(p.cell_rows, p.cell_cols, p.cell_tokens, p.valid)
         return batch
 
     def fill_read_table(self, batch: ForwardBatch, h: HostStep, captured: bool = False) -> None:
