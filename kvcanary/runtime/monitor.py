@@ -16,6 +16,7 @@ from kvcanary.format import (
     link,
     to_unsigned,
 )
+from kvcanary.runtime import readers
 from kvcanary.runtime.abort import Aborts
 from kvcanary.runtime.allocator import is_allocator_row
 from kvcanary.runtime.batch import batch_lists, verified_cells
@@ -48,6 +49,7 @@ class Monitor:
         self.last_health: tuple[dict, list[list[int]]] | None = None
         self.overflowing = {g.name: False for g in canary.groups}
         self.health_problems: list[str] = []
+        self._taken: dict = {}  # rows of the observation being decoded -> cells named so far (readers.assign)
 
     @property
     def counters(self) -> list[list[int]] | None:
@@ -112,6 +114,7 @@ class Monitor:
     # -- draining --------------------------------------------------------------------------------
     def _process(self, observations: list[Observation]) -> None:
         fresh: list[Violation] = []
+        leads: list[bool] = []  # per violation: the first of its identical rows (readers.group)
         total = 0
         for obs in observations:
             self.last_observation = obs
@@ -123,14 +126,20 @@ class Monitor:
                 at_least = "at least " if obs.count >= VIOLATION_COUNT_LIMIT else ""  # the count saturates
                 log.warning("kv_canary ring overflow at step %d: %s%d violations, %d rows kept "
                             "(raise KV_CANARY_RING_CAPACITY)", obs.step, at_least, obs.count, len(obs.rows))
-            fresh.extend(self._decode(row, obs.step) for row in obs.rows)
+            self._taken = {}  # (this observation's reader assignment: _reader)
+            decoded, lead = readers.group(obs.rows, [self._decode(row, obs.step) for row in obs.rows])
+            fresh.extend(decoded)
+            leads.extend(lead)
         if not total:
             return
         self.total_violations += total
         self.violations.extend(fresh)
-        for i, v in enumerate(fresh):
+        blocks = 0
+        for v, lead in zip(fresh, leads):
             log.warning(v.log_line())
-            if i < self.canary.config.report_blocks:
+            # one readable block per group of identical rows (every reader of one bad slot: readers.py)
+            if lead and blocks < self.canary.config.report_blocks:
+                blocks += 1
                 log.warning(v.block())
             if self.on_violation is not None:
                 self.on_violation(v)
@@ -225,10 +234,15 @@ class Monitor:
             tests.append(lambda c: expected_token(c) == row[4])
         if bits & FailReason.VERIFY_CHAIN_HASH:
             tests.append(lambda c: _expected_prev_hash(buf, c[3]) == to_unsigned(row[6]))
+        matched = candidates
         for test in tests:  # each narrows the candidates, unless it would leave none
-            kept = [c for c in candidates if test(c)]
-            candidates = kept or candidates
-        return {"reader_request": candidates[0][0], "reader_position": candidates[0][1]}
+            kept = [c for c in matched if test(c)]
+            matched = kept or matched
+        # Each failing verify entry wrote a row of its own: rows identical in content (several requests
+        # reading one bad slot alike, e.g. forks of one parent) name the matching cells one each, in batch
+        # order (readers.py).
+        cell = readers.assign(self._taken, step, row, matched + [c for c in candidates if c not in matched])
+        return {"reader_request": cell[0], "reader_position": cell[1]}
 
     def _slot_position(self, row: list[int], step: int, group: str) -> dict:
         """For a write-time row: the position whose slot the writing request's table says this is."""

@@ -29,6 +29,12 @@ class Violation:
     position whose slot the writing request's table says the written slot is. ``layer`` (a
     ``nonfinite_kv`` row) is the index of the real-KV source whose bytes were not finite, in
     ``PoolSpec`` order; ``poisoned``: the slot's KV is the poison pattern of a freed slot.
+
+    ``reader_request`` / ``reader_position`` name the request whose verify entry wrote this row (each failing
+    entry writes one). ``readers`` / ``reader_positions``: every request of the same forward whose read of the
+    slot failed exactly as this row's (rows identical in every field: a shared prefix block, a parent and its
+    forks), this row's own reader included, in ring order (``runtime/readers.py``); empty where no reader
+    was named (write-time, sweep and unattributed rows).
     """
 
     step: int
@@ -50,6 +56,8 @@ class Violation:
     slot_position: int | None = None
     layer: int | None = None
     poisoned: bool = False
+    readers: tuple[int, ...] = ()
+    reader_positions: tuple[int, ...] = ()
 
     @classmethod
     def from_row(cls, row: list[int], step: int, **attribution) -> Violation:
@@ -116,8 +124,7 @@ class Violation:
             if self.fail_reason & FailReason.VERIFY_REAL_KV_HASH:
                 lines.append("  real KV: the slot's KV bytes changed since they were written" + (
                     ": they are the poison pattern of a freed slot (poison_on_free)" if self.poisoned else ""))
-        if self.reader_request is not None:
-            lines.append(f"  read by request {self.reader_request} at position {self.reader_position}")
+        lines += self._reader_lines()
         if self.writer_request is not None:
             if self.writer_position is not None:
                 lines.append(f"  last written by request {self.writer_request} at step {self.writer_step}, with "
@@ -126,6 +133,14 @@ class Violation:
                 lines.append(f"  last written by request {self.writer_request} at step {self.writer_step}")
         lines += self._verdict()
         return "\n".join(lines)
+
+    def _reader_lines(self) -> list[str]:
+        if len(self.readers) > 1:  # (several requests read the slot alike: one row each, one block for all)
+            return [f"  read by {len(self.readers)} requests in this forward, each failing this check:"] + [
+                f"    request {r} at position {p}" for r, p in zip(self.readers, self.reader_positions)]
+        if self.reader_request is not None:
+            return [f"  read by request {self.reader_request} at position {self.reader_position}"]
+        return []
 
     def _write_lines(self) -> list[str]:
         expected_pos = to_signed(self.expected_aux)
@@ -200,6 +215,7 @@ class Violation:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["reasons"] = list(self.reasons)
+        d["readers"], d["reader_positions"] = list(self.readers), list(self.reader_positions)
         return d
 
 

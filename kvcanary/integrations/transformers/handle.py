@@ -315,6 +315,11 @@ class TransformersHandle:
             name = self.request_name(rid, session)
             if name is not None:
                 text = text.replace(f"{label} {rid} ", f"{label} {rid} ({name!r}) ")
+        if len(violation.readers) > 1:  # (the block lists every reader of the slot, one line each)
+            for rid in violation.readers:
+                name = self.request_name(rid, session)
+                if name is not None:
+                    text = text.replace(f"    request {rid} at ", f"    request {rid} ({name!r}) at ")
         return text
 
     def check(self) -> None:

@@ -1,0 +1,177 @@
+"""Every request that read a bad slot is named (issue 56, item 3): a violation row per failing verify entry
+names its own reader, rows identical in content (several requests reading one bad slot alike) name one
+reader each, the report groups them, and mode "abort" fails each of them and only them."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from kvcanary import Canary, CanaryConfig, ForwardBatch, PoolSpec, RealKvSource, violations_to_json
+from kvcanary.sim.config import SimConfig
+from kvcanary.sim.engine import SimEngine, default_canary_config
+from kvcanary.sim.zoo import quiet_and_single_threaded
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with quiet_and_single_threaded():
+        yield
+
+
+# -- the runtime: a parent and its forks on a toy pool of one-token pages ---------------------------------
+class Forks:
+    """A parent on row 1 and forks on rows 2.. that share its prompt's slots (prefix sharing: their table
+    cells are the parent's), each decoding on a slot of its own."""
+
+    def __init__(self, mode="abort", forks=4):
+        self.aborted = []
+        self.k = torch.zeros(64, 8, dtype=torch.float32)
+        pool = PoolSpec(num_slots=64, k_sources=(RealKvSource(self.k, page_size=1, num_bytes_per_token=32,
+                                                             read_bytes=32),))
+        self.canary = Canary(pool, CanaryConfig(mode=mode, health_interval=0), max_batch=8, max_tokens=64,
+                             max_context=32, num_rows=8,
+                             on_abort=(lambda rid, vs: self.aborted.append((rid, vs))) if mode == "abort" else None)
+        self.canary.mark_ready()
+        self.table = torch.zeros(8, 32, dtype=torch.int32)
+        self.next_slot = 1
+        self.lens = {}
+        self.prompt = [11, 22, 33, 44]
+        self.forward([(100, 1, self.prompt)])  # the parent's prefill: slots 1..4
+        for i in range(forks):  # the forks map the parent's prompt slots (no copy: one record, one KV)
+            self.table[2 + i, :4] = self.table[1, :4]
+            self.lens[200 + i] = (2 + i, 4)
+        self.forward([(200 + i, 2 + i, [50 + i]) for i in range(forks)] + [(9, 7, [70, 71])])
+
+    def forward(self, work):
+        """``work``: (request id, row, new tokens) per request, appended after what the row holds."""
+        rows, prefix, extend, ids, pos, loc, rids = [], [], [], [], [], [], []
+        for rid, row, tokens in work:
+            p = self.lens.get(rid, (row, 0))[1]
+            slots = list(range(self.next_slot, self.next_slot + len(tokens)))
+            self.next_slot += len(tokens)
+            self.table[row, p:p + len(tokens)] = torch.tensor(slots, dtype=torch.int32)
+            rows.append(row), prefix.append(p), extend.append(len(tokens)), rids.append(rid)
+            ids += tokens
+            pos += range(p, p + len(tokens))
+            loc += slots
+            self.lens[rid] = (row, p + len(tokens))
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        batch = ForwardBatch(t(rows), t(prefix), t(extend), t(ids), t(pos), t(loc), self.table, request_ids=t(rids))
+        self.canary.before_forward(batch)
+        self.k[t(loc)] = torch.randn(len(loc), 8)
+        self.canary.after_forward(batch)
+
+    def decode(self, rids):
+        self.forward([(rid, self.lens[rid][0], [60 + rid % 10]) for rid in rids])
+
+
+def test_four_forks_reading_a_corrupted_shared_slot_are_each_named_and_aborted():
+    f = Forks()
+    assert f.aborted == [] and f.canary.violations == []
+    f.k[2, 0] += 1.0  # the shared prompt's position 1 (the parent's slot 2) changes under its record
+    f.decode([200, 201, 202, 203, 9])  # the forks read it; request 9 does not; the parent is not scheduled
+    vs = f.canary.violations
+    assert vs and {v.reasons for v in vs} == {("verify_real_kv_hash",)}
+    # one TAIL row per fork (the real-KV check): each names its own reader, every row lists all four
+    assert {v.launch_tag for v in vs} == {"TAIL_K_FULL"}
+    assert sorted(v.reader_request for v in vs) == [200, 201, 202, 203]
+    assert all(v.readers == (200, 201, 202, 203) and v.reader_positions == (1,) * 4 for v in vs)
+    assert all(v.reader_position == 1 and v.writer_request == 100 for v in vs)
+    assert sorted(rid for rid, _ in f.aborted) == [200, 201, 202, 203]  # each of them, and only them
+    assert all(v.reader_request == rid for rid, named in f.aborted for v in named)
+    assert f.canary.stats()["aborted_requests"] == 4 and f.canary.stats()["abort_unattributed"] == 0
+
+
+def test_the_report_groups_the_readers_of_one_slot(caplog):
+    f = Forks(mode="log")
+    f.k[3, 0] += 1.0
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        f.decode([100, 200, 201, 202, 203])  # the parent reads it too: five readers
+    vs = f.canary.violations
+    assert len(vs) == 5 and {v.readers for v in vs} == {(100, 200, 201, 202, 203)}
+    # one readable block for the five identical rows, listing every reader; a log line per row
+    blocks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV canary violation")]
+    assert len(blocks) == 1
+    assert "read by 5 requests in this forward, each failing this check:" in blocks[0]
+    for rid in (100, 200, 201, 202, 203):
+        assert f"    request {rid} at position 2" in blocks[0]
+    assert sum(r.getMessage().startswith("kv_canary violation:") for r in caplog.records) == 5
+    # JSON keeps every field it had and adds the readers
+    row = json.loads(violations_to_json(vs))["violations"][0]
+    assert row["reader_request"] in (100, 200, 201, 202, 203) and row["readers"] == [100, 200, 201, 202, 203]
+    assert row["reader_positions"] == [2] * 5
+
+
+def test_a_stale_entry_next_to_the_legitimate_owner_names_the_stale_reader_alone():
+    f = Forks(forks=2)
+    f.table[3, 1] = 60  # fork 201's position 1 maps a slot its parent never wrote there
+    f.decode([100, 200, 201])
+    assert {v.reader_request for v in f.canary.violations} == {201}
+    assert all(v.readers == (201,) for v in f.canary.violations)
+    assert [rid for rid, _ in f.aborted] == [201]
+
+
+# -- the simulated engine: every reader of a corrupted shared slot, on every route ---------------------------
+CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=32, max_steps=60,
+           graph_sizes=(1, 2, 3, 4))
+ROUTES = ["hooks", "eager"] + (["captured", "fused"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+
+
+class SharedFlip(SimEngine):
+    """The sim with one byte of layer 0's K flipped, before step ``at``'s forward, in the slot the most running
+    requests share (a cached prefix); ``mappers``: the running requests whose slots hold it then, and
+    ``read_wrong``: each request that read a K byte of layer 0 unlike its own tokens', with the step."""
+
+    def __init__(self, steps=None, mode="abort", at=6):
+        from kvcanary.runtime.graphs import DispatchGraph  # noqa: F401  (the captured routes' stand-in)
+
+        cfg = SimConfig(**CFG)
+        config = default_canary_config(cfg).replace(mode=mode, allocator_check_interval=0)
+        if steps is not None:
+            config = config.replace(backend="triton")
+        super().__init__(cfg, config, **({} if steps is None else {"steps": steps}))
+        self.at, self.mappers, self.flipped = at, set(), None
+        self.read_wrong: dict[int, int] = {}
+
+    def step(self):
+        if self.step_no + 1 == self.at:
+            count = collections.Counter(s for r in self.sched.running for s in set(r.slots))
+            slot, n = count.most_common(1)[0]
+            assert n >= 3, "the workload's requests no longer share a cached prefix"
+            ps, words = self.cfg.page_size, self.model.k[0].shape[1] // self.cfg.page_size
+            self.model.k[0][slot // ps, (slot % ps) * words] ^= 0x55
+            self.flipped, self.mappers = slot, {r.rid for r in self.sched.running if slot in r.slots}
+        super().step()
+
+
+def readers_seen(e):
+    return sorted((v.step, v.launch_tag, v.reader_request, v.readers) for v in e.canary.violations)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_sim_every_reader_of_a_corrupted_shared_slot_is_named_and_aborted_on_every_route(route):
+    e = SharedFlip(steps=None if route == "hooks" else route)
+    result = e.run()
+    vs = e.canary.violations
+    first = min(v.step for v in vs)
+    at_first = [v for v in vs if v.step == first]
+    assert {v.slot for v in at_first} == {e.flipped}
+    named = {v.reader_request for v in at_first}
+    # every request mapping the slot that read it in that forward is named (the flip's readers: all mappers,
+    # the forward being a decode of every running request), each failed once, and nobody else
+    assert named == e.mappers and len(named) >= 3
+    assert all(set(v.readers) == named for v in at_first)
+    # the canary asked the engine to fail exactly those (a request that ended with that forward is left alone)
+    assert e.canary.monitor.aborts.aborted == named and e.canary.stats()["aborted_requests"] == len(named)
+    failed = {rid for rid, r in e.sched.requests.items() if r.error is not None}
+    assert failed <= named and len(failed) == result.failed >= 1
+    if route != "hooks":
+        plain = SharedFlip()
+        plain.run()
+        assert readers_seen(e) == readers_seen(plain)
