@@ -129,11 +129,9 @@ class SharedFlip(SimEngine):
     ``read_wrong``: each request that read a K byte of layer 0 unlike its own tokens', with the step."""
 
     def __init__(self, steps=None, mode="abort", at=6):
-        from kvcanary.runtime.graphs import DispatchGraph  # noqa: F401  (the captured routes' stand-in)
-
         cfg = SimConfig(**CFG)
         config = default_canary_config(cfg).replace(mode=mode, allocator_check_interval=0)
-        if steps is not None:
+        if steps in ("captured", "fused"):  # (the CPU stand-in graphs record Triton launches)
             config = config.replace(backend="triton")
         super().__init__(cfg, config, **({} if steps is None else {"steps": steps}))
         self.at, self.mappers, self.flipped = at, set(), None
@@ -175,3 +173,70 @@ def test_sim_every_reader_of_a_corrupted_shared_slot_is_named_and_aborted_on_eve
         plain = SharedFlip()
         plain.run()
         assert readers_seen(e) == readers_seen(plain)
+
+
+# -- transformers continuous batching: a parent's forks reading a corrupted shared prompt block --------------
+@pytest.fixture(scope="module")
+def llama():
+    pytest.importorskip("transformers")
+    from kvcanary.demo import build_tiny_model
+
+    return build_tiny_model("cpu")
+
+
+def flip_shared_block(seen):
+    """A planted bug: once, after a forward, one byte of layer 0's K flips in a prompt block that the most
+    requests share (a parent's forks); ``seen``: the requests mapping it then, and the next forward's requests."""
+    from kvcanary.sim.hf_bugs import _flip, _once, _requests
+
+    def planter(bp, lay, state):
+        orig = bp._generation_step
+
+        def step(model):
+            if "slot" in seen and "next" not in seen:
+                seen["next"] = {fs.state.request_id for fs in _requests(bp)}
+            orig(model)
+            tables = lay.block_table(lay.full_group)
+            count = collections.Counter(b for t in tables.values() for b in t[:-1])  # (full blocks, all read)
+            if count and count.most_common(1)[0][1] >= 3 and _once(state):
+                block = count.most_common(1)[0][0]
+                seen["slot"] = lay.slot(block, 1)
+                seen["mappers"] = {rid for rid, t in tables.items() if block in t[:-1]}
+                _flip(lay, seen["slot"])
+
+        bp._generation_step = step
+
+    return planter
+
+
+def forks_run(llama, steady: bool):
+    """The planted bug's run in mode abort (``steady``: the CPU's steady steps on or off); checks who is named
+    and failed, and returns what each violation names."""
+    from kvcanary.demo import run_workload
+    from kvcanary.integrations.transformers.handle import tuned
+    from kvcanary.sim.hf_bugs import plant_with
+
+    seen: dict = {}
+    undo = plant_with(llama, flip_shared_block(seen), "_test_readers_bug")
+    try:
+        with tuned(steady_steps=steady):
+            run = run_workload(llama, mode="abort", num_return_sequences=4, max_new_tokens=8)
+    finally:
+        undo()
+    vs = run.violations
+    assert vs and "slot" in seen, "the planted bug did not fire"
+    first = [v for v in vs if v.step == vs[0].step]
+    victims = seen["mappers"] & seen["next"]  # every request of the next forward that maps the block reads it
+    named = {run.names[v.reader_request] for v in first}
+    assert named == victims and len(victims) >= 3, (named, seen)
+    assert all({run.names[r] for r in v.readers} == victims for v in first)
+    assert {v.slot for v in first} == {seen["slot"]} and {v.reasons for v in first} == {("verify_real_kv_hash",)}
+    # mode abort failed each of them and nobody else (the run's failed requests are the engine's outputs' errors)
+    assert run.stats["aborted_requests"] == len(victims) == run.stats["failed_requests"]
+    return sorted((v.step, v.launch_tag, v.slot, v.reader_request, v.readers) for v in vs), run.tokens
+
+
+def test_transformers_forks_reading_a_corrupted_shared_block_are_each_named_and_aborted_on_every_route(llama):
+    # the steady steps (a step shaped like an earlier one, from its bound plan) and the eager ones name the same
+    steady, eager = forks_run(llama, True), forks_run(llama, False)
+    assert steady == eager

@@ -80,7 +80,7 @@ class AllocatorViolation(Violation):
     def to_dict(self) -> dict:
         return {**super().to_dict(), "holders": list(self.holders)}
 
-    def block(self) -> str:
+    def block(self, name_of=None) -> str:  # (``name_of``: Violation.block's; a holder is named by its int)
         who, b = _names(self.holders), self.block_id
         freed = "" if self.free_step is None else f" (freed before the forward of step {self.free_step})"
         lines = [f"KV canary allocator violation at step {self.step}: {self.rule}"]

@@ -98,8 +98,21 @@ class Violation:
         return (not self.is_write_check and not self.fail_reason & SLOT_REASONS and self.stored_chain_hash == 0
                 and self.stored_token == 0 and self.position == 0)
 
-    def block(self) -> str:
-        """A readable multi-line explanation."""
+    def block(self, name_of=None) -> str:
+        """A readable multi-line explanation. ``name_of(request_id)``: the engine's own id of a request (or
+        None), printed next to the canary's int where the block names a reader or writer."""
+        text = self._block()
+        if name_of is None:
+            return text
+        named = {rid: name_of(rid) for rid in {self.reader_request, self.writer_request, *self.readers}
+                 if rid is not None}
+        for rid, name in named.items():
+            if name is not None:
+                for label in ("read by request", "last written by request", "    request"):
+                    text = text.replace(f"{label} {rid} ", f"{label} {rid} ({name!r}) ")
+        return text
+
+    def _block(self) -> str:
         lines = [f"KV canary violation at step {self.step} ({self.launch_tag}): {self.reason_label}"]
         if self.fail_reason & SLOT_REASONS:
             return "\n".join(lines + self._slot_lines())

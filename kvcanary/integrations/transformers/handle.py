@@ -309,18 +309,7 @@ class TransformersHandle:
 
     def describe(self, violation: Violation, session: int = -1) -> str:
         """The readable violation block, with engine request ids next to the canary's ints."""
-        text = violation.block()
-        for label, rid in (("read by request", violation.reader_request),
-                           ("last written by request", violation.writer_request)):
-            name = self.request_name(rid, session)
-            if name is not None:
-                text = text.replace(f"{label} {rid} ", f"{label} {rid} ({name!r}) ")
-        if len(violation.readers) > 1:  # (the block lists every reader of the slot, one line each)
-            for rid in violation.readers:
-                name = self.request_name(rid, session)
-                if name is not None:
-                    text = text.replace(f"    request {rid} at ", f"    request {rid} ({name!r}) at ")
-        return text
+        return violation.block(lambda rid: self.request_name(rid, session))
 
     def check(self) -> None:
         """Raise the first exception a hook raised on the engine thread and that was not raised yet."""
