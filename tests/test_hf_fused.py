@@ -53,7 +53,7 @@ def fused_step(monkeypatch, fail_close: bool = False, waits=None):
     def take_slot():
         return slot, []
 
-    def replayed_step(batch, s, done, launch_s):
+    def close_step(batch, s, done, launch_s):
         calls.append(("close", streams.current()))
         if fail_close:
             raise RuntimeError("close failed")
@@ -63,7 +63,7 @@ def fused_step(monkeypatch, fail_close: bool = False, waits=None):
 
     obs = SimpleNamespace(eager_read=False, slots=[None, slot, None], next=1, take_slot=take_slot)
     canary = SimpleNamespace(monitor=SimpleNamespace(observer=obs), check_replayed=lambda b: None,
-                             replayed_step=replayed_step,
+                             close_step=close_step,
                              launcher=SimpleNamespace(streams=SimpleNamespace(side=lambda: "side"),
                                                       restore=lambda state: None))
     session = SimpleNamespace(canary=canary, stage=stage,

@@ -429,7 +429,7 @@ def test_token_failure_names_the_request_that_reads_the_wrong_kv():
 
 def replayed_steps(e, fused: list) -> None:
     """An adapter that runs each step's whole canary work after the forward, as one sequence (the
-    transformers adapter's fused steady steps): ``device_before``, ``device_after``, ``replayed_step``,
+    transformers adapter's fused steady steps): ``device_before``, ``device_after``, ``close_step``,
     wherever ``fusable`` allows; the ordinary hooks otherwise. ``fused`` collects its choices."""
     c = e.canary
     before, after = c.before_forward, c.after_forward
@@ -447,7 +447,7 @@ def replayed_steps(e, fused: list) -> None:
         c.check_replayed(batch)
         c.device_before(batch)
         c.device_after(batch)
-        c.replayed_step(batch, launch_s=0.25)  # (the host seconds the adapter says launching took)
+        c.close_step(batch, launch_s=0.25)  # (the host seconds the adapter says launching took)
 
     c.before_forward, c.after_forward = on_before, on_after
 

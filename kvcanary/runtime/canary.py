@@ -251,34 +251,37 @@ class Canary(RecordMoves):
         step's device work runs on the launcher's side stream; at the end the engine's stream waits for
         it, so no later KV write (next forward, copies into reused slots) races TAIL's reads."""
         self._check_open("host_after")
-        self._end_forward(batch)
         try:
             with self.launcher.side():
-                sweep, check = self._sweep_due(self.step), self.allocator.due(self.step)
-                if self.injector is not None or sweep or check:
-                    self.launcher.flush_tail()  # their work follows TAIL's
-                if self.injector is not None:
-                    self.injector.after_forward(batch)
-                if sweep:
-                    triples = self.sweep_provider()
-                    if triples is not None:
-                        self.sweep(*triples)
-                if check:
-                    self.allocator.run(batch)
-                if self.injector is not None:
-                    self.injector.end_step(batch)
-                self._snapshot()
+                self._close(batch, self._due_work)
         finally:
             self.launcher.join()
+
+    def _due_work(self, batch: ForwardBatch) -> None:
+        """The eager close's own work, after the step advanced and before its snapshot: fault injection, a
+        periodic sweep, the allocator check (a recorded step's close never has any: ``plain_close``)."""
+        sweep, check = self._sweep_due(self.step), self.allocator.due(self.step)
+        if self.injector is not None or sweep or check:
+            self.launcher.flush_tail()  # their work follows TAIL's
+        if self.injector is not None:
+            self.injector.after_forward(batch)
+        if sweep:
+            triples = self.sweep_provider()
+            if triples is not None:
+                self.sweep(*triples)
+        if check:
+            self.allocator.run(batch)
+        if self.injector is not None:
+            self.injector.end_step(batch)
 
     def after_replayed(self, batch: ForwardBatch) -> None:
         """``after_forward`` where the caller keeps side sections on the current stream (an adapter's
         replayed steps, ``ForwardLauncher.run_here``): the same TAIL and step close, with no stream
-        hand-overs. A step that injects faults, sweeps, checks the allocator or has side-stream work pending
-        takes ``after_forward`` (as does a disabled canary: nothing to do)."""
+        hand-overs. A step whose close has work of its own (``plain_close``: fault injection, a sweep or
+        allocator check due, side-stream work pending) takes ``after_forward`` (as does a disabled canary:
+        nothing to do)."""
         launcher = self.launcher
-        if (self.injector is not None or launcher.pending is not None or not launcher.on_current or not self.enabled
-                or self._sweep_due(self.step + 1) or self.allocator.due(self.step + 1)):
+        if not launcher.on_current or not self.enabled or not self.plain_close():
             self.after_forward(batch)
             return
         self._check_open("after_forward")
@@ -290,16 +293,26 @@ class Canary(RecordMoves):
         finally:
             launcher.defer_tail = False
         t1 = time.perf_counter()
-        self._end_forward(batch)
-        self._snapshot()
+        self._close(batch)
         if self.host_times is not None:
             self._add_times(time.perf_counter() - t1, t1 - t0)
 
+    def plain_close(self) -> bool:
+        """Whether the next step's close has no work of its own, so a recorded step may close it with
+        ``close_step``: no fault injection, no side-stream work pending, no sweep or allocator check due."""
+        step = self.step + 1
+        return (self.injector is None and self.launcher.pending is None and not self._sweep_due(step)
+                and not self.allocator.due(step))
+
+    @property
+    def open_batch(self) -> ForwardBatch | None:
+        """The open forward's batch (between its before and after work), None between forwards."""
+        return self._open
+
     def fusable(self) -> bool:
-        """Whether the next forward may be one sequence an adapter replays after it (``replayed_step``): no forward
-        open, no side-stream work pending, no fault injection, no sweep or allocator check due at its close."""
-        return (self.enabled and self._open is None and self.injector is None and self.launcher.pending is None
-                and not self._sweep_due(self.step + 1) and not self.allocator.due(self.step + 1))
+        """Whether the next forward may be one sequence an adapter replays after it (``close_step`` with its
+        snapshot slot): no forward open, and a close with no work of its own (``plain_close``)."""
+        return self.enabled and self._open is None and self.plain_close()
 
     def check_replayed(self, batch: ForwardBatch) -> None:
         """``host_before``'s value checks for a batch an earlier call checked (its shapes), where configured."""
@@ -308,36 +321,47 @@ class Canary(RecordMoves):
                                max_context=self.max_context)
             check_distinct_rows(batch)
 
-    def replayed_step(self, batch: ForwardBatch, slot=None, done=(), launch_s: float = 0.0) -> None:
-        """The host side of a whole step an adapter captured as one sequence and replayed after the forward
-        (``device_before``, ``device_after`` and, given ``slot`` from ``HostObserver.take_slot``, the
-        snapshot copy into it; ``done``: what taking the slot drained): the step closes as
-        ``after_replayed`` closes it. Without ``slot`` the snapshot is taken here. Drains at the latest
-        when the slot comes round again (no poll before the forward). ``launch_s``: the host seconds the
-        adapter spent launching the sequence (benchmarks' ``host_times``)."""
+    def open_recorded(self, batch: ForwardBatch, state: tuple) -> None:
+        """Open the forward of ``batch`` whose before work a recorded plan ran, its checks included (the CPU's
+        bound plan, ``runtime/step``): the launcher takes the state the recorded step's own before work left
+        (``ForwardLauncher.state``), which its after work reads."""
+        if self._open is not None:
+            raise RuntimeError("kv-canary: before_forward must be followed by after_forward before the next "
+                               f"forward, got a second before_forward at step {self.step}")
+        self.launcher.restore(state)
+        self._open = batch
+
+    def close_step(self, batch: ForwardBatch, slot=None, done=(), launch_s: float = 0.0) -> None:
+        """Close the step of ``batch`` whose device work (HEAD and TAIL) a recorded plan ran: the close every
+        route shares (``_close``), where ``plain_close`` held. ``slot``: the step's snapshot was copied into it
+        inside the recorded sequence (``HostObserver.take_slot``, whose observations ``done`` are drained here;
+        the transformers adapter's fused steps); without it the snapshot is taken here. ``launch_s``: the host
+        seconds the caller spent launching the sequence (benchmarks' ``host_times``)."""
         t0 = time.perf_counter()
-        self._end_forward(batch)
-        self._sweeps_unsnapshotted = False
-        if slot is None:
-            self.monitor.close_step()
-        else:
-            self.monitor.close_taken(slot, list(done))
+        self._close(batch, slot=slot, done=done)
         if self.host_times is not None:
             self._add_times(time.perf_counter() - t0, launch_s)
 
     def _sweep_due(self, step: int) -> bool:
         return bool(every := self.config.sweep_interval) and self.sweep_provider is not None and step % every == 0
 
-    def _end_forward(self, batch: ForwardBatch) -> None:
+    def _close(self, batch: ForwardBatch, work=None, slot=None, done=()) -> None:
+        """The one place a step ends, whichever route took it (eager ``host_after``, ``after_replayed``,
+        ``close_step``): the forward closes, the step advances, the monitor notes the forward; then
+        ``work(batch)`` (the eager close's sweep, allocator check, injection: ``_due_work``); then the step's
+        observation for the one-step-late drain, health and stats (``Monitor.close_step``): snapshot here
+        (with a deferred TAIL, as one sequence), or ``slot``, where the caller's sequence copied it."""
         self._open = None
         self.step += 1
         self.monitor.note_forward(batch)
-
-    def _snapshot(self) -> None:
-        """Close the step: the snapshot for the one-step-late drain (with a deferred TAIL, as one sequence)."""
+        if work is not None:
+            work(batch)
         self._sweeps_unsnapshotted = False
-        self.launcher.streams.note("snapshot", reads=("ring", "counters", "plan"), writes=("ring",))
-        self.monitor.close_step(before=self.launcher.take_tail())
+        if slot is None:
+            self.launcher.streams.note("snapshot", reads=("ring", "counters", "plan"), writes=("ring",))
+            self.monitor.close_step(before=self.launcher.take_tail())
+        else:
+            self.monitor.close_step(slot=slot, done=done)
 
     def perturb_next_tokens(self, request_ids, tokens, positions=None):
         """Pass the engine's sampled next tokens through fault injection (token oracle engines).

@@ -14,7 +14,7 @@ while TAIL may still be reading.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -146,6 +146,16 @@ class ForwardLauncher:
         if other:
             s.wait(compute, s.record(here))
         return other
+
+    @contextmanager
+    def kept_here(self):
+        """Side sections inside stay on the current stream (``on_current``), for a caller that orders that stream
+        after the forward itself: ``run_here``, and the capture of a whole step (``runtime/step/fused.py``)."""
+        self.on_current = True
+        try:
+            yield
+        finally:
+            self.on_current = False
 
     def hand_over(self, *tensors) -> None:
         """Tensors made on the engine stream and read on the side stream stay allocated until it read them."""

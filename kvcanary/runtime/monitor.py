@@ -73,20 +73,18 @@ class Monitor:
     def note_sweep(self, group: str) -> None:
         self.sweeps[group] += 1
 
-    def close_step(self, health: bool = True, before=None) -> None:
-        """Snapshot the step for the one-step-late drain; ``health=False`` only takes the ring (a flush
-        after sweeps outside a forward); ``before``: a deferred launch sequence (key, body) that runs
-        first, in the same captured graph (``HostObserver.snapshot``)."""
-        self._process(self.observer.snapshot(self.canary.step, self._meta(), before))
+    def close_step(self, health: bool = True, before=None, slot=None, done=()) -> None:
+        """Snapshot the step for the one-step-late drain (``Canary._close``); ``health=False`` only takes the
+        ring (a flush after sweeps outside a forward); ``before``: a deferred launch sequence (key, body) that
+        runs first, in the same captured graph (``HostObserver.snapshot``). ``slot``: the snapshot's copy into
+        it (``HostObserver.take_slot``, which also gave ``done``) ran inside the caller's own captured sequence
+        (the transformers adapter's fused steady steps): it is recorded on the current stream instead."""
+        if slot is None:
+            self._process(self.observer.snapshot(self.canary.step, self._meta(), before))
+        else:
+            self._process(list(done) + self.observer.taken(slot, self.canary.step, self._meta()))
         if health:
             self._periodic()
-
-    def close_taken(self, slot, done: list[Observation]) -> None:
-        """``close_step`` of a step whose snapshot copy into ``slot`` (``HostObserver.take_slot``, which
-        also gave ``done``) ran inside the caller's own captured sequence (the transformers adapter's
-        fused steady steps): record it on the current stream, drain, periodic checks."""
-        self._process(done + self.observer.taken(slot, self.canary.step, self._meta()))
-        self._periodic()
 
     def drain_open(self, batch, step: int) -> None:
         """The ring so far as the open forward's (``step``, reading ``batch``) own observation, drained with

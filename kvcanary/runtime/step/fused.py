@@ -182,11 +182,11 @@ class FusedSteps:
         c.launcher.restore(f.state)
         if slot is None:
             stage.copied()  # (the staged values' copy is in the graph: its turn's event, this stream)
-            c.replayed_step(e.batch, slot, done, launch_s)
+            c.close_step(e.batch, slot, done, launch_s)
             return
         records = slot.records
         try:
-            c.replayed_step(e.batch, slot, done, launch_s)  # (records the slot's event after the replay)
+            c.close_step(e.batch, slot, done, launch_s)  # (records the slot's event after the replay)
         finally:
             # the staged values' copy precedes that event: it stands for the turn's (SlotFence), so the turn's
             # next refill needs no CUDA call once the slot's observation has been read
@@ -214,15 +214,12 @@ class FusedSteps:
         graph = g.graph_type()
 
         def body():
-            launcher.on_current = True  # the runtime's side sections stay on the capturing stream
-            try:
+            with launcher.kept_here():  # the runtime's side sections stay on the capturing stream
                 g._body(e, h)  # staged values' copy, read table, HEAD, the new tokens' read check
                 # TAIL verify and write, the device step, the non-finite KV check (as every unfused step runs them)
                 self.s.canary.device_after(e.batch)
                 if slot is not None:
                     obs._copy(slot, eager)
-            finally:
-                launcher.on_current = False
 
         side = launcher.streams.side() if self.cache is not None else None  # (CUDA)
         waits = None

@@ -10,24 +10,20 @@ step with the same key (the same shape, read-table width bucket and storages) ru
 - before the forward: the source's host part (staged into the batch's buffer: ``SteadyStaging``), then one
   compiled pass for the checks ``host_before`` makes (values, distinct rows), the read table, the token cells,
   HEAD (plan, verify, write) and the slot and new-read tests (``SteadyCalls.before``);
-- after it: TAIL (``SteadyCalls.after``), the non-finite KV test, and the step's close (the monitor's
-  bookkeeping and the observation the eager close would take).
+- after it: TAIL (``SteadyCalls.after``), the non-finite KV test, and the step's close: ``Canary.close_step``,
+  the one close every route shares (the step opened with ``Canary.open_recorded``).
 
 Whatever differs from the bound step goes the full way: a step whose key differs, or whose canary state is not
 the bound one (a forward open, work pending, observations queued); a check that fails (the full path then
 reports or raises it, from the start); a finding of the slot or new-read tests (their full paths run, and
-report it); a sweep, allocator check, health check or stats line due at the step's close; violations or a plan
-overflow in the closing observation. So every report, record and stat is the full path's (tests/test_steady_step.py).
+report it); a sweep or allocator check due at the step's close (``Canary.plain_close``). So every report,
+record and stat is the full path's (tests/test_steady_step.py).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvcanary.ops.slot_ops import EXPONENT
 from kvcanary.runtime.batch import TokenAppend
-from kvcanary.runtime.monitor import KEEP_BATCHES
-from kvcanary.runtime.observer import Observation
 from kvcanary.runtime.slots import _NP_INT
 from kvcanary.runtime.step.staging import Staging
 from kvcanary.runtime.step.tables import CPU_WIDTH_STEP, table_width
@@ -60,7 +56,7 @@ def _key(h, io, group: int) -> tuple:
 class _Bound:
     """One bound step: its key, its batch and what the launcher holds for it, the compiled calls."""
 
-    __slots__ = ("key", "lo", "width", "batch", "inputs", "launch_key", "calls", "tokens", "loc", "offs", "finite")
+    __slots__ = ("key", "lo", "width", "batch", "state", "calls", "loc", "offs", "finite")
 
 
 class SteadyStep:
@@ -73,9 +69,6 @@ class SteadyStep:
         self.bound: _Bound | None = None
         self.open = None  # the batch of a step whose before work ran bound (its after work may too)
         self.taken = self.closed = 0
-        mon = self.canary.monitor
-        # each group's plan entry count in the closing observation, its capacity and name (Monitor._note_overflow)
-        self.counts = [(mon.observer.layout[key][0], g.plan.entries.capacity, g.name) for g, key in mon._count_keys]
 
     @staticmethod
     def applies(runner) -> bool:
@@ -95,7 +88,7 @@ class SteadyStep:
         width = batch.req_to_token.shape[1]
         if (not c.enabled or not c._check_values or c.injector is not None or c.config.check_before_forward
                 or c.host_times is not None or type(launcher.streams) is not InlineStreams or not launcher.host_ops
-                or not c.monitor.observer.eager_read or c.monitor.observer._host_parts is None
+                or not c.monitor.observer.eager_read
                 or self.source.oracle or self.source.windowed or h.pad or not h.T or io.use_block_table
                 or not io.max_kv_read or io.true_read_sizes[self.group] != h.total or batch.token_offset
                 or batch.expected_input_ids is not None or getattr(batch, "host_views", None) is None
@@ -120,7 +113,7 @@ class SteadyStep:
         b = _Bound()
         b.key = _key(h, io, self.group)
         b.lo, b.width, b.batch, b.calls = h.width, width, batch, calls
-        b.inputs, b.launch_key, b.tokens = launcher.inputs, launcher.key, batch.out_cache_loc.shape[0]
+        b.state = launcher.state()  # (what the after work reads: restored when a bound step opens)
         b.loc, b.offs = batch.out_cache_loc.numpy(), g.plan.write_offsets.numpy()
         # the non-finite KV test's sources as the slot checks read them (``slots._finite_np``)
         b.finite = [(src.num_slots, src.page_size, EXPONENT[src.tensor.dtype],
@@ -142,7 +135,7 @@ class SteadyStep:
     def before(self, h):
         """The step's before work from the bound plan; its batch, or None (nothing done: the full path)."""
         b, c, io = self.bound, self.canary, h.io
-        if (b is None or c._open is not None or not b.lo <= h.width <= b.width or h.pad
+        if (b is None or c.open_batch is not None or not b.lo <= h.width <= b.width or h.pad
                 or _key(h, io, self.group) != b.key
                 or io.use_block_table or not io.max_kv_read or io.true_read_sizes[self.group] != h.total
                 or c.monitor.observer.order or c.launcher.pending is not None):
@@ -150,9 +143,8 @@ class SteadyStep:
         code = b.calls.before()
         if code < 0:
             return None
-        launcher, batch = c.launcher, b.batch
-        launcher.inputs, launcher.key, launcher.staged_now, launcher.checked = b.inputs, b.launch_key, False, None
-        c._open = batch
+        batch = b.batch
+        c.open_recorded(batch, b.state)
         if code:  # (a finding: the full paths of the checks that found it report it)
             if code == 1:
                 c.slots.before()
@@ -162,44 +154,22 @@ class SteadyStep:
         return batch
 
     def after(self, batch) -> bool:
-        """The step's after work from the bound plan; False (nothing done) where the full path takes it."""
+        """The step's after work from the bound plan, then the step's close (``Canary.close_step``, the close
+        every route shares); False (nothing done) where the full path takes it."""
         b, c = self.bound, self.canary
-        if self.open is not batch or b is None or b.batch is not batch or c._open is not batch:
+        if self.open is not batch or b is None or b.batch is not batch or c.open_batch is not batch:
             self.open = None
             return False
         self.open = None
-        step, cfg = c.step + 1, c.config
-        if ((cfg.sweep_interval and c.sweep_provider is not None and step % cfg.sweep_interval == 0)
-                or (cfg.allocator_check_interval and c.allocator.provider is not None
-                    and step % cfg.allocator_check_interval == 0)
-                or (cfg.health_interval and step >= cfg.warmup_steps and step % cfg.health_interval == 0)
-                or (cfg.stats_interval and step % cfg.stats_interval == 0) or not b.calls.after()):
+        if not c.plain_close() or not b.calls.after():  # (a sweep or allocator check due: the full path)
             return False
         if b.finite:
-            live = b.loc[:b.offs[b.launch_key[0]]]
+            live = b.loc[:b.offs[b.state[1][0]]]  # (the launcher's key: the batch size first)
             for num_slots, ps, exp, rows in b.finite:
                 s = live[(live >= 1) & (live < num_slots)]
                 if s.shape[0] and ((rows[s // ps, s % ps] & exp) == exp).any():
                     c.slots.after()  # (reports the first such token and source)
                     break
-        mon = c.monitor
-        obs = mon.observer
-        small = np.concatenate(obs._host_parts).tolist()
-        eager = small[0] != 0
-        for at, capacity, name in self.counts:
-            eager = eager or small[at] > capacity or mon.overflowing[name]
-        if eager:
-            c.host_after(batch)  # (the eager close: it drains, logs and raises what the observation holds)
-            return True
-        # the eager close (Canary._end_forward, Monitor.note_forward, HostObserver._read_now), for a clean step
-        c._open = None
-        c.step = step
-        mon.forwards += 1
-        mon.tokens += b.tokens - c.padding_tokens
-        mon.batches[step] = batch
-        mon.batches.pop(step - KEEP_BATCHES, None)
-        c._sweeps_unsnapshotted = False
+        c.close_step(batch)
         self.closed += 1
-        mon.last_observation = Observation(step, {"forwards": mon.forwards, "sweeps": dict(mon.sweeps)}, 0, [], small,
-                                           obs.layout)
         return True
