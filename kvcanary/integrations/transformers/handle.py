@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterator
 
 from kvcanary.integrations.transformers.layout import SUPPORTED_RANGE, check_engine, check_version, patcher
-from kvcanary.integrations.transformers.session import Session
+from kvcanary.integrations.transformers.session import EVENTS, Session
 from kvcanary.runtime import CanaryConfig, Violation
 from kvcanary.runtime.engine import StepOptions
 
@@ -116,6 +116,17 @@ def attach(model_or_manager, config: CanaryConfig | None = None, *, mode: str | 
         handle._patcher.restore()
         raise
     return handle
+
+
+def _zero_stats() -> dict:
+    """Every key a session's stats() has (the canary's monitor's, then the session's own) at its value before any
+    step: ``stats()`` starts from it, so its keys do not change after the first session."""
+    return {
+        **dict.fromkeys(("step", "forwards", "tokens_protected", "entries_checked"), 0), "launches": {},
+        **dict.fromkeys(("sweeps", "violations", "idempotent_rewrites", "aborted_requests"), 0), "aborts_by_reason": {},
+        **dict.fromkeys(("abort_unattributed", "abort_handler_errors", "poisoned_slots", "allocator_checks",
+                         "allocator_violations"), 0),
+        **dict.fromkeys(EVENTS, 0), "requests": 0}
 
 
 _FLAG_OPTIONS = (*TUNING_OPTIONS, "token_history", "token_oracle", "allow_unsupported_version")
@@ -287,8 +298,10 @@ class TransformersHandle:
         return self.violations
 
     def stats(self) -> dict:
-        """Totals over sessions: forwards, tokens_protected, entries_checked, sweeps, violations, KV movements."""
-        total: dict = {"sessions": len(self.sessions), "hooked_forwards": self.forwards}
+        """Totals over sessions: forwards, tokens_protected, entries_checked, sweeps, violations, KV movements.
+
+        The keys are the same from attach on (zero before the first session), whatever the sessions met."""
+        total: dict = {"sessions": len(self.sessions), "hooked_forwards": self.forwards, **_zero_stats()}
         for s in self.sessions:
             for k, v in s.stats().items():
                 if isinstance(v, int):
@@ -297,7 +310,6 @@ class TransformersHandle:
                     merged = total.setdefault(k, {})
                     for name, n in v.items():
                         merged[name] = merged.get(name, 0) + n
-        total.setdefault("violations", 0)
         return total
 
     def request_name(self, request_id: int | None, session: int = -1) -> str | None:

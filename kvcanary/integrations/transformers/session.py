@@ -31,6 +31,11 @@ from kvcanary.runtime.step import StepRunner
 log = logging.getLogger("kvcanary")
 
 
+# the engine's KV movements and failures a session counts (stats(): every key from the session's start on)
+EVENTS = ("prefix_hits", "fork_block_copies", "dedup_remaps", "soft_resets", "offloaded_requests", "restored_requests",
+          "failed_requests")
+
+
 class Session(KvMoves):
     """The canary guarding one batch processor; created when transformers creates the processor."""
 
@@ -43,7 +48,7 @@ class Session(KvMoves):
         self.device = lay.k_full.device
         self.reserved_block0 = lay.reserve_padding()
         self.ids: dict[str, int] = {}
-        self.events: collections.Counter = collections.Counter()
+        self.events: collections.Counter = collections.Counter(dict.fromkeys(EVENTS, 0))
         self.block_pos: dict[int, int] = {}
         self.recorded: dict[str, int] = {}  # per request: table entries whose block_pos is recorded
         self.saved: dict[str, list] = {}
