@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcanary.ops import numba_cache
+from kvcanary.ops.api import numba_available
 from kvcanary.sim.hf_reach import attach_with, cb_config, sdpa_name
 
 DEFAULT_BUG = "early-free"
@@ -147,6 +149,9 @@ def run_demo(device: str = "cpu", bug: str = DEFAULT_BUG, model_path: str | None
         t0 = time.perf_counter()
         model = load_local_model(model_path, device) if model_path else build_tiny_model(device)
         load_s = time.perf_counter() - t0
+        # the canary's CPU backend is numba where it imports: its kernels compile in the first run with the
+        # canary unless numba's disk cache holds them (the timing line says so)
+        compiles = device == "cpu" and numba_available() and numba_cache.will_compile()
         baseline = run_workload(model, canary=False, device=device)
         clean = run_workload(model, device=device)
         buggy = run_workload(model, bug=bug, device=device)
@@ -156,6 +161,7 @@ def run_demo(device: str = "cpu", bug: str = DEFAULT_BUG, model_path: str | None
         "model": model_path or "tiny Llama (2 layers, hidden 64, seeded random weights)",
         "device": device,
         "model_load_s": round(load_s, 2),
+        "numba_compiled": compiles,
         "clean": _summary(clean, baseline),
         "bug": {"name": bug, "class": BUGS[bug][0], "what": BUGS[bug][1], **_summary(buggy, None),
                 "report": buggy.report, "log_lines": buggy.log_lines},
@@ -194,6 +200,8 @@ def format_demo(result: dict) -> str:
         f"fork block copies {c['fork_block_copies']}",
         f"  violations: {c['violations']}; tokens identical to a run without the canary: "
         f"{c['tokens_match_without_canary']} ({c['seconds']} s with, {c['baseline_seconds']} s without)",
+        *(["  (the time with the canary includes numba compiling its kernels, once: they are cached on disk, and "
+           "later runs skip it)"] if result.get("numba_compiled") else []),
         "",
         f"same workload with a planted engine bug '{b['name']}' (class {b['class']}): {b['what']}",
         f"  violations: {b['violations']}",

@@ -1,7 +1,8 @@
 """A short self-check: every op on an example, every usable backend compared with the reference.
 
 ``kvcanary selfcheck`` prints one row per (op, backend): whether its output matched the
-reference bit for bit, and what the example found (violations planted on purpose).
+reference bit for bit, and what the example found (violations planted on purpose); then the
+backends it could not run here, each with the reason.
 """
 
 from __future__ import annotations
@@ -14,17 +15,28 @@ from kvcanary import ops
 from kvcanary.format import CHAIN_HEAD, LaunchTag, RealKvMode, splitmix64, to_unsigned
 
 
-def usable_backends(device: torch.device) -> list[str]:
+OPS = ("scatter", "plan", "write", "accept_rewrites", "verify", "fingerprint", "read_table")
+
+
+def skipped_backends(device: torch.device) -> dict[str, str]:
+    """The backends that cannot run on ``device`` here, each with the reason."""
     from kvcanary.ops import api
 
-    out = ["reference", "torch"] + (["numba"] if device.type == "cpu" and api.numba_available() else [])
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return out
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        out.append("triton")
+    out = {}
+    if device.type != "cpu":
+        out["numba"] = f"numba runs CPU tensors only, the device is {device.type}"
+    elif not api.numba_available():
+        out["numba"] = "numba does not import (pip install 'kv-canary[cpu]')"
+    if not api.triton_available():
+        out["triton"] = "triton does not import (pip install 'kv-canary[triton]')"
+    elif device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        out["triton"] = "Triton on the CPU needs TRITON_INTERPRET=1 (its interpreter)"
     return out
+
+
+def usable_backends(device: torch.device) -> list[str]:
+    skipped = skipped_backends(device)
+    return [b for b in ("reference", "torch", "numba", "triton") if b not in skipped]
 
 
 def _example(device: torch.device) -> dict:
@@ -60,6 +72,16 @@ def _run(backend: str, ex: dict) -> dict:
         ops.write(buf=buf, plan=plan, num_requests=1, out_cache_loc=t(locs), input_ids=t(ids), positions=t(pos),
                   launch_tag=LaunchTag.TAIL_K_FULL, sources=(ex["src"],), real_kv_mode=RealKvMode.ALL,
                   writer_ids=t(writer), step=t([0]), **common)
+    # Request 2's prefill again, as an engine recomputing it: slot 12 rewritten with the same record and
+    # bytes that differ by rounding (accepted: its hash follows the bytes, the decode below reads it clean);
+    # slot 13's HEAD record differs (kept).
+    head = buf.clone()
+    head[13] = 0
+    ex["kv"][3, 0, 0] += 1
+    rewrites = torch.zeros(1, dtype=torch.int64, device=device)
+    ops.accept_rewrites(head_buf=head, tail_buf=buf, plan=plan, num_requests=1, out_cache_loc=t([12, 13]),
+                        sources=(ex["src"],), real_kv_mode=RealKvMode.ALL, rewrites=rewrites, backend=backend)
+    accepted = (buf.cpu(), int(rewrites[0]))
     # Decode with a planted stale cell: request 2's position 5 points at request 1's slot 9.
     ex["rtt"][2, 5] = 9
     ops.plan(req_pool_indices=rows, prefix_lens=t([6, 6]), extend_lens=t([1, 1]), req_to_token=ex["rtt"], out=plan,
@@ -68,17 +90,23 @@ def _run(backend: str, ex: dict) -> dict:
                real_kv_mode=RealKvMode.ALL, **common)
     ex["rtt"][2, 5] = 13
     fp = ops.fingerprint(t([4, 9, 13, 99]), (ex["src"],), RealKvMode.PARTIAL, backend=backend)
+    # A read table from a flat read index: request 1 reads 5 slots, request 2 reads 6 (index entries from 9 on
+    # take -1).
+    read_out = torch.full((3, 8), -7, dtype=torch.int32, device=device)
+    flat = torch.cat([ex["rtt"][1, :5], ex["rtt"][2, :6]])
+    ops.read_table(read_out, rows, t([4, 5]), t([1, 1]), flat, clamp_max=flat.numel() - 1, limit=9, fill=-1,
+                   backend=backend)
     rows_found = sorted(map(tuple, ring.rows[:int(ring.write_index[0])].tolist()))
     return {"scatter": table.cpu(), "plan": [x.cpu() for x in (plan.entries.slot, plan.entries.prev,
                                                                plan.entries.expected_token, plan.write_offsets)],
-            "write": buf.cpu(), "verify": rows_found, "counters": counters.cpu(), "fingerprint": fp.cpu()}
+            "write": buf.cpu(), "accept_rewrites": accepted, "verify": rows_found, "read_table": read_out.cpu(), "counters": counters.cpu(), "fingerprint": fp.cpu()}
 
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
-    if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
-        return all(torch.equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+        return all(_same(x, y) for x, y in zip(a, b))
     return a == b
 
 
@@ -89,24 +117,30 @@ def run_selfcheck(device: str | torch.device = "cpu") -> dict:
         raise ValueError(f"kv-canary: selfcheck device must be available, got {device} without a CUDA GPU")
     vectors = (splitmix64(1) == 0x5692161D100B05E5 and CHAIN_HEAD == 0xDE7FAE23A9A1B716)
     results = {b: _run(b, _example(device)) for b in usable_backends(device)}
+    skipped = skipped_backends(device)
     ref = results["reference"]
     rows = []
     for backend, res in results.items():
-        for op in ("scatter", "plan", "write", "verify", "fingerprint"):
+        for op in OPS:
             rows.append({"op": op, "backend": backend, "matches_reference": _same(res[op], ref[op])})
     found = [{"slot": r[1], "position": r[2], "reason": r[7], "expected_aux": hex(to_unsigned(r[6]))}
              for r in ref["verify"]]
-    ok = vectors and all(r["matches_reference"] for r in rows) and len(found) == 1 and found[0]["slot"] == 9
-    return {"device": str(device), "vectors": vectors, "rows": rows, "planted_found": found, "ok": ok}
+    ok = (vectors and all(r["matches_reference"] for r in rows) and len(found) == 1 and found[0]["slot"] == 9
+          and ref["accept_rewrites"][1] == 1)
+    return {"device": str(device), "vectors": vectors, "rows": rows, "planted_found": found,
+            "rewrites_accepted": ref["accept_rewrites"][1], "skipped": skipped, "ok": ok}
 
 
 def format_selfcheck(result: dict) -> str:
     lines = [f"kv-canary self-check on {result['device']}: hash test vectors "
-             f"{'ok' if result['vectors'] else 'FAILED'}", f"{'op':12s} {'backend':10s} bit-exact vs reference"]
+             f"{'ok' if result['vectors'] else 'FAILED'}", f"{'op':16s} {'backend':10s} bit-exact vs reference"]
     for r in result["rows"]:
-        lines.append(f"{r['op']:12s} {r['backend']:10s} {'yes' if r['matches_reference'] else 'NO'}")
+        lines.append(f"{r['op']:16s} {r['backend']:10s} {'yes' if r['matches_reference'] else 'NO'}")
     lines.append(f"planted stale table cell -> {len(result['planted_found'])} violation(s): "
                  + ", ".join(f"slot {f['slot']} pos {f['position']} reason {f['reason']}"
                              for f in result["planted_found"]))
+    lines.append(f"rewrite with the same record -> {result['rewrites_accepted']} accepted (of 2 rewritten slots)")
+    for backend, why in result["skipped"].items():
+        lines.append(f"skipped {backend}: {why}")
     lines.append("self-check " + ("passed" if result["ok"] else "FAILED"))
     return "\n".join(lines)

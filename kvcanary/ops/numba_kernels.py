@@ -15,6 +15,7 @@ import numba
 import numpy as np
 
 from kvcanary import format as fmt
+from kvcanary.ops import numba_cache
 
 MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 MUL2 = np.uint64(0x94D049BB133111EB)
@@ -321,3 +322,7 @@ def tail(words, slot, position, prev, expected, enable, count, check_token, veri
     write(words, offs, seeds, nr, locs, ids, poss, _NO_INPUTS, False, _NO_INPUTS, False, False, attribution,
           writer_ids, has_writer, step_value, write_fp, rows, widx, counters, write_tag)
     step[0] += 1
+
+
+# a kernel above compiles at its first call unless numba's disk cache holds it: say so once (numba_cache.py)
+numba_cache.announce(globals())

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 
 from kvcanary.format import PARTIAL_READ_BYTES, RealKvMode
-from kvcanary.ops import numba_kernels as k
+from kvcanary.ops import numba_cache, numba_kernels as k
 from kvcanary.ops.numba_ops import fill_constants, head_args, tail_args
 from kvcanary.ops.numba_views import _np, _storage_bytes
 
@@ -237,3 +237,7 @@ class SteadyCalls:
         args[a.verify_fp], args[a.write_fp], args[a.step] = acc[:n], acc[n:], int(a.steps[0])
         k.tail(*args)
         return True
+
+
+# a kernel above compiles at its first call unless numba's disk cache holds it: say so once (numba_cache.py)
+numba_cache.announce(globals())
