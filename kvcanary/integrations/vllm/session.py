@@ -1,0 +1,241 @@
+"""One canary per vLLM model runner (one per process and tensor-parallel rank), and what the hooks do with it.
+
+``open_session`` runs when the runner has allocated its KV cache: it checks the engine (``layout.check_engine``),
+builds the ``Canary`` over the cache's slots and, with tensor parallelism, a ``ConsistencyCheck`` over vLLM's
+tensor-parallel process group. Per scheduler step (``execute_model``):
+
+  begin_step   the step's cache events: prefix-cache hits of new requests, resumptions after preemption, frees;
+               vLLM's KV block copies (copy-on-write) carry the canary records along (``copy_records``)
+  guard_forward  the batch from the attention metadata (``batch.BatchBuilder``), before_forward, the model,
+               after_forward (drain: each violation becomes a row naming vLLM's request ids), the TP exchange
+  end_step     a step that scheduled tokens must have run a guarded forward, else the hooks were bypassed: error
+
+Rows go to the report directory as they are drained and stay in memory for ``report()`` (``collect(llm)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+from kvcanary.runtime import Canary, PoolSpec
+
+from kvcanary.integrations.vllm.batch import BatchBuilder, subset, waves
+from kvcanary.integrations.vllm.layout import KvLayout, check_engine
+from kvcanary.integrations.vllm.report import ReportFiles, RequestNames, describe, violation_row
+from kvcanary.integrations.vllm.settings import Settings
+
+log = logging.getLogger("kvcanary")
+
+SESSIONS: list = []  # this process's sessions, newest last (live handles for in-process engines)
+MAX_ROWS = 10_000  # rows kept in memory per session (every row still goes to the report directory)
+STATS_EVERY_S = 1.0  # the stats file is rewritten at most this often while serving (and at every report)
+
+
+def session_of(runner) -> Session | None:
+    return getattr(runner, "_kvcanary_session", None) if runner is not None else None
+
+
+def open_session(runner) -> Session | None:
+    settings = Settings.from_env()
+    if settings.config.mode == "none":
+        return None
+    session = Session(runner, settings)
+    runner._kvcanary_session = session
+    SESSIONS.append(session)
+    return session
+
+
+def no_session_report() -> dict:
+    """A worker without a session (KV_CANARY_MODE=none, or no KV cache yet): no rows, and stats that say so."""
+    return {"rows": [], "stats": {"pid": os.getpid(), "guarded": False, "forwards": 0, "violations": 0}}
+
+
+class Session:
+    """The canary of one vLLM model runner."""
+
+    def __init__(self, runner, settings: Settings):
+        self.runner, self.settings = runner, settings
+        self.layout: KvLayout = check_engine(runner, settings.config)
+        self.rank, self.tp_size, group = _tp_rank(runner)
+        self.names = RequestNames()
+        self.files = ReportFiles(settings.report_dir, self.rank)
+        self.rows: list[dict] = []
+        self.dropped_rows = 0
+        self.events = {"prefix_hits": 0, "prefix_hit_tokens": 0, "resumed_after_preemption": 0, "preempted": 0,
+                       "finished": 0, "block_copies": 0, "chunked_prefill_chunks": 0, "steps": 0,
+                       "split_forwards": 0}
+        self.in_step = False
+        self.closed = False
+        self._step_forwards = 0
+        self._stats_at = 0.0
+        self.canary = self._build_canary()
+        lay = self.layout
+        self.builder = BatchBuilder(max_batch=self.canary.max_batch, max_context=self.canary.max_context,
+                                    block_size=lay.block_size, layer_name=lay.layer_names[0], names=self.names)
+        self.consistency = None
+        if self.tp_size > 1:
+            from kvcanary.distributed import ConsistencyCheck
+
+            self.consistency = ConsistencyCheck(self.canary, interval=settings.tp_interval, group=group)
+        self._write_stats(force=True)
+        log.info("kv_canary: guarding vLLM's model runner (rank %d of %d, %d slots of %d blocks, mode %s)",
+                 self.rank, self.tp_size, lay.num_slots, lay.num_blocks, settings.config.mode)
+
+    def _build_canary(self) -> Canary:
+        r, lay, config = self.runner, self.layout, self.settings.config
+        max_batch = int(r.scheduler_config.max_num_seqs)
+        max_tokens = int(r.scheduler_config.max_num_batched_tokens)
+        max_context = -(-int(r.model_config.max_model_len) // lay.block_size) * lay.block_size
+        if not config.plan_capacity:
+            # every request of a forward re-verifies its whole context; shared prefixes make that more than the
+            # pool's slots, but rarely twice as many (an overflow skips one verify, and warns with the count)
+            config = config.replace(plan_capacity=min(max_batch * max_context, 2 * lay.num_slots + max_tokens))
+        k_sources, v_sources = lay.real_kv_sources(config.check_v)
+        pool = PoolSpec(lay.num_slots, k_sources, v_sources, reserved_slots=lay.reserved_slots())
+        canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
+                        num_rows=max_batch + 1, device="cpu", on_violation=self._on_violation)
+        # No forward before this one wrote request KV through the guarded path (warm-up runs are unguarded and
+        # write no request's blocks): arm the chain-position assert now.
+        canary.mark_ready()
+        return canary
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def begin_step(self, so) -> None:
+        """Before vLLM's ``execute_model`` applies the scheduler's step: its events and block copies."""
+        if self.in_step:
+            raise RuntimeError("kv-canary: vLLM's execute_model must not be re-entered, got a second call inside one")
+        self.events["steps"] += 1
+        for req in so.scheduled_new_reqs:
+            self.names.number(req.req_id)
+            if req.num_computed_tokens > 0:
+                self.events["prefix_hits"] += 1
+                self.events["prefix_hit_tokens"] += int(req.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        self.events["resumed_after_preemption"] += len(getattr(cached, "resumed_req_ids", ()) or ())
+        self.events["preempted"] += len(so.preempted_req_ids or ())
+        self.events["finished"] += len(so.finished_req_ids)
+        copies = so.kv_cache_block_copies
+        if copies:
+            # vLLM copies each pair's blocks in _update_states, before the forward: the records go first
+            bs = self.layout.block_size
+            src = np.repeat(np.array([c[0] for c in copies], dtype=np.int64) * bs, bs) + np.tile(np.arange(bs), len(copies))
+            dst = np.repeat(np.array([c[1] for c in copies], dtype=np.int64) * bs, bs) + np.tile(np.arange(bs), len(copies))
+            import torch
+
+            self.canary.copy_records(torch.from_numpy(src), torch.from_numpy(dst))
+            self.events["block_copies"] += len(copies)
+        self.in_step, self._step_forwards = True, 0
+        self._expect_forward = so.total_num_scheduled_tokens > 0
+
+    def guard_forward(self, forward, runner, args, kwargs):
+        """vLLM's ``_model_forward`` between the canary's before and after work."""
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if input_ids is None or positions is None or positions.dim() != 1:
+            raise RuntimeError("kv-canary: vLLM's forward must get token ids and 1-D positions, got "
+                               f"input_ids={type(input_ids).__name__}, positions="
+                               f"{None if positions is None else tuple(positions.shape)}")
+        batch, req_ids = self.builder.build(runner, input_ids, positions)
+        self._count_chunks(runner, batch)
+        parts = waves(batch, self.layout.block_size)
+        first = batch if len(parts) == 1 else subset(batch, parts[0])
+        self.canary.before_forward(first)
+        out = forward(runner, *args, **kwargs)
+        self.canary.after_forward(first)
+        for idx in parts[1:]:
+            # reads of blocks an earlier wave wrote in this forward: checked now that their records are written
+            later = subset(batch, idx)
+            self.canary.before_forward(later)
+            self.canary.after_forward(later)
+        self.events["split_forwards"] += len(parts) > 1
+        self._step_forwards += 1
+        if self.consistency is not None:
+            self._divergences(self.consistency.step())
+        return out
+
+    def end_step(self) -> None:
+        self.in_step = False
+        if self._expect_forward and not self._step_forwards:
+            raise RuntimeError("kv-canary: a vLLM step that scheduled tokens must run a guarded forward, got none "
+                               "(the model ran outside GPUModelRunner._model_forward: this vLLM build is not "
+                               "supported)")
+        self._write_stats()
+
+    def abandon_step(self) -> None:
+        self.in_step = False
+
+    # -- reports ---------------------------------------------------------------------------------
+    def _on_violation(self, v) -> None:
+        row = violation_row(v, self.names, rank=self.rank, block_size=self.layout.block_size,
+                            text=describe(v, self.names))
+        self._keep([row])
+
+    def _divergences(self, fresh) -> None:
+        rows = [{"kind": "divergence", "pid": os.getpid(), "reporting_rank": self.rank, **d.to_dict()} for d in fresh]
+        self._keep(rows)
+
+    def _keep(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        self.files.append(rows)
+        room = max(0, MAX_ROWS - len(self.rows))
+        self.rows.extend(rows[:room])
+        self.dropped_rows += len(rows) - min(room, len(rows))
+        self._write_stats(force=True)
+
+    def stats(self) -> dict:
+        s = self.canary.stats()
+        out = {"rank": self.rank, "tp_size": self.tp_size, "pid": os.getpid(), "guarded": True,
+               "mode": self.settings.config.mode, "block_size": self.layout.block_size,
+               "num_slots": self.layout.num_slots, "requests": len(self.names), "rows_dropped": self.dropped_rows,
+               **{k: v for k, v in s.items() if isinstance(v, (int, float, str))}, **self.events}
+        if self.consistency is not None:
+            out["tp_exchanges"] = self.consistency.exchanges
+            out["tp_divergences"] = len(self.consistency.divergences)
+        return out
+
+    def _write_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.files.stats_path is None or (not force and now - self._stats_at < STATS_EVERY_S):
+            return
+        self._stats_at = now
+        self.files.write_stats(self.stats())
+
+    def report(self, finish_tp: bool = True) -> dict:
+        """Drain everything and return this session's rows and stats (``kvcanary_report``; JSON-safe)."""
+        self.canary.flush()
+        if finish_tp and self.consistency is not None and not self.closed:
+            self._divergences(self.consistency.finish())
+        self._write_stats(force=True)
+        return {"rows": list(self.rows), "stats": self.stats()}
+
+    def close(self) -> None:
+        """The runner shuts down: last drain and stats (no TP exchange: the other ranks may be gone already)."""
+        if self.closed:
+            return
+        try:
+            self.canary.flush()
+        finally:
+            self.closed = True
+            self._write_stats(force=True)
+
+    def _count_chunks(self, runner, batch) -> None:
+        """Requests of this forward whose prompt is not complete after it (a chunked prefill's earlier chunks)."""
+        n = batch.batch_size
+        done = (batch.prefix_lens + batch.extend_lens).numpy()
+        self.events["chunked_prefill_chunks"] += int((done < runner.input_batch.num_prompt_tokens[:n]).sum())
+
+
+def _tp_rank(runner) -> tuple[int, int, object]:
+    """(tensor-parallel rank, TP size, vLLM's TP process group on the CPU: gloo) of this worker."""
+    size = int(runner.parallel_config.tensor_parallel_size)
+    if size == 1:
+        return 0, 1, None
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    return int(tp.rank_in_group), size, tp.cpu_group

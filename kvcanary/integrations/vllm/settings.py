@@ -1,0 +1,66 @@
+"""What the user asked for, read from the environment in every vLLM process alike.
+
+vLLM starts its workers as separate processes: the only configuration that reaches all of them without a change
+to vLLM is the environment they inherit. ``Settings.from_env`` reads the canary's ``CanaryConfig`` (the
+``KV_CANARY_*`` variables, docs/configuration.md) and the integration's own three variables, and refuses what
+the integration cannot do, before any model loads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvcanary.runtime import CanaryConfig
+
+from kvcanary.integrations.vllm.plugin import REPORT_DIR_VARIABLE, TP_INTERVAL_VARIABLE
+
+DEFAULT_TP_INTERVAL = 16  # forwards between the tensor-parallel ranks' consistency exchanges
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The canary's configuration in a vLLM process.
+
+    Attributes:
+        config: the ``CanaryConfig`` (``KV_CANARY_MODE``, ...).
+        report_dir: where each process appends its violation rows and writes its stats (None: nowhere).
+        tp_interval: forwards between the tensor-parallel consistency exchanges (0: only when a report is asked).
+    """
+
+    config: CanaryConfig
+    report_dir: str | None
+    tp_interval: int
+
+    @classmethod
+    def from_env(cls, environ=None) -> Settings:
+        environ = os.environ if environ is None else environ
+        config = CanaryConfig.from_env(environ)
+        if config.mode == "abort":
+            # vLLM's worker has no error path for one request (its outputs carry tokens, not failures): a request
+            # cannot be failed from where the canary runs without changing vLLM (docs/vllm.md, "Modes").
+            raise ValueError("kv-canary: KV_CANARY_MODE must be 'log', 'raise' or 'none' on vLLM, got 'abort' (vLLM's "
+                             "workers have no per-request error path; docs/vllm.md, 'Modes')")
+        if config.injecting:
+            raise ValueError("kv-canary: KV_CANARY_INJECT must be unset on vLLM, got "
+                             f"{environ.get('KV_CANARY_INJECT')!r} (fault injection is not wired into the vLLM integration: "
+                             "planted bugs in vLLM's own code test it, docs/vllm.md)")
+        report_dir = environ.get(REPORT_DIR_VARIABLE) or None
+        if report_dir is not None:
+            try:
+                os.makedirs(report_dir, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"kv-canary: {REPORT_DIR_VARIABLE} must be a directory this process can create "
+                                 f"and write, got {report_dir!r} ({e})") from None
+            if not os.access(report_dir, os.W_OK):
+                raise ValueError(f"kv-canary: {REPORT_DIR_VARIABLE} must be a writable directory, got {report_dir!r}")
+        raw = environ.get(TP_INTERVAL_VARIABLE)
+        interval = DEFAULT_TP_INTERVAL
+        if raw is not None:
+            try:
+                interval = int(raw)
+            except ValueError:
+                interval = -1
+            if interval < 0:
+                raise ValueError(f"kv-canary: {TP_INTERVAL_VARIABLE} must be an integer >= 0, got {raw!r}")
+        return cls(config, report_dir, interval)

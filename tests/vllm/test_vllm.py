@@ -1,0 +1,102 @@
+"""kv-canary inside vLLM's own engine (V1, CPU): clean runs report nothing and change no token, planted bugs in vLLM's
+code are reported with vLLM's request ids. Two engines for the module (each start costs seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvcanary.integrations.vllm import collect, engine, read_reports
+from kvcanary.integrations.vllm.session import SESSIONS, session_of
+from kvcanary.vllm_demo import plant
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("reports"))
+
+
+@pytest.fixture(scope="module")
+def tight(model_dir, report_dir):
+    """Prefix caching, chunked prefill (64 tokens a step) and a pool of 12 blocks for 8 requests of up to 5 blocks:
+    vLLM preempts (by recompute) and evicts cached blocks."""
+    with engine.guarded(True, KV_CANARY_VLLM_REPORT_DIR=report_dir, KV_CANARY_MODE="log"):
+        llm = engine.start(model_dir, num_blocks=12, max_num_seqs=6, max_num_batched_tokens=64, max_model_len=256)
+        yield llm
+        engine.stop(llm)
+
+
+def _fresh(llm, **tokens):
+    # each run starts from an empty prefix cache, so runs with and without the canary schedule alike
+    assert llm.reset_prefix_cache()
+    return engine.generate(llm, **tokens)
+
+
+def test_clean_run_with_preemption_prefix_hits_and_chunks_reports_nothing_and_keeps_tokens(tight, prompts):
+    session = session_of(_runner(tight))
+    assert session is not None and session in SESSIONS
+    with engine.guarded(False):
+        without = _fresh(tight, prompts=prompts, max_tokens=40)
+    steps_before = session.events["steps"]
+    assert steps_before == 0  # (the hooks were off: nothing counted)
+    guarded = _fresh(tight, prompts=prompts, max_tokens=40)
+    report = collect(tight)
+    stats = report.stats[0]
+    assert report.clean, report.violations[:3]
+    assert stats["violations"] == 0 and stats["forwards"] >= stats["steps"] > 0
+    # the run had what the test is about: preemption, prefix hits (exact ones too), chunked prefill
+    assert stats["preempted"] > 0 and stats["resumed_after_preemption"] > 0
+    assert stats["prefix_hits"] >= 5 and stats["chunked_prefill_chunks"] > 0
+    assert stats["tokens_protected"] >= sum(len(p) for p in prompts)
+    assert list(guarded.values()) == list(without.values())
+
+
+def test_a_planted_slot_mapping_bug_is_reported_with_vllm_request_ids(tight, prompts, report_dir):
+    with plant("slot-off-by-one"):
+        outputs = _fresh(tight, prompts=prompts[:4], max_tokens=6)
+    report = collect(tight)
+    assert report.violations and report.stats[0]["violations"] > 0
+    named = report.requests()
+    run_ids = {rid for rid in named if rid.split("-")[0] in outputs}
+    assert named and named == run_ids  # every named request is one of this run's (vLLM's internal ids)
+    row = report.violations[0]
+    assert row["rank"] == 0 and row["reader"] in named and f"('{row['reader']}')" in row["text"]
+    # the same rows reached the report directory (what a multiprocess engine or vllm serve leaves)
+    on_disk = read_reports(report_dir)
+    assert {json.dumps(r, sort_keys=True) for r in report.violations} <= {
+        json.dumps(r, sort_keys=True) for r in on_disk.violations}
+    assert on_disk.stats and on_disk.stats[0]["pid"] == os.getpid()
+
+
+def test_a_stale_block_table_entry_is_reported(tight, prompts):
+    before = len(collect(tight).violations)
+    with plant("stale-block"):
+        outputs = _fresh(tight, prompts=prompts[:4], max_tokens=6)
+    fresh = collect(tight).violations[before:]
+    assert fresh
+    # a request read another request's block through its stale entry: the chain or the position breaks there
+    readers = {r["reader"] for r in fresh if {"verify_chain_hash", "verify_position"} & set(r["reasons"])}
+    assert readers and all(rid.split("-")[0] in outputs for rid in readers)
+
+
+@pytest.fixture(scope="module")
+def no_prefix_cache(model_dir):
+    with engine.guarded(True, KV_CANARY_MODE="raise"):
+        llm = engine.start(model_dir, num_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=32)
+        yield llm
+        engine.stop(llm)
+
+
+def test_clean_run_without_prefix_caching_raises_nothing(no_prefix_cache, prompts):
+    out = engine.generate(no_prefix_cache, prompts, max_tokens=12)
+    report = collect(no_prefix_cache)
+    assert report.clean and len(out) == len(prompts)
+    stats = report.stats[0]
+    assert stats["prefix_hits"] == 0 and stats["chunked_prefill_chunks"] > 0 and stats["mode"] == "raise"
+    assert stats["forwards"] >= 12
