@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 from dataclasses import dataclass, field
 
 
@@ -44,19 +43,15 @@ def violation_row(v, names: RequestNames, *, rank: int, block_size: int, text: s
     """One violation as a JSON-safe row: the canary's fields, the vLLM request ids, the rank, the readable block."""
     row = v.to_dict()
     row.update(kind="violation", rank=rank, pid=os.getpid(), block=v.slot // block_size if v.slot >= 0 else None,
-               reader=names.name(v.reader_request), writer=names.name(v.writer_request), log_line=v.log_line(),
+               reader=names.name(v.reader_request), writer=names.name(v.writer_request),
+               reader_names=[names.name(r) for r in v.readers], log_line=v.log_line(),
                text=text)
     return row
 
 
 def describe(v, names: RequestNames) -> str:
     """The readable violation block with the vLLM request id after each canary request number."""
-    text = v.block()
-    for rid in {v.reader_request, v.writer_request} - {None}:
-        name = names.name(rid)
-        if name is not None:
-            text = re.sub(rf"\brequest {rid}\b", f"request {rid} ({name!r})", text)
-    return text
+    return v.block(name_of=names.name)
 
 
 class ReportFiles:
@@ -111,8 +106,11 @@ class VllmReport:
         return not self.violations and not self.divergences and self.total_violations == 0
 
     def requests(self) -> set[str]:
-        """The vLLM request ids the violations name as readers (or, for write-time rows, writers)."""
-        return {r.get("reader") or r.get("writer") for r in self.violations} - {None}
+        """The vLLM request ids the violations name as readers (every reader of a row) or, for write-time rows,
+        writers."""
+        out = {r.get("reader") or r.get("writer") for r in self.violations}
+        out.update(name for r in self.violations for name in r.get("reader_names", ()))
+        return out - {None}
 
     def to_dict(self) -> dict:
         return {"violations": self.violations, "divergences": self.divergences, "stats": self.stats}
