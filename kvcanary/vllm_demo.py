@@ -35,6 +35,15 @@ def demo_prompts(vocab: int = 512) -> list[list[int]]:
 @contextlib.contextmanager
 def plant(bug: str):
     """Patch vLLM's code for the duration of the block (undone after it)."""
+    undo = apply_bug(bug)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def apply_bug(bug: str):
+    """Patch vLLM's code in this process; returns the function that undoes it."""
     from vllm.v1.worker import block_table as bt
 
     if bug == "slot-off-by-one":
@@ -47,8 +56,8 @@ def plant(bug: str):
                 self.slot_mapping.gpu[last] += 1  # (the CPU runner's "gpu" buffer is its CPU tensor)
 
         bt.BlockTable.compute_slot_mapping = compute_slot_mapping
-        undo = (bt.BlockTable, "compute_slot_mapping", orig)
-    elif bug == "stale-block":
+        return lambda: setattr(bt.BlockTable, "compute_slot_mapping", orig)
+    if bug == "stale-block":
         orig = bt.BlockTable.commit_block_table
 
         def commit_block_table(self, num_reqs):
@@ -58,13 +67,19 @@ def plant(bug: str):
             orig(self, num_reqs)
 
         bt.BlockTable.commit_block_table = commit_block_table
-        undo = (bt.BlockTable, "commit_block_table", orig)
-    else:
-        raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {bug!r}")
-    try:
-        yield
-    finally:
-        setattr(*undo)
+        return lambda: setattr(bt.BlockTable, "commit_block_table", orig)
+    raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {bug!r}")
+
+
+def plant_on_rank(worker, bug: str, rank: int) -> bool:
+    """``LLM.collective_rpc`` target: plant ``bug`` for good in the worker of tensor-parallel rank ``rank`` only (a
+    rank whose shard goes wrong); True where it was planted."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != rank:
+        return False
+    apply_bug(bug)
+    return True
 
 
 def run_demo(bug: str = DEFAULT_BUG, model_path: str | None = None) -> dict:

@@ -119,9 +119,17 @@ class VllmReport:
 def merge(parts: list[dict]) -> VllmReport:
     """One report from per-process parts (``{"rows": [...], "stats": {...}}``)."""
     out = VllmReport()
+    seen = set()
     for part in parts:
         for row in part.get("rows", ()):
-            (out.divergences if row.get("kind") == "divergence" else out.violations).append(row)
+            if row.get("kind") != "divergence":
+                out.violations.append(row)
+                continue
+            # every rank of an exchange finds the same divergences: one row each
+            key = (row.get("step"), row.get("rank"), tuple(row.get("fields", ())))
+            if key not in seen:
+                seen.add(key)
+                out.divergences.append(row)
         if part.get("stats"):
             out.stats.append(part["stats"])
     out.stats.sort(key=lambda s: (s.get("rank", 0), s.get("pid", 0)))

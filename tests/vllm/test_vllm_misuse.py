@@ -1,0 +1,70 @@
+"""Misuse is a clear error at start-up, never an unguarded run: bad settings where vLLM loads its plugins, an engine
+the canary cannot guard exactly where vLLM allocates its KV cache."""
+
+import pytest
+
+from kvcanary.integrations.vllm import engine, plugin
+from kvcanary.integrations.vllm.layout import probe_rows
+from kvcanary.integrations.vllm.settings import Settings
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"KV_CANARY_MODE": "abort"}, "KV_CANARY_MODE must be 'log', 'raise' or 'none' on vLLM, got 'abort'"),
+    ({"KV_CANARY_MODE": "loud"}, "KV_CANARY_MODE must be one of"),
+    ({"KV_CANARY_INJECT": "kv=0.1"}, "KV_CANARY_INJECT must be unset on vLLM"),
+    ({"KV_CANARY_VLLM_TP_INTERVAL": "-2"}, "KV_CANARY_VLLM_TP_INTERVAL must be an integer >= 0, got '-2'"),
+    ({"KV_CANARY_VLLM_TP_INTERVAL": "often"}, "KV_CANARY_VLLM_TP_INTERVAL must be an integer >= 0, got 'often'"),
+])
+def test_bad_settings_are_refused(env, message):
+    with pytest.raises(ValueError, match="^kv-canary: " + message.replace("(", r"\(").replace(")", r"\)")):
+        Settings.from_env(env)
+
+
+def test_an_unwritable_report_directory_is_refused(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="KV_CANARY_VLLM_REPORT_DIR must be a directory this process can create"):
+        Settings.from_env({"KV_CANARY_VLLM_REPORT_DIR": str(blocker / "reports")})
+
+
+def test_register_refuses_bad_settings_and_a_bad_switch(monkeypatch):
+    with engine.guarded(False):
+        monkeypatch.setenv("KV_CANARY_VLLM", "1")
+        monkeypatch.setenv("KV_CANARY_MODE", "abort")
+        with pytest.raises(ValueError, match="got 'abort'"):
+            plugin.register()
+        assert not plugin.installed()  # (nothing half-installed)
+        monkeypatch.setenv("KV_CANARY_VLLM", "maybe")
+        with pytest.raises(ValueError, match="KV_CANARY_VLLM must be a boolean"):
+            plugin.register()
+        monkeypatch.setenv("KV_CANARY_VLLM", "0")
+        plugin.register()
+        assert not plugin.installed()  # off: vLLM runs exactly as without the package
+
+
+@pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.3+cpu", True), ("0.31.2", False), ("0.33.0", False)])
+def test_the_version_gate(version, ok):
+    if ok:
+        assert plugin.check_version(version) == version
+    else:
+        with pytest.raises(RuntimeError, match=f"vLLM must be >=0.32,<0.33 .* got {version}"):
+            plugin.check_version(version)
+
+
+def test_an_engine_the_canary_cannot_guard_does_not_start(model_dir):
+    with engine.guarded(True), pytest.raises(Exception, match="kv-canary: the vLLM engine must have token-id prompts"):
+        engine.start(model_dir, num_blocks=32, enable_prompt_embeds=True)
+
+
+def test_separate_v_records_need_token_rows_of_k(model_dir):
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(torch.bfloat16, 32, 32)
+    k_rows, _ = probe_rows(isa, torch.bfloat16, 32, 32, "auto")
+    with engine.guarded(True, KV_CANARY_CHECK_V="1"):
+        if k_rows:  # (a kernel that keeps K in rows: V records are fine)
+            engine.stop(engine.start(model_dir, num_blocks=32))
+            return
+        with pytest.raises(Exception, match=f"KV_CANARY_CHECK_V=1 .* got K stored transposed by ISA '{isa}'"):
+            engine.start(model_dir, num_blocks=32)

@@ -1,0 +1,51 @@
+"""Tensor parallelism 2 on vLLM's multiprocess executor: each rank's worker process guards its own KV shard (the
+canary arrives there through the plugin entry point), the ranks' canary states are compared
+(kvcanary.distributed's ConsistencyCheck on vLLM's TP process group), and a bug planted on one rank only is
+reported by that rank and named by the exchange. One engine (about 100 s to start on the 2-core dev machine)."""
+
+import os
+
+import pytest
+
+from kvcanary.integrations.vllm import collect, engine
+from kvcanary.vllm_demo import plant_on_rank
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir):
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
+    # one core per rank; the test hands a planting function to the workers (collective_rpc of a callable)
+    os.environ.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    try:
+        with engine.guarded(True, KV_CANARY_MODE="log", KV_CANARY_VLLM_TP_INTERVAL="4"):
+            llm = engine.start(model_dir, tp=2, num_blocks=64, max_num_batched_tokens=64)
+            yield llm
+            engine.stop(llm)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _row(stats):
+    return {s["rank"]: (s["violations"], s["tp_divergences"]) for s in stats}
+
+
+def test_tp2_clean_then_a_bug_on_one_rank_is_named(tp2, prompts):
+    out = engine.generate(tp2, prompts, max_tokens=8)
+    clean = collect(tp2)
+    assert len(out) == len(prompts)
+    assert [s["rank"] for s in clean.stats] == [0, 1] and all(s["tp_size"] == 2 for s in clean.stats)
+    assert clean.clean and _row(clean.stats) == {0: (0, 0), 1: (0, 0)}
+    assert all(s["tp_exchanges"] >= 2 and s["forwards"] > 0 for s in clean.stats)
+    assert clean.stats[0]["forwards"] == clean.stats[1]["forwards"]
+    # rank 1's slot mapping goes wrong, rank 0's does not: only rank 1 reads wrong KV
+    assert tp2.collective_rpc(plant_on_rank, args=("slot-off-by-one", 1)) == [False, True]
+    assert tp2.reset_prefix_cache()
+    engine.generate(tp2, prompts, max_tokens=8)
+    report = collect(tp2)
+    by_rank = {s["rank"]: s for s in report.stats}
+    assert by_rank[0]["violations"] == 0 and by_rank[1]["violations"] > 0
+    assert {r["rank"] for r in report.violations} == {1} and report.requests()
+    # the exchange names rank 1: its records differ from rank 0's (no majority of two: rank 0 is the reference)
+    assert report.divergences and {d["rank"] for d in report.divergences} == {1}
+    assert any("records:full" in d["fields"] for d in report.divergences)
