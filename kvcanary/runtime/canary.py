@@ -17,6 +17,7 @@ import torch
 from kvcanary import ops
 from kvcanary.ops import validate as v
 from kvcanary.format import RealKvMode, launch_tag
+from kvcanary.runtime.abandon import abandon
 from kvcanary.runtime.abort import AbortHandler, check_abort_handler
 from kvcanary.runtime.allocator import AllocatorCheck, AllocatorProvider
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec, check_distinct_rows
@@ -164,9 +165,17 @@ class Canary(RecordMoves):
         except BaseException:
             # The caller will not run this forward (mode "raise" raised on what it would read): the forward
             # is abandoned, not left open, so the next before_forward starts a new one (docs/runtime.md).
-            # The step does not advance; HEAD's records of the new tokens stay, and a retry rewrites them.
-            self._open = None
+            abandon(self, drain=False)
             raise
+
+    def abandon_forward(self) -> None:
+        """The engine's forward failed between ``before_forward`` and ``after_forward``: close the open forward
+        without a step, so the canary stays usable (runtime/abandon.py). What HEAD found in its reads is
+        drained as the forward's own (mode "raise" raises it, mode "abort" fails its readers); HEAD's records
+        of its new tokens are taken back, so KV it never wrote is reported when read. No forward open: a no-op.
+        """
+        if self.enabled:
+            abandon(self)
 
     def after_forward(self, batch: ForwardBatch) -> None:
         """Device part, then host part, after the engine's forward wrote KV."""

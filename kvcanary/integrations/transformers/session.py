@@ -130,7 +130,12 @@ class Session(KvMoves):
             if not late:
                 self._guarded(self._before)
             t0 = time.perf_counter()
-            orig_step(model)
+            try:
+                orig_step(model)
+            except BaseException:  # the engine's failure, not the canary's: abandon the step's forward, re-raise
+                self._late = False
+                self._guarded(self._abandon)
+                raise
             if not late:
                 self._fwd_s = time.perf_counter() - t0
                 self._guarded(self._after)
@@ -214,6 +219,10 @@ class Session(KvMoves):
             # (with _late still set: the runner knows the step is usable)
             self._ranged("kvcanary_before", self.runner.before, self._late)
         self._before_s = time.perf_counter() - t0
+
+    def _abandon(self) -> None:
+        with self.lock:
+            self.runner.abandon()
 
     def _after(self) -> None:
         t0 = time.perf_counter()

@@ -162,6 +162,18 @@ class StepRunner:
             with self.engine_stream():
                 self.canary.after_forward(self.batch)
 
+    def abandon(self) -> None:
+        """The engine's forward raised after ``late_step`` (``before`` may have run, ``after`` will not): the step's
+        canary forward is abandoned (``Canary.abandon_forward``: nothing open, as on the late and fused paths,
+        whose canary work waits for the forward: nothing to do) and the runner's per-step state dropped, so the
+        next step starts as any other."""
+        self.late, self.batch, self.ready = False, None, None
+        if self.graphs is not None:
+            self.graphs.inline = self.graphs.fused_now = False
+        if self.steady is not None:
+            self.steady.open = None
+        self.canary.abandon_forward()
+
     def forward_enqueued(self) -> None:
         """The engine enqueued the step's forward (under ``carries``: a late captured step starts after it)."""
         if self.carry is not None:
