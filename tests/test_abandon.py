@@ -244,3 +244,63 @@ def test_sim_a_failed_forward_is_abandoned_and_retried_cleanly_on_every_route(ro
     assert was_open == [route in ("hooks", "eager-early", "captured-early")]  # (late: nothing ran before it)
     assert failed.canary.violations == [] and failed_tokens == tokens
     assert failed.canary.step == clean.canary.step and failed.canary.stats()["forwards"] == clean.canary.stats()["forwards"]
+
+
+# -- token ids the int32 token table cannot hold: refused before any state changes ------------------------------
+def test_missing_token_is_the_same_in_ops_and_runtime():
+    pytest.importorskip("numba")
+    from kvcanary.ops import numba_steady
+    from kvcanary.runtime import checks
+    from kvcanary.runtime.report import MISSING_TOKEN
+
+    assert numba_steady.MISSING_TOKEN == MISSING_TOKEN and numba_steady.TOKEN_MAX == checks.TOKEN_MAX == 2**31 - 1
+
+
+@pytest.mark.parametrize("where", ["input_ids", "history"])
+@pytest.mark.parametrize("token", [2**31, 2**40, -1])
+def test_a_token_id_outside_the_token_table_is_refused_before_anything_changes(where, token):
+    from kvcanary.runtime.batch import TokenHistory
+
+    toy = Toy()
+    toy.forward([(7, 1, 0, [11, 22, 33], [1, 2, 3])])
+    records = {key: buf.clone() for key, buf in toy.canary.groups[0].bufs.items()}
+    table = toy.canary.token_table.clone()
+    ids = [11, 22, 33, token if where == "input_ids" else 44]
+    batch = toy.batch([(7, 1, 3, ids[3:], [4])])
+    batch = type(batch)(**{**batch.__dict__, "token_history": TokenHistory(
+        torch.tensor(ids[:3] + [token if where == "history" else 44]), torch.tensor([0, 4]))})
+    name, at = ("input_ids", 0) if where == "input_ids" else ("token_history.flat", 3)
+    with pytest.raises(ValueError, match=rf"kv-canary: forward batch {name} must be token ids.* in \[0, 2\^31 - 1 = "
+                                         rf"2147483647\] \(the canary's token table is int32\), got {token} at index "
+                                         rf"{at}$"):
+        toy.canary.before_forward(batch)
+    assert toy.canary._open is None and toy.canary.step == 1 and torch.equal(toy.canary.token_table, table)
+    assert all(torch.equal(buf, records[key]) for key, buf in toy.canary.groups[0].bufs.items())
+    toy.forward([(7, 1, 3, [44], [4])])  # the canary goes on
+    assert toy.canary.flush() == []
+
+
+def test_a_token_id_outside_the_token_table_is_refused_on_the_steady_route():
+    """The CPU's steady steps run their value checks in their own compiled pass (runtime/step/steady.py): an input
+    id the token table cannot hold sends the step to the full path, which refuses it; nothing changes."""
+    pytest.importorskip("numba")
+    from kvcanary.sim.config import SimConfig
+    from kvcanary.sim.engine import SimEngine, default_canary_config
+
+    cfg = SimConfig(**SIM)
+    e = SimEngine(cfg, default_canary_config(cfg).replace(allocator_check_interval=0, backend="numba"), steps="eager")
+    set_step, seen = e.source.set_step, {}
+
+    def planted(works):
+        set_step(works)
+        if e.runner.steady.taken >= 3 and "records" not in seen:  # (steady steps under way)
+            seen["records"] = {k: b.clone() for k, b in e.canary.groups[0].bufs.items()}
+            seen["step"], seen["taken"] = e.canary.step, e.runner.steady.taken
+            e.source.inputs.input_ids[0] = 2**31
+
+    e.source.set_step = planted
+    with pytest.raises(ValueError, match=r"forward batch input_ids must be token ids .*got 2147483648 at index 0"):
+        e.run()
+    assert e.canary._open is None and e.canary.step == seen["step"] and e.runner.steady.taken == seen["taken"]
+    assert all(torch.equal(b, seen["records"][k]) for k, b in e.canary.groups[0].bufs.items())
+    assert e.canary.flush() == []

@@ -18,11 +18,12 @@ def t(values, dtype=torch.int64):
 
 
 def batch(rows=(3, 5, 0), prefix=(4, 0, 0), extend=(1, 2, 1), loc=(7, 8, 9, -1), cells=((3, 5, 5), (4, 0, 1)),
-          valid=(5, 2, 0), table=(NUM_ROWS, MAX_CONTEXT), dtype=torch.int64):
+          valid=(5, 2, 0), table=(NUM_ROWS, MAX_CONTEXT), dtype=torch.int64, ids=None, cell_tokens=None):
     n = len(loc)
-    hist = TokenAppend(t(cells[0], dtype), t(cells[1], dtype), t([9] * len(cells[0]), dtype), t(valid, dtype))
+    tokens = [9] * len(cells[0]) if cell_tokens is None else cell_tokens
+    hist = TokenAppend(t(cells[0], dtype), t(cells[1], dtype), t(tokens, dtype), t(valid, dtype))
     return ForwardBatch(req_pool_indices=t(rows, dtype), prefix_lens=t(prefix, dtype), extend_lens=t(extend, dtype),
-                        input_ids=t([1] * n), positions=t([0] * n), out_cache_loc=t(loc, dtype),
+                        input_ids=t([1] * n if ids is None else ids), positions=t([0] * n), out_cache_loc=t(loc, dtype),
                         req_to_token=torch.zeros(table, dtype=torch.int64), token_history=hist)
 
 
@@ -62,6 +63,14 @@ CASES = {
     "valid length past the context": dict(valid=(5, MAX_CONTEXT + 1, 0)),
     "valid length at the context": dict(valid=(5, MAX_CONTEXT, 0)),
     "no cells": dict(cells=((), ())),
+    # token ids beyond the int32 token table (issue 56): refused, not wrapped into false verify_token rows
+    "input id past int32": dict(ids=(1, 2**31, 3, 4)),
+    "negative input id": dict(ids=(1, 2, -1, 4)),
+    "largest input id": dict(ids=(1, 2**31 - 1, 3, 4)),
+    "padding input id": dict(ids=(1, 2, 3, -1)),  # (a padding request's token: never written nor read)
+    "history token past int32": dict(cell_tokens=(9, 2**31, 9)),
+    "negative history token": dict(cell_tokens=(9, -1, 9)),
+    "missing history token": dict(cell_tokens=(9, -2, 9)),  # (report.MISSING_TOKEN: a gap the adapter marks)
 }
 
 
@@ -71,7 +80,8 @@ def test_the_compiled_pass_says_yes_exactly_where_the_python_checks_pass(case):
     expected = python_checks_pass(b)
     assert checks.batch_ok(b, **LIMITS) == expected
     assert expected == (case in ("valid", "as wide as the table", "no write is fine", "valid length at the context",
-                                 "no cells", "padding slot past the pool"))
+                                 "no cells", "padding slot past the pool", "largest input id", "padding input id",
+                                 "missing history token"))
     if not expected:  # the checks still raise their own error with the pass in front of them
         with pytest.raises(ValueError, match="kv-canary"):
             checks.check_batch_values(b, **LIMITS)

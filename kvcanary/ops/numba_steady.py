@@ -81,10 +81,15 @@ def new_reads_match(rtt, rows, token_req, positions, loc):
     return 1
 
 
+TOKEN_MAX = 2**31 - 1  # the canary's token table is int32: token ids in [0, TOKEN_MAX] (runtime/checks.py)
+MISSING_TOKEN = -2  # (runtime.report.MISSING_TOKEN, which ops cannot import: tests/test_abandon.py pins them equal)
+
+
 @jit
 def batch_values_ok(rows, pre, ext, row_limit, cols, n, loc, num_slots, cell_rows, cell_cols, valid_lens, num_rows,
-                    max_context):
-    """``checks.check_batch_values``' checks as a yes or no (no: the Python checks raise their error)."""
+                    max_context, ids, cell_tokens, missing):
+    """``checks.check_batch_values``' checks as a yes or no (no: the Python checks raise their error). ``ids``: the
+    input ids, ``cell_tokens``: the token history's cells (``missing``: the one negative value they may hold)."""
     padding = False
     total = written = 0
     for i in range(rows.shape[0]):
@@ -100,7 +105,10 @@ def batch_values_ok(rows, pre, ext, row_limit, cols, n, loc, num_slots, cell_row
     if total != n:
         return False
     for i in range(written):  # (the padding requests' tokens, last, are never written)
-        if loc[i] >= num_slots:
+        if loc[i] >= num_slots or ids[i] < 0 or ids[i] > TOKEN_MAX:
+            return False
+    for i in range(cell_tokens.shape[0]):
+        if (cell_tokens[i] < 0 and cell_tokens[i] != missing) or cell_tokens[i] > TOKEN_MAX:
             return False
     # (three loops, not one over a tuple: the views' array types may differ, which numba cannot iterate)
     for i in range(cell_rows.shape[0]):
@@ -134,12 +142,13 @@ def _any_reserved(mask, slots):
 
 @jit
 def _prepare(rows, prefix, extend, loc, cell_rows, cell_cols, cell_tokens, valid, has_cells, rtt, read, clamp_max,
-             num_rows, num_slots, max_context, tokens):
+             num_rows, num_slots, max_context, tokens, ids, missing):
     """The checks of an eager step's build and ``host_before`` (False: nothing written), then the read table and
     the token table's new cells (``launch._refill_tokens``)."""
     if not (read_table_fits(rtt, rows, read, clamp_max) and _rows_distinct(rows)
             and batch_values_ok(rows, prefix, extend, min(rtt.shape[0], num_rows), rtt.shape[1], loc.shape[0], loc,
-                                num_slots, cell_rows, cell_cols, valid, num_rows, max_context)):
+                                num_slots, cell_rows, cell_cols, valid, num_rows, max_context, ids, cell_tokens,
+                                missing)):
         return False
     fill_read_table(rtt, rows, prefix, extend, read, clamp_max, NO_LIMIT, 0)
     if has_cells:
@@ -177,14 +186,14 @@ class SteadyCalls:
         parts = [batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.out_cache_loc, batch.token_req,
                  batch.positions, read] + ([hist.cell_rows, hist.cell_cols, hist.cell_tokens, hist.valid_lens]
                                            if has_cells else [])
-        views = [_np(x) for x in parts] + [_np(batch.req_to_token), _np(tokens)]
+        views = [_np(x) for x in parts] + [_np(batch.input_ids), _np(batch.req_to_token), _np(tokens)]
         if (h is None or t is None or not h.views or not t.views or views[-2].dtype != np.int64
                 or any(v is None or v.dtype not in (np.int32, np.int64) for v in views)):
             return None
         rows, prefix, extend, loc, token_req, positions = views[:6]
         cells = views[7:11] if has_cells else [np.zeros(0, dtype=np.int64)] * 4
         self.prepare = (rows, prefix, extend, loc, *cells[:3], cells[3], has_cells, views[-2], views[6], clamp_max,
-                        num_rows, num_slots, max_context, views[-1])
+                        num_rows, num_slots, max_context, views[-1], views[-3], MISSING_TOKEN)
         e, offs = head_kw[0]["out"].entries, _np(head_kw[0]["out"].write_offsets)
         mask = np.zeros(0, dtype=np.bool_) if reserved is None else reserved.numpy()
         self.after_head = (views[-2], rows, token_req, positions, loc, _np(e.slot), _np(e.count), offs, rows.shape[0],

@@ -22,6 +22,7 @@ import torch
 from kvcanary.ops import validate as v
 from kvcanary.runtime.batch import ForwardBatch, PoolSpec, TokenAppend
 from kvcanary.runtime.config import CanaryConfig
+from kvcanary.runtime.report import MISSING_TOKEN
 
 OP = "forward batch"
 
@@ -57,6 +58,8 @@ def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, ma
     n, total = batch.num_tokens, sum(ext)
     if total != n:
         raise v.fail_value(OP, "out_cache_loc", f"of length sum(extend_lens) = {total}", f"length {n}")
+    if written:  # (the padding requests' input ids, last, are never written nor read)
+        _check_tokens("input_ids", batch.input_ids[:written], "token ids")
     # the padding requests' tokens come last and are never written: their slots are not checked
     if written and int(_host(batch.out_cache_loc[:written]).max()) >= num_slots:
         loc = batch.out_cache_loc[:written]
@@ -66,7 +69,9 @@ def check_batch_values(batch: ForwardBatch, *, num_rows: int, num_slots: int, ma
     hist = batch.token_history
     if isinstance(hist, TokenAppend):
         _check_append(hist, num_rows, max_context)
+        _check_tokens("token_history.cell_tokens", hist.cell_tokens, HISTORY_TOKENS)
     elif hist is not None:
+        _check_tokens("token_history.flat", hist.flat, HISTORY_TOKENS)
         offsets = hist.offsets.tolist()
         lens = [b - a for a, b in zip(offsets, offsets[1:])]
         if offsets[0] != 0 or offsets[-1] != hist.flat.shape[0] or min(lens, default=0) < 0:
@@ -127,6 +132,27 @@ def _check_append(hist: TokenAppend, num_rows: int, max_context: int) -> None:
         lo_got, hi_got = int(values.min()), int(values.max())
         if lo_got < 0 or hi_got >= hi:
             raise v.fail_value(OP, f"token_history.{name}", f"values in [0, {hi})", f"[{lo_got}, {hi_got}]")
+
+
+TOKEN_MAX = 2**31 - 1  # the canary's token table is int32 (SPEC 4.1): a larger id would wrap there
+HISTORY_TOKENS = f"token ids or MISSING_TOKEN ({MISSING_TOKEN}: a position the history lacks)"
+
+
+def _check_tokens(name: str, tokens: torch.Tensor, what: str) -> None:
+    """Token ids in [0, 2^31): the token table holds them as int32, and an id it cannot hold would be stored
+    wrapped and compared with the record's int64 token (a false ``verify_token``); a negative id would read
+    as "not checked" (-1) or as a missing history (``MISSING_TOKEN``, which a history may hold)."""
+    if not tokens.shape[0]:
+        return
+    values = _host(tokens)
+    history = name.startswith("token_history")
+    bad = (values < 0) | (values > TOKEN_MAX)
+    if history:
+        bad &= values != MISSING_TOKEN
+    if bad.any():
+        i = int(bad.nonzero()[0][0])
+        raise v.fail_value(OP, name, f"{what} in [0, 2^31 - 1 = {TOKEN_MAX}] (the canary's token table is int32)",
+                           f"{int(values[i])} at index {i}")
 
 
 def _host(t: torch.Tensor):
@@ -240,10 +266,11 @@ def batch_ok(batch: ForwardBatch, num_rows: int, num_slots: int, max_context: in
     if not kernel or batch.out_cache_loc.device.type != "cpu" or not isinstance(hist, TokenAppend):
         return False
     parts = (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.out_cache_loc,
-             hist.cell_rows, hist.cell_cols, hist.valid_lens)
+             hist.cell_rows, hist.cell_cols, hist.valid_lens, batch.input_ids, hist.cell_tokens)
     if any(t.dtype != torch.int64 or t.dim() != 1 for t in parts):
         return False  # (other dtypes: the Python checks, rather than one compiled variant per dtype)
-    rows, pre, ext, loc, cell_rows, cell_cols, valid_lens = (t.numpy() for t in parts)
+    rows, pre, ext, loc, cell_rows, cell_cols, valid_lens, ids, cell_tokens = (t.numpy() for t in parts)
     table_rows, cols = batch.req_to_token.shape
     return bool(kernel(rows, pre, ext, min(table_rows, num_rows), cols, batch.num_tokens, loc,
-                       num_slots, cell_rows, cell_cols, valid_lens, num_rows, max_context))
+                       num_slots, cell_rows, cell_cols, valid_lens, num_rows, max_context, ids, cell_tokens,
+                       MISSING_TOKEN))
