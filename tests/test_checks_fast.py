@@ -87,6 +87,15 @@ def test_the_compiled_pass_says_yes_exactly_where_the_python_checks_pass(case):
             checks.check_batch_values(b, **LIMITS)
 
 
+def test_int32_input_ids_are_judged_by_the_compiled_pass():
+    # (transformers' input ids are int32: the pass judges them rather than sending every step to Python)
+    b = batch()
+    b.input_ids = b.input_ids.to(torch.int32)
+    assert checks.batch_ok(b, **LIMITS)
+    b.input_ids[1] = -3
+    assert not checks.batch_ok(b, **LIMITS) and not python_checks_pass(b)
+
+
 def test_batches_it_does_not_judge_go_to_the_python_checks():
     assert not checks.batch_ok(batch(dtype=torch.int32), **LIMITS)  # other dtypes
     b = batch()

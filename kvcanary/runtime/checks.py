@@ -266,10 +266,12 @@ def batch_ok(batch: ForwardBatch, num_rows: int, num_slots: int, max_context: in
     if not kernel or batch.out_cache_loc.device.type != "cpu" or not isinstance(hist, TokenAppend):
         return False
     parts = (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.out_cache_loc,
-             hist.cell_rows, hist.cell_cols, hist.valid_lens, batch.input_ids, hist.cell_tokens)
-    if any(t.dtype != torch.int64 or t.dim() != 1 for t in parts):
+             hist.cell_rows, hist.cell_cols, hist.valid_lens)
+    tokens = (batch.input_ids, hist.cell_tokens)  # (int32 too: an engine's input ids often are)
+    if any(t.dtype != torch.int64 or t.dim() != 1 for t in parts) or any(
+            t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 for t in tokens):
         return False  # (other dtypes: the Python checks, rather than one compiled variant per dtype)
-    rows, pre, ext, loc, cell_rows, cell_cols, valid_lens, ids, cell_tokens = (t.numpy() for t in parts)
+    rows, pre, ext, loc, cell_rows, cell_cols, valid_lens, ids, cell_tokens = (t.numpy() for t in parts + tokens)
     table_rows, cols = batch.req_to_token.shape
     return bool(kernel(rows, pre, ext, min(table_rows, num_rows), cols, batch.num_tokens, loc,
                        num_slots, cell_rows, cell_cols, valid_lens, num_rows, max_context, ids, cell_tokens,
