@@ -369,7 +369,21 @@ EXPECTED = {
     "never-written": lambda names, vs: check_never_written(vs),
     "write-into-predecessor": lambda names, vs: check_write_into_predecessor(vs),
     "new-token-read-index": lambda names, vs: check_new_token_read(vs),
+    "flip-shared-block": lambda names, vs: check_shared_block(names, vs),
 }
+
+
+def check_shared_block(names, vs):
+    # every holder of the shared block reads the flipped slot in the next forward: one TAIL row each, every row
+    # naming its own reader and listing them all (a parent and its fork at least)
+    first = [v for v in vs if v.step == vs[0].step]
+    assert {(v.launch_tag, v.reasons, v.slot) for v in first} == {("TAIL_K_FULL", ("verify_real_kv_hash",),
+                                                                   first[0].slot)}, [str(v) for v in first]
+    readers = first[0].readers
+    assert len(readers) >= 2 and all(v.readers == readers for v in first)
+    assert sorted(v.reader_request for v in first) == sorted(readers)
+    assert any("__child#" in names(r) for r in readers)
+    assert f"read by {len(readers)} requests in this forward" in first[0].block()
 
 
 def check_new_token_read(vs):

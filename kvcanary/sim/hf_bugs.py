@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 BUGS: dict[str, tuple[str, str]] = {
@@ -39,6 +40,8 @@ BUGS: dict[str, tuple[str, str]] = {
     "write-into-predecessor": ("E", "a decode token's write index is its predecessor's slot (off by one)"),
     "new-token-read-index": ("C", "a decode token's read index cell for its own position lists its predecessor's "
                                   "slot instead of the slot it was just written to"),
+    "flip-shared-block": ("G", "one byte of layer 0's K flips in a full prompt block that several live requests "
+                               "share (a parent and its forks): each of them reads it in the next forward"),
 }
 
 
@@ -223,6 +226,20 @@ def flip_kv(bp, lay, state) -> None:
             if st.position_offset - fs.query_length > 1 and table and _once(state):
                 _flip(lay, lay.slot(table[0], 1))
                 return
+
+    bp._generation_step = step
+
+
+def flip_shared_block(bp, lay, state) -> None:
+    orig = bp._generation_step
+
+    def step(model):
+        orig(model)
+        tables = lay.block_table(lay.full_group)
+        # full blocks only (a table's last block may be partial): every position of one is read by every holder
+        count = collections.Counter(b for t in tables.values() for b in t[:-1])
+        if count and count.most_common(1)[0][1] >= 2 and _once(state):
+            _flip(lay, lay.slot(count.most_common(1)[0][0], 1))
 
     bp._generation_step = step
 
