@@ -100,3 +100,24 @@ def test_clean_run_without_prefix_caching_raises_nothing(no_prefix_cache, prompt
     stats = report.stats[0]
     assert stats["prefix_hits"] == 0 and stats["chunked_prefill_chunks"] > 0 and stats["mode"] == "raise"
     assert stats["forwards"] >= 12
+
+
+def test_mode_abort_fails_exactly_the_requests_that_read_wrong_kv(model_dir, prompts):
+    from vllm import SamplingParams
+
+    with engine.guarded(True, KV_CANARY_MODE="abort"):
+        llm = engine.start(model_dir, num_blocks=64, max_num_batched_tokens=64)
+        try:
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            with plant("slot-off-by-one"):
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            report = collect(llm)
+        finally:
+            engine.stop(llm)
+    failed = {o.request_id for o in outs if o.outputs[0].finish_reason == "error"}
+    finished = {o.request_id for o in outs if o.outputs[0].finish_reason == "length"}
+    named = {rid.split("-")[0] for rid in report.requests()}
+    assert failed and failed == named  # the canary named them, vLLM failed them, no other
+    assert finished == {o.request_id for o in outs} - failed and finished  # the others ran to their length
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs if o.request_id in finished)
+    assert report.stats[0]["aborted"] == len(failed) and report.stats[0]["aborted_requests"] == len(failed)

@@ -9,7 +9,6 @@ from kvcanary.integrations.vllm.settings import Settings
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"KV_CANARY_MODE": "abort"}, "KV_CANARY_MODE must be 'log', 'raise' or 'none' on vLLM, got 'abort'"),
     ({"KV_CANARY_MODE": "loud"}, "KV_CANARY_MODE must be one of"),
     ({"KV_CANARY_INJECT": "kv=0.1"}, "KV_CANARY_INJECT must be unset on vLLM"),
     ({"KV_CANARY_VLLM_TP_INTERVAL": "-2"}, "KV_CANARY_VLLM_TP_INTERVAL must be an integer >= 0, got '-2'"),
@@ -30,8 +29,8 @@ def test_an_unwritable_report_directory_is_refused(tmp_path):
 def test_register_refuses_bad_settings_and_a_bad_switch(monkeypatch):
     with engine.guarded(False):
         monkeypatch.setenv("KV_CANARY_VLLM", "1")
-        monkeypatch.setenv("KV_CANARY_MODE", "abort")
-        with pytest.raises(ValueError, match="got 'abort'"):
+        monkeypatch.setenv("KV_CANARY_MODE", "loud")
+        with pytest.raises(ValueError, match="got 'loud'"):
             plugin.register()
         assert not plugin.installed()  # (nothing half-installed)
         monkeypatch.setenv("KV_CANARY_VLLM", "maybe")
@@ -68,3 +67,16 @@ def test_separate_v_records_need_token_rows_of_k(model_dir):
             return
         with pytest.raises(Exception, match=f"KV_CANARY_CHECK_V=1 .* got K stored transposed by ISA '{isa}'"):
             engine.start(model_dir, num_blocks=32)
+
+
+@pytest.mark.parametrize("world, backend", [(2, "mp"), (1, "mp")])
+def test_mode_abort_needs_the_scheduler_in_the_worker_process(world, backend):
+    from types import SimpleNamespace
+
+    from kvcanary.integrations.vllm.session import _check_abort
+
+    runner = SimpleNamespace(parallel_config=SimpleNamespace(world_size=world, distributed_executor_backend=backend))
+    with pytest.raises(ValueError, match=f"KV_CANARY_MODE=abort on vLLM needs the worker in the scheduler's process .* "
+                                         f"world size {world} with backend '{backend}'"):
+        _check_abort(runner)
+    _check_abort(SimpleNamespace(parallel_config=SimpleNamespace(world_size=1, distributed_executor_backend="uni")))

@@ -12,6 +12,8 @@ subclasses it, so GPU and CPU runs take the same hooks) and adds one method to i
   GPUModelRunner._model_forward        around the model: before_forward / after_forward
   GPUModelRunner.shutdown              before: the session's final drain and report
   WorkerBase.kvcanary_report           the report of this worker (``LLM.collective_rpc("kvcanary_report")``)
+  Scheduler.update_from_output         mode abort: before the step's outputs, the requests the canary named join
+                                       the scheduler's own per-request error path (finish reason "error")
 
 The hooks live on the classes, not on instances: vLLM builds its runners inside worker processes that no user
 code reaches, and the plugin runs before any of them exists. ``unregister()`` restores the classes exactly.
@@ -157,7 +159,34 @@ def _install() -> None:
     _set(GPUModelRunner, "_model_forward", _model_forward)
     _set(GPUModelRunner, "shutdown", runner_shutdown)
     _set(WorkerBase, "kvcanary_report", kvcanary_report)
+    _hook_scheduler(S)
     _refuse_runner_v2()
+
+
+def _hook_scheduler(S) -> None:
+    """Mode abort: the requests a session named (``session.PENDING_ABORTS``) fail through the scheduler's own error
+    path for one request, the set its ``update_from_output`` finishes with ``FINISHED_ERROR`` (and reports to the
+    client with finish reason "error") after the step's outputs: the step's forward has run, so no KV is freed
+    under it; a request that already ended is not in the scheduler any more and is left alone."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    update = getattr(Scheduler, "update_from_output", None)
+    if not callable(update):
+        raise RuntimeError(f"kv-canary: vLLM's Scheduler.update_from_output must be a method to hook, got none "
+                           f"(vLLM {SUPPORTED_RANGE} expected)")
+
+    @functools.wraps(update)
+    def update_from_output(self, *args, **kwargs):
+        if S.PENDING_ABORTS:
+            errors = getattr(self, "encoder_cache_mismatch_reqs", None)
+            if not isinstance(errors, set):
+                raise RuntimeError("kv-canary: vLLM's scheduler must keep its per-request error set "
+                                   "(encoder_cache_mismatch_reqs) for mode abort, got none")
+            errors.update(rid for rid in S.PENDING_ABORTS if rid in self.requests)
+            S.PENDING_ABORTS.clear()
+        return update(self, *args, **kwargs)
+
+    _set(Scheduler, "update_from_output", update_from_output)
 
 
 def _refuse_runner_v2() -> None:

@@ -31,6 +31,8 @@ from kvcanary.integrations.vllm.settings import Settings
 log = logging.getLogger("kvcanary")
 
 SESSIONS: list = []  # this process's sessions, newest last (live handles for in-process engines)
+# mode "abort": vLLM request ids to fail, taken by the scheduler of this process after the step (plugin.py)
+PENDING_ABORTS: set[str] = set()
 MAX_ROWS = 10_000  # rows kept in memory per session (every row still goes to the report directory)
 STATS_EVERY_S = 1.0  # the stats file is rewritten at most this often while serving (and at every report)
 
@@ -67,7 +69,7 @@ class Session:
         self.dropped_rows = 0
         self.events = {"prefix_hits": 0, "prefix_hit_tokens": 0, "resumed_after_preemption": 0, "preempted": 0,
                        "finished": 0, "block_copies": 0, "chunked_prefill_chunks": 0, "steps": 0,
-                       "split_forwards": 0}
+                       "split_forwards": 0, "aborted": 0}
         self.in_step = False
         self.closed = False
         self._step_forwards = 0
@@ -96,8 +98,11 @@ class Session:
             config = config.replace(plan_capacity=min(max_batch * max_context, 2 * lay.num_slots + max_tokens))
         k_sources, v_sources = lay.real_kv_sources(config.check_v)
         pool = PoolSpec(lay.num_slots, k_sources, v_sources, reserved_slots=lay.reserved_slots())
+        if config.mode == "abort":
+            _check_abort(r)
         canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
-                        num_rows=max_batch + 1, device="cpu", on_violation=self._on_violation)
+                        num_rows=max_batch + 1, device="cpu", on_violation=self._on_violation,
+                        on_abort=self._on_abort)
         # No forward before this one wrote request KV through the guarded path (warm-up runs are unguarded and
         # write no request's blocks): arm the chain-position assert now.
         canary.mark_ready()
@@ -174,6 +179,15 @@ class Session:
                             text=describe(v, self.names))
         self._keep([row])
 
+    def _on_abort(self, request_id: int, violations) -> None:
+        """Mode abort: the request read wrong KV. Its vLLM id waits for this process's scheduler, which fails it
+        through its own error path after the step (the forward that read the KV has run: nothing is freed under
+        it)."""
+        name = self.names.name(request_id)
+        if name is not None:
+            PENDING_ABORTS.add(name)
+            self.events["aborted"] += 1
+
     def _divergences(self, fresh) -> None:
         rows = [{"kind": "divergence", "pid": os.getpid(), "reporting_rank": self.rank, **d.to_dict()} for d in fresh]
         self._keep(rows)
@@ -228,6 +242,16 @@ class Session:
         n = batch.batch_size
         done = (batch.prefix_lens + batch.extend_lens).numpy()
         self.events["chunked_prefill_chunks"] += int((done < runner.input_batch.num_prompt_tokens[:n]).sum())
+
+
+def _check_abort(runner) -> None:
+    """Mode abort needs the scheduler in this process (vLLM's one-worker executor, ``uni``): a worker of the
+    multiprocess executor cannot reach it without a change to vLLM."""
+    pc = runner.parallel_config
+    if pc.world_size > 1 or pc.distributed_executor_backend not in (None, "uni"):
+        raise ValueError("kv-canary: KV_CANARY_MODE=abort on vLLM needs the worker in the scheduler's process (one "
+                         "worker, distributed_executor_backend 'uni'), got world size "
+                         f"{pc.world_size} with backend {pc.distributed_executor_backend!r} (use log or raise)")
 
 
 def _tp_rank(runner) -> tuple[int, int, object]:

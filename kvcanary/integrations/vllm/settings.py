@@ -36,11 +36,6 @@ class Settings:
     def from_env(cls, environ=None) -> Settings:
         environ = os.environ if environ is None else environ
         config = CanaryConfig.from_env(environ)
-        if config.mode == "abort":
-            # vLLM's worker has no error path for one request (its outputs carry tokens, not failures): a request
-            # cannot be failed from where the canary runs without changing vLLM (docs/vllm.md, "Modes").
-            raise ValueError("kv-canary: KV_CANARY_MODE must be 'log', 'raise' or 'none' on vLLM, got 'abort' (vLLM's "
-                             "workers have no per-request error path; docs/vllm.md, 'Modes')")
         if config.injecting:
             raise ValueError("kv-canary: KV_CANARY_INJECT must be unset on vLLM, got "
                              f"{environ.get('KV_CANARY_INJECT')!r} (fault injection is not wired into the vLLM integration: "
