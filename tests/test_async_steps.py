@@ -1,7 +1,9 @@
 """The step runner under async batching's carry-over (``runtime/step/carry.py``), driven by the simulated engine's
 carrying source (``SimEngine(steps=..., carry=True)``: two input storage sets, the ids carried over inside the
 forward, the host's ids and token history one step behind), through the eager, captured and fused paths on
-the CPU stand-in graph. Planted variants (test-only monkeypatches) show what each part of the design guards."""
+the CPU stand-in graph. Planted variants (test-only monkeypatches) show what each part of the design guards.
+The captured and fused paths replay Triton launches (on the CPU under Triton's interpreter); the eager path runs
+the compiled CPU backend (numba, else torch), whose records are Triton's bit for bit, in seconds."""
 
 import pytest
 import torch
@@ -14,9 +16,12 @@ from kvcanary.sim import step_source
 from kvcanary.sim.config import SimConfig
 from kvcanary.sim.engine import SimEngine, default_canary_config
 
+from kvcanary.ops.api import numba_available
+
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
                                 reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1")
+FAST = "numba" if numba_available() else "torch"  # (the eager path's backend)
 
 # a steady decode batch of four (as tests/test_step_runner.py), short
 CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=16, max_steps=30,
@@ -35,7 +40,8 @@ def steady(monkeypatch):
 def engine(steps, carry=True, cfg=None, **canary):
     cfg = SimConfig(**{**CFG, **(cfg or {})})
     # (no allocator check: a step it checks closes unfused, and the fused path is under test here)
-    config = default_canary_config(cfg).replace(backend="triton", allocator_check_interval=0, **canary)
+    backend = FAST if steps == "eager" else "triton"
+    config = default_canary_config(cfg).replace(backend=backend, allocator_check_interval=0, **canary)
     return SimEngine(cfg, config, steps=steps, carry=carry)
 
 

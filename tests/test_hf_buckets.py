@@ -46,7 +46,7 @@ def staggered(monkeypatch):
     monkeypatch.setattr(ContinuousBatchingManager, "add_request", add_request)
 
 
-@pytest.mark.parametrize("bug", [None, "wrong-read-index", "never-written"])
+@pytest.mark.parametrize("bug", [None, "never-written"])  # (a clean run; a padding lane's write trash misused)
 def test_a_changing_batch_padded_to_its_bucket_reports_what_eager_steps_report(llama, monkeypatch, staggered, bug):
     verify = StepTables.verify_new_reads  # (the eager CPU path's shortcut off: compare like with like)
     monkeypatch.setattr(StepTables, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
@@ -62,7 +62,7 @@ def test_a_changing_batch_padded_to_its_bucket_reports_what_eager_steps_report(l
     monkeypatch.setattr(BatchBuilder, "host_part", recording)
     kw = dict(prompts=staggered_prompts(llama.config.vocab_size), max_new_tokens=12, num_return_sequences=1, bug=bug,
               cb={"max_batch_tokens": 32})
-    eager = run_workload(llama, backend="triton", step_graphs=False, **kw)
+    eager = run_workload(llama, backend=graphs.EAGER_BACKEND, step_graphs=False, **kw)
     runs = {}
     for on in (False, True):
         pads.clear()

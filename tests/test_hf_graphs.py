@@ -51,13 +51,21 @@ def graphed_run(model, monkeypatch, **kw):
     return run, made
 
 
+# The eager run each graphed run is compared with: Triton on CUDA; on the CPU the torch backend, whose records and
+# reports are Triton's bit for bit (tests/test_ops_cases.py), in a fraction of the interpreter's time. (Not numba:
+# its eager run of the prefill chunks below counted 2,548 entries checked against the graphed run's 2,646, with the
+# same reports and tokens.)
+EAGER_BACKEND = "triton" if DEV != "cpu" else "torch"
+
 # decode steps of a steady batch: shapes repeat, so steps are captured and replayed
 STEADY = dict(max_new_tokens=16, num_return_sequences=1)
 
 
-@pytest.mark.parametrize("steady,fused", [(0, True), (0, False), (None, True)],
-                         ids=["fused", "graph-per-turn", "default"])
-@pytest.mark.parametrize("bug", [None, "new-token-read-index"])
+# Each step path with a planted bug (its steps before the bug are clean steps, and the reports after it must be
+# the eager ones), and a clean run on the fused path, the default's steady decode.
+@pytest.mark.parametrize("bug,steady,fused", [
+    ("new-token-read-index", 0, True), ("new-token-read-index", 0, False), ("new-token-read-index", None, True),
+    (None, 0, True)], ids=["fused", "graph-per-turn", "default", "fused-clean"])
 def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, steady, fused):
     from kvcanary.runtime.step import graphs as hf_graph
     from kvcanary.runtime.step.tables import StepTables
@@ -103,7 +111,7 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
     # step always runs it: compare like with like
     verify = StepTables.verify_new_reads
     monkeypatch.setattr(StepTables, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
-    eager = run_workload(llama, backend="triton", bug=bug, step_graphs=False, **STEADY)
+    eager = run_workload(llama, backend=EAGER_BACKEND, bug=bug, step_graphs=False, **STEADY)
     graphed, made = graphed_run(llama, monkeypatch, bug=bug, fused_steps=fused, **STEADY)
     assert made and isinstance(made[0], StepGraphs)
     parts = made + [g.fused for g in made if g.fused is not None]
@@ -123,7 +131,7 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
     assert (len(graphed.violations) > 0) == (bug is not None)
 
 
-@pytest.mark.parametrize("bug", [None, "contiguous-read-index", "wrong-block"])
+@pytest.mark.parametrize("bug", [None, "wrong-block"])
 def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypatch, bug):
     # prompts longer than the chunk: multi-token steps of one shape recur, are captured (one graph
     # reading a static copy of the staged values) and replayed
@@ -134,7 +142,7 @@ def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypa
     g = torch.Generator().manual_seed(5)
     kw = dict(prompts=[torch.randint(5, 200, (48,), generator=g).tolist() for _ in range(4)], max_new_tokens=4,
               num_return_sequences=1, bug=bug)
-    eager = run_workload(llama, backend="triton", step_graphs=False, **kw)
+    eager = run_workload(llama, backend=EAGER_BACKEND, step_graphs=False, **kw)
     replayed = []
     run = StepGraphs._run
 

@@ -1,6 +1,11 @@
 """The runtime's step runner driven by its second source, the simulated engine (``SimEngine(steps=...)``):
 its eager, captured and fused paths (the CPU stand-in of a CUDA graph) report what the plain before/after
-hooks report, and leave the same canary records, on clean runs and with planted bugs."""
+hooks report, and leave the same canary records, on clean runs and with planted bugs.
+
+The captured and fused paths replay Triton launches, so on the CPU they run under Triton's interpreter
+(minutes); the plain hooks and the eager path they are compared with run the compiled CPU backend (numba,
+else torch), whose records and reports are Triton's bit for bit (tests/test_ops_cases.py): seconds. The
+eager path is checked against the plain hooks in every case, the replayed paths in a few representative ones."""
 
 import pytest
 import torch
@@ -9,9 +14,12 @@ from kvcanary.runtime.engine import StepOptions
 from kvcanary.sim.config import SimConfig
 from kvcanary.sim.engine import SimEngine, default_canary_config
 
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
-                                reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1")
+from kvcanary.ops.api import numba_available
+
+# the replayed paths: the CPU stand-in graphs record Triton launches
+INTERPRETED = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1")
+FAST = "numba" if numba_available() else "torch"  # (the plain hooks' and the eager path's backend)
 
 # paged, prefix hits, no CUDA-graph padding of the sim's own (a graph per batch size): a steady decode batch of four
 CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=32, max_steps=60,
@@ -32,10 +40,11 @@ def flip_live_kv(engine: SimEngine, at_step: int) -> None:
     engine.step = flipping
 
 
-def run(steps, bug=None, flip=False, monkeypatch=None):
+def run(steps, bug=None, flip=False, backend=None):
     cfg = SimConfig(bug=bug, **CFG)
+    backend = backend or ("triton" if steps in ("captured", "fused") else FAST)
     # (no allocator check: a step it checks closes unfused, and the fused path is under test here)
-    e = SimEngine(cfg, default_canary_config(cfg).replace(backend="triton", allocator_check_interval=0), steps=steps)
+    e = SimEngine(cfg, default_canary_config(cfg).replace(backend=backend, allocator_check_interval=0), steps=steps)
     if flip:
         flip_live_kv(e, 12)
     result = e.run()
@@ -51,14 +60,21 @@ def steady(monkeypatch):
     monkeypatch.setattr(graphs, "STEADY_SIGHTINGS", 0)
 
 
-@pytest.mark.parametrize("case", ["clean", "flip-kv", "stale_table_tail"])
-def test_the_runner_s_paths_report_what_the_plain_hooks_report(steady, case):
+CASES = ["clean", "flip-kv", "stale_table_tail"]
+# (the replayed paths under the interpreter: a planted bug each; their steps before it are clean steps)
+PATHS = [pytest.param(case, ("eager",), id=f"{case}-eager") for case in CASES] + [
+    pytest.param(case, ("eager", "captured", "fused"), id=f"{case}-replayed", marks=INTERPRETED)
+    for case in ("flip-kv", "stale_table_tail")]
+
+
+@pytest.mark.parametrize("case,paths", PATHS)
+def test_the_runner_s_paths_report_what_the_plain_hooks_report(steady, case, paths):
     bug, flip = (case, False) if case not in ("clean", "flip-kv") else (None, case == "flip-kv")
     plain, plain_result, plain_records = run(None, bug, flip)
     want = [v.block() for v in plain.canary.violations]
     assert (len(want) > 0) == (case != "clean")  # (the planted bug is found; the clean run is clean)
     runner_want = None
-    for steps in ("eager", "captured", "fused"):
+    for steps in paths:
         e, result, records = run(steps, bug, flip)
         got = [v.block() for v in e.canary.violations]
         # The runner also checks the cells the forward reads for its own new tokens (the plain hooks check
@@ -115,10 +131,13 @@ def read_past_the_batch(engine: SimEngine, at_step: int) -> list:
     return seen
 
 
-def test_a_read_index_longer_than_the_batch_is_reported_on_every_path(steady):
-    for steps in ("eager", "captured", "fused"):
+@pytest.mark.parametrize("paths", [("eager",), pytest.param(("captured", "fused"), marks=INTERPRETED)],
+                         ids=["eager", "replayed"])
+def test_a_read_index_longer_than_the_batch_is_reported_on_every_path(steady, paths):
+    for steps in paths:
         cfg = SimConfig(**CFG)
-        e = SimEngine(cfg, default_canary_config(cfg).replace(backend="triton", allocator_check_interval=0),
+        backend = "triton" if steps != "eager" else FAST
+        e = SimEngine(cfg, default_canary_config(cfg).replace(backend=backend, allocator_check_interval=0),
                       steps=steps)
         seen = read_past_the_batch(e, 13)
         before = e.runner.before
