@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-VARIANTS = {  # name -> attach options (step-path toggles and config fields, kvcanary.sim.hf_reach.attach_with)
+VARIANTS = {  # name -> attach options (step-path toggles and config fields, kvcanary.integrations.transformers.reach.attach_with)
     "default": {},
     "fused_steps=0": {"fused_steps": False},
     # (the fused graphs' own wait nodes: the one ordering the CPU's recorded model of the adapter leaves out,

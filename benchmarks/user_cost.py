@@ -161,7 +161,7 @@ def run_arm(model, arm: str, prompts, new_tokens, timers: bool = False) -> dict:
     """One whole generation; returns seconds, generated tokens per request, violations (``timers``: and the
     adapter's per-step host times, its private ``timing`` toggle on)."""
     from transformers import GenerationConfig
-    from kvcanary.sim.hf_reach import cb_config
+    from kvcanary.integrations.transformers.reach import cb_config
 
     fast = arm in ("fast", "canary_fast")
     graphs = fast or arm in ("graphs",) + CANARY_GRAPH_ARMS

@@ -14,7 +14,7 @@ import torch
 
 from kvcanary.ops import numba_cache
 from kvcanary.ops.api import numba_available
-from kvcanary.sim.hf_reach import attach_with, cb_config, sdpa_name
+from kvcanary.integrations.transformers.reach import attach_with, cb_config, sdpa_name
 
 DEFAULT_BUG = "early-free"
 TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -237,7 +237,7 @@ def generate(model, bug=None, canary=True):
     from kvcanary.demo import demo_prompts
     from kvcanary.integrations.transformers import attach
     from kvcanary.sim.hf_bugs import plant
-    from kvcanary.sim.hf_reach import cb_config
+    from kvcanary.integrations.transformers.reach import cb_config
 
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)
     cbc = cb_config(block_size=4, num_blocks=96, max_batch_tokens=16, max_requests_per_batch=16,

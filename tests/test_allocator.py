@@ -340,7 +340,7 @@ def refused_on_517(model, bug=None, **options) -> bool:
     anything (the planted bug is undone with it): True there."""
     from kvcanary.demo import run_workload
     from kvcanary.integrations.transformers.handle import live_handle
-    from kvcanary.sim.hf_reach import has_block_pool
+    from kvcanary.integrations.transformers.reach import has_block_pool
 
     if has_block_pool():
         return False

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from kvcanary import cli  # noqa: E402
 from kvcanary.bench import suite as bench_suite  # noqa: E402
 from kvcanary.bench.engine import build_model, canary_config  # noqa: E402
-from kvcanary.sim.hf_reach import sdpa_name  # noqa: E402
+from kvcanary.integrations.transformers.reach import sdpa_name  # noqa: E402
 from kvcanary.bench.varlen_attention import use, varlen  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from kvcanary.demo import build_tiny_model, demo_prompts  # noqa: E402
 from kvcanary.format import FailReason  # noqa: E402
 from kvcanary.integrations.transformers import attach  # noqa: E402
 from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version  # noqa: E402
-from kvcanary.sim.hf_reach import cb_config  # noqa: E402
+from kvcanary.integrations.transformers.reach import cb_config  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
 

@@ -162,7 +162,7 @@ def test_attach_without_transformers_names_the_extra(monkeypatch):
     (dict(check_before_forward=True, late_hooks=True), "late_hooks=True has no effect with check_before_forward"),
 ])
 def test_attach_options_without_effect_warn(tiny, kwargs, option):
-    from kvcanary.sim.hf_reach import attach_with
+    from kvcanary.integrations.transformers.reach import attach_with
 
     with pytest.warns(UserWarning, match=option):
         handle = attach_with(tiny, **kwargs)
@@ -170,7 +170,7 @@ def test_attach_options_without_effect_warn(tiny, kwargs, option):
 
 
 def test_attach_options_with_effect_do_not_warn(tiny):
-    from kvcanary.sim.hf_reach import attach_with
+    from kvcanary.integrations.transformers.reach import attach_with
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -304,7 +304,7 @@ def run(model, planter=None, **options):
 def refused_on_517(model, **options) -> bool:
     """On transformers 5.17 (no block pool) attach refuses poison on free, before it hooks anything: True there."""
     from kvcanary.integrations.transformers.handle import live_handle
-    from kvcanary.sim.hf_reach import has_block_pool
+    from kvcanary.integrations.transformers.reach import has_block_pool
 
     if has_block_pool():
         return False

@@ -91,11 +91,11 @@ def test_transformers_slice_is_clean():
         assert s["events"][event]["workloads"] > 0, event
     # and the allocator check ran in every workload (docs/allocator.md), where the engine has a block pool: transformers
     # 5.17 refuses it, and its workloads run without
-    from kvcanary.sim.hf_reach import has_block_pool
+    from kvcanary.integrations.transformers.reach import has_block_pool
 
     assert s["events"]["allocator_checks"]["workloads"] == (HF_SLICE if has_block_pool() else 0)
     # and where transformers pages MLA latents, some ran the MLA model, clean like the rest
-    from kvcanary.sim.hf_reach import has_mla_paging
+    from kvcanary.integrations.transformers.reach import has_mla_paging
 
     assert (s["features"].get("mla", 0) > 0) == has_mla_paging()
 

@@ -17,7 +17,7 @@ from kvcanary.format import FailReason, oracle_token  # noqa: E402
 from kvcanary.sim import hf_bugs  # noqa: E402
 from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version  # noqa: E402
 from kvcanary.integrations.transformers.layouts import layout_of  # noqa: E402
-from kvcanary.sim.hf_reach import attach_with, reach  # noqa: E402
+from kvcanary.integrations.transformers.reach import attach_with, reach  # noqa: E402
 from kvcanary.integrations.transformers import SUPPORTED_RANGE, attach, check_version  # noqa: E402
 from kvcanary.runtime.report import MISSING_TOKEN  # noqa: E402
 

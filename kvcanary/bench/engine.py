@@ -56,9 +56,9 @@ def run_once(model, wl: Workload, canary: bool, profile: bool = False, trace: st
     the timed steps.
     """
     from transformers import GenerationConfig
-    from kvcanary.sim.hf_reach import cb_config
+    from kvcanary.integrations.transformers.reach import cb_config
 
-    from kvcanary.sim.hf_reach import attach_with
+    from kvcanary.integrations.transformers.reach import attach_with
 
     sync = torch.cuda.synchronize if wl.device.type == "cuda" else (lambda: None)
     gen = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=-1)

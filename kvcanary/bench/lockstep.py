@@ -60,9 +60,9 @@ def run_lockstep(model, wl, first_canary: bool = False, attach_canary: bool = Tr
     ``(batch, tokens, measured, seconds by part)`` per step), outputs, the canary's host seconds per
     measured step (``parts``), violations found and the session's timing row of every step (``timings``)."""
     from transformers import GenerationConfig
-    from kvcanary.sim.hf_reach import cb_config
+    from kvcanary.integrations.transformers.reach import cb_config
 
-    from kvcanary.sim.hf_reach import attach_with
+    from kvcanary.integrations.transformers.reach import attach_with
 
     cuda = wl.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

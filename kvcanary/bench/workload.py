@@ -37,7 +37,7 @@ def build_model(size: str, device: torch.device, dtype: torch.dtype, max_len: in
 
         use(model)
     else:
-        from kvcanary.sim.hf_reach import sdpa_name
+        from kvcanary.integrations.transformers.reach import sdpa_name
 
         model.set_attn_implementation(sdpa_name())  # (the prefix warns from 5.18 on)
     return model

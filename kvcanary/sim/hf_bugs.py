@@ -2,7 +2,7 @@
 
 Each bug is a realistic bookkeeping mistake from shared/BUGS.md, planted per instance on the batch
 processor transformers creates (below kv-canary's hooks: plant first, then attach). It fires once.
-The engine internals each one reaches come from the cache's layout and its reach (``hf_reach``), so
+The engine internals each one reaches come from the cache's layout and its reach (``integrations/transformers/reach.py``), so
 the same bugs are planted in every paged-cache generation the adapter supports.
 
 Example:
@@ -121,10 +121,10 @@ def _zero_pool(bp) -> None:
 
 
 def _layout(bp):
-    """The cache's layout with the internals a bug reaches (``hf_reach``)."""
+    """The cache's layout with the internals a bug reaches (``integrations/transformers/reach.py``)."""
     # (not at import time: the CLI reads BUGS without torch)
     from kvcanary.integrations.transformers.layouts import layout_of
-    from kvcanary.sim.hf_reach import reach
+    from kvcanary.integrations.transformers.reach import reach
 
     return reach(layout_of(bp.cache))
 

@@ -58,7 +58,7 @@ def _cpu_swap_pool(bp, blocks: int) -> None:
     """transformers' swap pool is pinned memory, which a CPU-only torch cannot allocate: plain memory, laid out
     by the adapter's view of this cache generation."""
     from kvcanary.integrations.transformers.layouts import layout_of
-    from kvcanary.sim.hf_reach import reach
+    from kvcanary.integrations.transformers.reach import reach
 
     reach(layout_of(bp.cache)).plain_cpu_swap_pool(bp.offloading_manager, blocks)
 

@@ -33,7 +33,7 @@ def tiny_model(kind: str, device: str):
 
 def installed_workload(seed: int) -> HfWorkload:
     """Workload ``seed`` as the installed transformers runs it: MLA models in some where it pages MLA latents."""
-    from kvcanary.sim.hf_reach import has_mla_paging
+    from kvcanary.integrations.transformers.reach import has_mla_paging
 
     return make_hf_workload(seed, mla=has_mla_paging())
 
@@ -66,7 +66,7 @@ def generate(model, w: HfWorkload, device: str, canary: bool, bug: str | None, *
 
     from kvcanary.integrations.transformers.layout import POOL_OPTIONS
     from kvcanary.sim.hf_bugs import plant
-    from kvcanary.sim.hf_reach import attach_with, has_block_pool
+    from kvcanary.integrations.transformers.reach import attach_with, has_block_pool
 
     if w.greedy:
         # forks need sampling in transformers' batching; top_k=1 keeps it greedy and deterministic

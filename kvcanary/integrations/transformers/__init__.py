@@ -10,10 +10,12 @@ runtime's step runner, ``kvcanary.runtime.step``, which ``batch.BatchBuilder`` f
 - ``layout``, ``layouts``, ``cache_blocks``, ``cache_sectors``: the paged cache's layout, one class per
   cache generation (5.17; 5.18 and later);
 - ``moves``: KV moves between steps (fork copies, offload and restore, sweeps);
-- ``events``: the engine's request and block events (mode abort, the allocator check, poison on free).
+- ``events``: the engine's request and block events (mode abort, the allocator check, poison on free);
+- ``reach``: the tools' side of each cache generation, beside its layout: the internals a planted bug reaches
+  (one class per generation), and the transformers set-up the demo, benchmarks, soak runs and tests share.
 
-The engine bugs planted for the demo and tests live in ``kvcanary.sim.hf_bugs`` (with the engine internals
-they reach, ``sim.hf_reach``), the benchmarks' varlen attention in ``kvcanary.bench.varlen_attention``.
+The engine bugs planted for the demo and tests live in ``kvcanary.sim.hf_bugs`` (they reach the engine through
+``reach``), the benchmarks' varlen attention in ``kvcanary.bench.varlen_attention``.
 """
 
 import importlib

@@ -1,10 +1,10 @@
-"""The engine internals of transformers' paged cache that the planted bugs (``hf_bugs.py``) and the CPU test
-set-ups reach, one class per cache generation beside the adapter's layouts (``reach``).
+"""The engine internals of transformers' paged cache that the planted bugs (``kvcanary/sim/hf_bugs.py``) and the
+CPU test set-ups reach, one class per cache generation beside that generation's layout (``reach``).
 
-These are test and zoo tooling, not the adapter: the adapter's ``EngineLayout`` (``integrations/transformers/
-layout.py``) describes what the canary guards; a reach adds what a planted bug breaks (free lists, fork
-copies, the prefix-cache key) and the plain CPU swap pool that tests and soak runs give the engine. A reach
-reads everything else (the layout's block tables, slots, sizes) through its layout.
+A layout (``layout.EngineLayout``, ``layouts.py``) describes what the canary guards; its reach adds what a
+planted bug breaks (free lists, fork copies, the prefix-cache key) and the plain CPU swap pool that tests and
+soak runs give the engine, and reads everything else (block tables, slots, sizes) through the layout. The
+attach path never imports this module; a new cache generation adds its layout and its reach here.
 
 The project's demo, benchmarks, soak runs and tests also take their transformers set-up from here: the
 version's paged SDPA name (``sdpa_name``), its ``ContinuousBatchingConfig`` (``cb_config``) and ``attach``
