@@ -5,7 +5,9 @@ hooks report, and leave the same canary records, on clean runs and with planted 
 The captured and fused paths replay Triton launches, so on the CPU they run under Triton's interpreter
 (minutes); the plain hooks and the eager path they are compared with run the compiled CPU backend (numba,
 else torch), whose records and reports are Triton's bit for bit (tests/test_ops_cases.py): seconds. The
-eager path is checked against the plain hooks in every case, the replayed paths in a few representative ones."""
+eager path is checked against the plain hooks in every case, the replayed paths in a representative one. (Not
+``stale_table_tail`` across backends: where several tokens of one launch write the reserved slot 0, which write
+lands last, and so slot 0's record and the rows that report it, follows each backend's order of work.)"""
 
 import pytest
 import torch
@@ -61,10 +63,9 @@ def steady(monkeypatch):
 
 
 CASES = ["clean", "flip-kv", "stale_table_tail"]
-# (the replayed paths under the interpreter: a planted bug each; their steps before it are clean steps)
+# (the replayed paths under the interpreter: a planted bug, its steps before it clean steps)
 PATHS = [pytest.param(case, ("eager",), id=f"{case}-eager") for case in CASES] + [
-    pytest.param(case, ("eager", "captured", "fused"), id=f"{case}-replayed", marks=INTERPRETED)
-    for case in ("flip-kv", "stale_table_tail")]
+    pytest.param("flip-kv", ("eager", "captured", "fused"), id="flip-kv-replayed", marks=INTERPRETED)]
 
 
 @pytest.mark.parametrize("case,paths", PATHS)
