@@ -42,8 +42,8 @@ $(VLLM_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvcanary demo
 
-# Two test processes by default (pytest-xdist): the suite took 11 min 56 s in one process on the 2-core dev
-# CPU and 7 min 26 s in two; TEST_WORKERS=0 runs it in this process.
+# Two test processes by default (pytest-xdist; README, "Install": the suite's time on the 2-core dev CPU);
+# TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
