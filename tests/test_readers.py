@@ -246,3 +246,44 @@ def test_transformers_forks_reading_a_corrupted_shared_block_are_each_named_and_
     # the steady steps (a step shaped like an earlier one, from its bound plan) and the eager ones name the same
     steady, eager = forks_run(llama, True), forks_run(llama, False)
     assert steady == eager
+
+
+def test_transformers_forks_are_each_named_on_the_async_step_graphs_and_fused_steps(llama, monkeypatch):
+    """The adapter's fast routes (async batching, step graphs, fused steady steps, on the CPU stand-ins of CUDA's
+    streams and graphs: tests/hf_async_model.py) name the same readers: every holder of the corrupted block."""
+    import transformers
+
+    from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version
+
+    if parse_version(transformers.__version__) < ASYNC_SINCE or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("async IO needs transformers >= 5.24; the CPU stand-in graphs record Triton launches")
+    from hf_async_model import recorded_async
+
+    from kvcanary.demo import run_workload
+    from kvcanary.runtime.step import fused, graphs
+    from kvcanary.sim.hf_bugs import plant_with
+
+    monkeypatch.setattr(graphs, "STEADY_SIGHTINGS", 2)  # (a short run reaches the per-turn and fused paths)
+    replays = []
+    orig = fused.FusedSteps._replay
+    monkeypatch.setattr(fused.FusedSteps, "_replay", lambda self, *a: (replays.append(1), orig(self, *a))[1])
+    seen: dict = {}
+    undo = plant_with(llama, flip_shared_block(seen), "_test_readers_async_bug")
+    try:
+        with recorded_async(monkeypatch):
+            run = run_workload(llama, mode="abort", num_return_sequences=4, max_new_tokens=8, backend="triton",
+                               device="cpu", cb={"use_cuda_graph": False, "use_async_batching": True})
+    finally:
+        undo()
+    assert replays and "slot" in seen, "the fused path or the planted bug did not run"
+    # (async: the two IO pairs' batches hold the block's holders in turns, so they read it over several forwards)
+    holders = seen["mappers"]
+    vs = [v for v in run.violations if not v.launch_tag.startswith("SWEEP")]  # (a sweep row names no reader)
+    assert vs and {v.slot for v in vs} == {seen["slot"]} and len(holders) >= 3 and {run.names[v.reader_request] for v in vs} == holders
+    for step in {v.step for v in vs}:  # each forward's rows name each of its readers once, and list them all
+        rows = [v for v in vs if v.step == step]
+        assert sorted(v.reader_request for v in rows) == sorted(rows[0].readers)
+        assert all(v.readers == rows[0].readers for v in rows)
+    # every holder failed, nobody else (before the fix of the adapter's abort under async, a failed fork's
+    # in-flight update ended the engine's loop: every request failed)
+    assert run.stats["aborted_requests"] == run.stats["failed_requests"] == len(holders)

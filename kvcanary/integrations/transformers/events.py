@@ -31,6 +31,7 @@ from kvcanary.runtime.abort import KvCanaryAbortError
 from kvcanary.runtime.allocator import AllocatorSnapshot, BlockTable
 
 FULL = "full_attention"
+_FINISHED = 3  # transformers RequestStatus.FINISHED (as batch._STATUS_FINISHED)
 
 
 class EngineAborts:
@@ -62,6 +63,11 @@ class EngineAborts:
             # The cancellation path removes it from the queues and frees its blocks (and any offloaded copy)
             # at the start of the next step, before anything is scheduled.
             scheduler.set_request_cancellation(name)
+            if getattr(bp, "use_async_batching", False):
+                # Async: the other IO pair's batch, already under way, still holds it, and its update after the
+                # blocks are freed would mark blocks of a table gone (KeyError, the whole loop ends). A request
+                # that ended between scheduling and update is skipped there: its output is delivered already.
+                state.status = _FINISHED
             self.session.events["failed_requests"] += 1  # (stats: the requests the engine failed)
 
 
