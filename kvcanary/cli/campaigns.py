@@ -107,17 +107,18 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _soak_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="transformers", choices=("transformers", "sim"),
+    p.add_argument("--engine", default="transformers", choices=("transformers", "sim", "vllm"),
                    help="transformers continuous batching (tiny models, each workload without and with the "
-                        "canary) or the simulated engine's clean configurations (default transformers)")
+                        "canary), the simulated engine's clean configurations, or vLLM (run from vLLM's own "
+                        "environment; docs/vllm.md) (default transformers)")
     p.add_argument("--workloads", type=int, default=20, help="how many seeded workloads (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first workload; workload i has seed + i "
                                                         "(default 0)")
     p.add_argument("--replay", type=int, default=None, metavar="SEED",
                    help="run the one workload of this seed and print what it is and what it found")
     p.add_argument("--bug", default=None, metavar="NAME",
-                   help="plant this engine bug into every canary run (sim.hf_bugs or sim.bugs names): a campaign "
-                        "that must fail")
+                   help="plant this engine bug into every canary run (sim.hf_bugs, sim.bugs or sim.vllm_bugs "
+                        "names): a campaign that must fail")
     _campaign_output_args(p)
 
 
@@ -125,6 +126,13 @@ def _check_campaign_args(command: str, args: argparse.Namespace) -> None:
     """The engine's extra, --device and --json of a campaign command, before any work."""
     if args.engine == "transformers":
         need_extra(f"{command} --engine transformers", "transformers", "transformers")
+    if args.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError(f"kv-canary: {command} --engine vllm needs vLLM, which is not installed in this "
+                             "environment; run it from vLLM's own environment (.venv-vllm, docs/vllm.md)")
+        if args.device != "cpu":
+            raise ValueError(f"kv-canary: {command} --engine vllm runs vLLM's CPU build, --device must be cpu, "
+                             f"got {args.device!r}")
     check_device("--device", args.device)
     if args.json not in (None, "-"):
         check_output("--json", args.json)

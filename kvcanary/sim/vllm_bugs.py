@@ -45,9 +45,9 @@ BUGS: dict[str, tuple[str, str, str]] = {
                             "request's blocks are appended after the previous occupant's ids"),
     "row-keeps-old-ids": ("C", "block table", "a freed request's block-table row keeps its old block ids past the "
                           "next occupant's end"),
-    "resumed-keeps-old-blocks": ("A", "preemption", "the runner extends a request resumed after preemption with its "
+    "resumed-keeps-old-blocks": ("A", "model runner / preemption", "the runner extends a request resumed after preemption with its "
                                  "new blocks instead of replacing its freed pre-preemption blocks"),
-    "chunk-skips-a-token": ("E", "chunked prefill", "the scheduler advances a chunked prefill one token too far: the "
+    "chunk-skips-a-token": ("E", "scheduler / chunked prefill", "the scheduler advances a chunked prefill one token too far: the "
                             "next chunk starts past a position nobody computes"),
     "zero-delivered-block": ("B", "model runner", "the runner's zeroing of new blocks runs over a block a prefix-cache "
                              "hit just delivered to a new request"),

@@ -21,7 +21,7 @@ from typing import TextIO
 
 from kvcanary.soak.hf_run import Outcome
 
-ENGINES = ("transformers", "sim")
+ENGINES = ("transformers", "sim", "vllm")
 
 
 def check_engine(engine: str) -> None:
@@ -35,6 +35,8 @@ def check_bug(engine: str, bug: str | None, command: str = "soak") -> None:
         return
     if engine == "transformers":
         from kvcanary.sim.hf_bugs import BUGS
+    elif engine == "vllm":
+        from kvcanary.sim.vllm_bugs import BUGS
     else:
         from kvcanary.sim.bugs import BUGS
     if bug not in BUGS:
@@ -48,6 +50,10 @@ def describe(engine: str, seed: int) -> dict:
         from kvcanary.soak.hf_run import installed_workload
 
         return installed_workload(seed).to_dict()
+    if engine == "vllm":
+        from kvcanary.soak.vllm_workload import make_vllm_workload
+
+        return make_vllm_workload(seed).to_dict()
     from dataclasses import asdict
 
     from kvcanary.soak.sim_workload import make_sim_config
@@ -62,6 +68,14 @@ def run_one(engine: str, seed: int, device: str = "cpu", bug: str | None = None)
         from kvcanary.soak.hf_run import installed_workload, run_hf_workload
 
         return run_hf_workload(installed_workload(seed), device=device, bug=bug)
+    if engine == "vllm":
+        from kvcanary.soak.vllm_run import VllmSoak
+
+        soak = VllmSoak()
+        try:
+            return soak.run(seed, bug=bug)
+        finally:
+            soak.close()
     from kvcanary.soak.sim_workload import run_sim_workload
 
     return run_sim_workload(seed, bug=bug)
@@ -140,6 +154,8 @@ def run_campaign(engine: str, workloads: int, seed: int = 0, *, device: str = "c
 
         for kind in ("llama", "hybrid"):  # built before the timer of the first workload, and before the freeze
             tiny_model(kind, device)
+    if engine == "vllm":
+        return _run_vllm_campaign(workloads, seed, bug, bar, outcomes, on_outcome, t0)
     with quiet_fast():
         for i in range(workloads):
             outcomes.append(run_one(engine, seed + i, device, bug))
@@ -148,6 +164,28 @@ def run_campaign(engine: str, workloads: int, seed: int = 0, *, device: str = "c
             bar.update(i + 1, sum(bool(o.findings) for o in outcomes))
     bar.close()
     return summarize(engine, seed, outcomes, time.perf_counter() - t0, bug=bug, device=device)
+
+
+def _run_vllm_campaign(workloads: int, seed: int, bug: str | None, bar: ProgressBar, outcomes: list[Outcome],
+                       on_outcome: Callable[[Outcome], None] | None, t0: float) -> dict:
+    """vLLM's campaign: engines kept across workloads (``soak.vllm_run``), started as workloads first need them."""
+    from kvcanary.soak.vllm_run import VllmSoak
+
+    logger = logging.getLogger("kvcanary")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    soak = VllmSoak()
+    try:
+        for i in range(workloads):
+            outcomes.append(soak.run(seed + i, bug=bug))
+            if on_outcome is not None:
+                on_outcome(outcomes[-1])
+            bar.update(i + 1, sum(bool(o.findings) for o in outcomes))
+    finally:
+        soak.close()
+        logger.setLevel(level)
+    bar.close()
+    return summarize("vllm", seed, outcomes, time.perf_counter() - t0, bug=bug, device="cpu")
 
 
 def summarize(engine: str, seed: int, outcomes: list[Outcome], wall_s: float, bug: str | None = None,
@@ -190,7 +228,7 @@ def summarize(engine: str, seed: int, outcomes: list[Outcome], wall_s: float, bu
 def format_summary(s: dict) -> str:
     """The summary as text: totals, coverage, then one line per finding."""
     totals = f"  violations {s['violations']} (in {s['workloads_with_violations']} workloads), errors {s['errors']}"
-    if s["engine"] == "transformers":
+    if s["engine"] in ("transformers", "vllm"):
         totals += (f", token mismatches {s['token_mismatches']} of {s['greedy_workloads_compared']} greedy "
                    f"workloads, engine failures alike without the canary {len(s['engine_failures'])}")
     lines = [f"kvcanary soak --engine {s['engine']}: {s['workloads']} workloads from seed {s['seed']}"
