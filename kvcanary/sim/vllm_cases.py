@@ -173,4 +173,4 @@ def _canary_report(llm):
 
 
 def _line(row) -> str:
-    return row.get("line", str(row)) if isinstance(row, dict) else str(row)
+    return row.get("log_line", str(row)) if isinstance(row, dict) else str(row)

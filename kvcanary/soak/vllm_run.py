@@ -16,7 +16,7 @@ import time
 from kvcanary.soak.hf_run import Outcome
 from kvcanary.soak.vllm_workload import ENGINES, make_vllm_workload
 
-EVENTS = ("prefix_hits", "prefix_hit_tokens", "preemptions", "chunked_steps")
+EVENTS = ("prefix_hits", "prefix_hit_tokens", "preemptions", "chunked_steps")  # (+ guarded_forwards)
 
 
 class VllmSoak:
@@ -65,18 +65,26 @@ class VllmSoak:
             before_events = dict(self.events[w.engine])
             want = drive(base, arrivals)
             out.events = {k: self.events[w.engine][k] - before_events[k] for k in EVENTS}
-            before = _rows(canary)
+            before = _snapshot(canary)
             with _planted(bug, canary, w.engine):
                 got = drive(canary, arrivals)
-            rows = _rows(canary)[len(before):]
+            after = _snapshot(canary)
         except Exception as e:  # a workload the engine or the canary cannot run is a finding, not a crash
             out.findings.append(f"error: {type(e).__name__}: {e}")
             out.seconds = round(time.perf_counter() - t0, 3)
             return out
-        out.violations = len(rows)
-        out.first_violations = [r.get("line", str(r)) if isinstance(r, dict) else str(r) for r in rows[:3]]
-        if rows:
-            out.findings.append(f"violations: {len(rows)}")
+        rows = after["rows"][len(before["rows"]):]
+        out.violations = after["violations"] - before["violations"]
+        out.first_violations = [r.get("log_line", str(r)) if isinstance(r, dict) else str(r) for r in rows[:3]]
+        out.events["guarded_forwards"] = after["forwards"] - before["forwards"]
+        if out.violations:
+            out.findings.append(f"violations: {out.violations}")
+        if after["divergences"] > before["divergences"]:
+            out.findings.append(f"tensor-parallel divergences: {after['divergences'] - before['divergences']}")
+        tp = ENGINES[w.engine].get("tensor_parallel_size", 1)
+        if after["guarded_ranks"] != tp or not out.events["guarded_forwards"]:
+            out.findings.append(f"unguarded: {after['guarded_ranks']} of {tp} ranks guarded, "
+                                f"{out.events['guarded_forwards']} forwards guarded")
         out.tokens_compared, out.tokens_match = True, got == want
         if got != want:
             diff = sum(got.get(r) != t for r, t in want.items()) + len(set(got) - set(want))
@@ -101,10 +109,15 @@ class VllmSoak:
                 os.environ[k] = v
 
 
-def _rows(llm) -> list:
+def _snapshot(llm) -> dict:
+    """The canary's totals so far on ``llm`` (every rank): violations (rows kept and counted), TP divergences,
+    forwards guarded, ranks with a canary session."""
     from kvcanary.integrations.vllm import collect
 
-    return list(collect(llm).violations)
+    r = collect(llm)
+    return {"rows": list(r.violations), "violations": max(r.total_violations, len(r.violations)),
+            "divergences": len(r.divergences), "forwards": r.forwards,
+            "guarded_ranks": sum(bool(s.get("guarded")) for s in r.stats)}
 
 
 @contextlib.contextmanager

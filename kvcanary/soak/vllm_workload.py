@@ -90,7 +90,7 @@ def make_vllm_workload(seed: int) -> VllmWorkload:
         for _ in range(rng.randint(1, 2)):
             prompts.append(list(prompts[k]))
         features.add("identical-prompts")
-    max_tokens = [rng.choice((4, 16, 40, 80)) for _ in prompts]
+    max_tokens = [rng.choice((4, 12, 24, 48)) for _ in prompts]
     # every request fits the engine on its own (vLLM refuses longer ones)
     for i, p in enumerate(prompts):
         if len(p) + max_tokens[i] > max_len:
