@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from kvcanary.integrations.vllm import collect, plugin
+    from kvcanary.integrations.vllm import collect, engine
     from kvcanary.sim.vllm_drive import make_llm, tiny_model_dir
 
     cfg = MODELS[args.model]
@@ -77,12 +77,11 @@ def main() -> None:
     settings = dict(num_gpu_blocks_override=args.blocks, max_num_seqs=args.requests,
                     max_num_batched_tokens=max(256, args.prompt_len * args.requests),
                     max_model_len=min(2048, (args.blocks - 1) * 32))
-    plugin.unregister()
-    os.environ.pop("KV_CANARY_VLLM", None)
     t0 = time.perf_counter()
-    engines = {"without": make_llm(model_dir, **settings)}
-    os.environ.update({"KV_CANARY_VLLM": "1", "KV_CANARY_MODE": "log"})
-    plugin.register()
+    with engine.guarded(False):
+        engines = {"without": make_llm(model_dir, **settings)}
+    hooks = engine.guarded(True, KV_CANARY_MODE="log")
+    hooks.__enter__()  # (for the rest of the run: the canary's engine steps through the hooks)
     engines["with"] = make_llm(model_dir, **settings)
     start_s = time.perf_counter() - t0
     # warm-up: one run each (first-call costs of both engines and of the canary's kernels)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -94,24 +93,12 @@ def cases(model_dir: str | None = None) -> dict[str, Case]:
     return _cases(tiny_lora_dir(model_dir))
 
 
-@contextlib.contextmanager
 def canary_on(**config: str):
-    """The canary's vLLM plugin registered in this process (``KV_CANARY_VLLM=1``, log mode) for the block."""
-    from kvcanary.integrations.vllm import plugin
+    """The canary's vLLM plugin on in this process (``KV_CANARY_VLLM=1``, log mode) for the engines started in the
+    block (``kvcanary.integrations.vllm.engine.guarded``)."""
+    from kvcanary.integrations.vllm import engine
 
-    env = {"KV_CANARY_VLLM": "1", "KV_CANARY_MODE": "log", **{f"KV_CANARY_{k.upper()}": v for k, v in config.items()}}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    plugin.register()
-    try:
-        yield
-    finally:
-        plugin.unregister()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return engine.guarded(True, KV_CANARY_MODE="log", **{f"KV_CANARY_{k.upper()}": v for k, v in config.items()})
 
 
 @dataclass

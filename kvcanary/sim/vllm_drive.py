@@ -63,7 +63,8 @@ def make_llm(model_dir: str, **engine_kwargs):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    numba_safe_kernel_scan()
+    from kvcanary.integrations.vllm.engine import _scannable_llvmlite
+
     # (vLLM caches its environment once an engine is up; a later engine of other settings, e.g. the threads
     # each tensor-parallel rank binds, must read it again)
     from vllm import envs
@@ -76,22 +77,8 @@ def make_llm(model_dir: str, **engine_kwargs):
     kw.update(engine_kwargs)
     if "max_model_len" not in engine_kwargs:  # vLLM refuses a pool smaller than one longest request
         kw["max_model_len"] = min(kw["max_model_len"], (kw["num_gpu_blocks_override"] - 1) * kw["block_size"])
-    return LLM(**kw)
-
-
-def numba_safe_kernel_scan() -> None:
-    """Let vLLM start another engine in a process where numba runs (the canary's CPU backend loads it).
-
-    Each engine's CPU worker rescans every module's namespace for Triton kernels to override, reading
-    ``vars(value)`` of each value that has a ``__dict__``. llvmlite's library wrapper (``ffi.lib``) answers any
-    attribute name with a function wrapper, ``__dict__`` included, and the scan fails on it ("'_lib_fn_wrapper'
-    object has no attribute 'get'"). Its table of wrapped functions takes an empty dict for that name."""
-    import sys
-
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    lib = getattr(ffi, "lib", None)
-    if lib is not None and isinstance(getattr(lib, "_fntab", None), dict):
-        lib._fntab.setdefault("__dict__", {})
+    with _scannable_llvmlite():  # (a second engine in a process where numba runs: the integration's stand-in)
+        return LLM(**kw)
 
 
 def engine_core(llm):

@@ -44,7 +44,8 @@ def collect_from_worker(worker) -> dict:
 
 def tp_environment() -> dict:
     """What a tensor-parallel CPU engine needs here: one OpenMP thread set per rank."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1")}
+    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # (collective_rpc of the functions above)
 
 
 def judge_tp(name: str, case, canary: bool, model_dir: str) -> dict:

@@ -25,28 +25,31 @@ class VllmSoak:
     def __init__(self, model_dir: str | None = None):
         from kvcanary.sim.vllm_drive import tiny_model_dir
 
+        from kvcanary.integrations.vllm import engine
+
         self.model_dir = model_dir or tiny_model_dir()
         self.engines: dict[str, tuple] = {}
         self.events: dict[str, dict] = {}
-        self._env = {k: os.environ.get(k) for k in ("KV_CANARY_VLLM", "KV_CANARY_MODE", "VLLM_CPU_OMP_THREADS_BIND")}
+        self._env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
+        # the canary's hooks stay in for the campaign: the canary's engines run through them
+        self._hooks = contextlib.ExitStack()
+        self._hooks.enter_context(engine.guarded(True, KV_CANARY_MODE="log"))
 
     def _pair(self, name: str):
         if name in self.engines:
             return self.engines[name]
-        from kvcanary.integrations.vllm import plugin
+        from kvcanary.integrations.vllm import engine
         from kvcanary.sim.vllm_drive import make_llm
         from kvcanary.sim.vllm_tp import tp_environment
 
         settings = ENGINES[name]
         if settings.get("tensor_parallel_size", 1) > 1:
             os.environ.update(tp_environment())
-        # without the canary: no hooks and no KV_CANARY_VLLM while it starts (its workers read the variable)
-        plugin.unregister()
-        os.environ.pop("KV_CANARY_VLLM", None)
-        base = make_llm(self.model_dir, **settings)
+        # without the canary: no hooks while it starts, so its runner has no session (KV_CANARY_VLLM=0 reaches
+        # its workers too)
+        with engine.guarded(False):
+            base = make_llm(self.model_dir, **settings)
         self.events[name] = _count_events(base)
-        os.environ.update({"KV_CANARY_VLLM": "1", "KV_CANARY_MODE": "log"})
-        plugin.register()
         canary = make_llm(self.model_dir, **settings)
         self.engines[name] = (base, canary)
         return base, canary
@@ -94,14 +97,13 @@ class VllmSoak:
         return out
 
     def close(self) -> None:
-        from kvcanary.integrations.vllm import plugin
+        from kvcanary.integrations.vllm import engine
 
         for base, canary in self.engines.values():
             for llm in (base, canary):
-                with contextlib.suppress(Exception):
-                    llm.llm_engine.engine_core.shutdown()
+                engine.stop(llm)
         self.engines.clear()
-        plugin.unregister()
+        self._hooks.close()
         for k, v in self._env.items():
             if v is None:
                 os.environ.pop(k, None)
