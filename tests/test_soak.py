@@ -1,5 +1,6 @@
 """kvcanary soak: seeded clean campaigns report nothing, a planted bug is a finding, workloads are fixed per seed."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -195,8 +196,17 @@ def test_bad_arguments_fail_before_any_work(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_a_vllm_soak_without_vllm_says_where_to_run_it(capsys, monkeypatch):
+    monkeypatch.setattr(campaign, "run_one", lambda *a, **k: pytest.fail("a workload ran"))
+    assert cli.main(["soak", "--engine", "vllm", "--workloads", "1"]) == 2
+    assert "needs vLLM, which is not installed in this environment" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="soak bug for engine 'vllm' must be one of"):
+        campaign.check_bug("vllm", "nope")
+
+
 def test_library_arguments_are_checked():
     with pytest.raises(ValueError, match="kv-canary: soak engine must be one of"):
-        campaign.run_campaign("vllm", 1)
+        campaign.run_campaign("sglang", 1)
     with pytest.raises(ValueError, match="kv-canary: soak workloads must be an int >= 1, got 0"):
         campaign.run_campaign("sim", 0)

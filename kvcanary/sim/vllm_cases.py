@@ -161,3 +161,32 @@ def _canary_report(llm):
 
 def _line(row) -> str:
     return row.get("log_line", str(row)) if isinstance(row, dict) else str(row)
+
+
+def table(verdicts: list[dict]) -> str:
+    """The verdicts as a markdown table (docs/vllm.md, "Planted vLLM bugs")."""
+    rows = ["| bug | class | component | replays | oracle: wrong reads | canary: violations | verdict |",
+            "|---|---|---|---|---|---|---|"]
+    for v in verdicts:
+        cls, component, _ = BUGS[v["name"]]
+        found = {True: "detected", False: "**missed**", None: "-"}[v["detected"]]
+        rows.append(f"| `{v['name']}` | {cls} | {component} | {v['published'] or '-'} | {v['wrong_reads']} | "
+                    f"{v['violations']} | {v['verdict']}{', ' + found if v['verdict'] == 'harmful' else ''} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvcanary.sim.vllm_cases [BUG ...]``: judge the bugs (default: all) and print the table."""
+    import json
+    import sys
+
+    names = (argv if argv is not None else sys.argv[1:]) or list(BUGS)
+    verdicts = []
+    for name in names:
+        verdicts.append(judge(name))
+        print(json.dumps(verdicts[-1]), flush=True)
+    print(table(verdicts))
+
+
+if __name__ == "__main__":
+    main()
