@@ -196,7 +196,8 @@ def test_bad_arguments_fail_before_any_work(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+@pytest.mark.skipif(getattr(importlib.util.find_spec("vllm"), "origin", None) is not None,
+                    reason="vLLM is installed here")
 def test_a_vllm_soak_without_vllm_says_where_to_run_it(capsys, monkeypatch):
     monkeypatch.setattr(campaign, "run_one", lambda *a, **k: pytest.fail("a workload ran"))
     assert cli.main(["soak", "--engine", "vllm", "--workloads", "1"]) == 2

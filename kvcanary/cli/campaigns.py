@@ -127,7 +127,8 @@ def _check_campaign_args(command: str, args: argparse.Namespace) -> None:
     if args.engine == "transformers":
         need_extra(f"{command} --engine transformers", "transformers", "transformers")
     if args.engine == "vllm":
-        if importlib.util.find_spec("vllm") is None:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or spec.origin is None:  # (a folder named vllm, e.g. tests/vllm, is no vLLM)
             raise ValueError(f"kv-canary: {command} --engine vllm needs vLLM, which is not installed in this "
                              "environment; run it from vLLM's own environment (.venv-vllm, docs/vllm.md)")
         if args.device != "cpu":

@@ -2,6 +2,8 @@
 every bug that makes attention read wrong KV is reported by the canary; a bug the oracle finds harmless under its
 workload is not counted, and the canary must stay silent on it."""
 
+import os
+
 import pytest
 
 from kvcanary.sim.vllm_bugs import BUGS, PUBLISHED, RUNNER_SIDE, Patches, plant
@@ -11,6 +13,9 @@ from kvcanary.sim.vllm_cases import cases, judge
 # request's end, which attention never reads (the mechanism of vllm#42494 alone does no harm here)
 HARMLESS = {"row-keeps-old-ids"}
 TP_BUGS = {"tp-rank-slot-shift"}
+# harmful, and not seen: the salted request reads KV computed under another LoRA adapter, with the very tokens,
+# positions and bytes that were written; the canary's records name no adapter (docs/vllm.md, "Planted vLLM bugs")
+MISSED = {"lora-salt-collision"}
 
 
 def test_the_catalogue_covers_the_components_and_replays_published_bugs():
@@ -18,12 +23,13 @@ def test_the_catalogue_covers_the_components_and_replays_published_bugs():
     for part in ("block pool", "KV-cache manager", "prefix-cache hashing", "scheduler", "block table", "slot mapping",
                  "preemption", "chunked prefill", "tensor-parallel ranks"):
         assert any(part in c for c in components), part
-    assert len(set(BUGS) - HARMLESS) >= 12
-    assert len(set(PUBLISHED) - HARMLESS) >= 5 and set(PUBLISHED) <= set(BUGS)
+    assert len(set(BUGS) - HARMLESS - MISSED) >= 12
+    assert len(set(PUBLISHED) - HARMLESS - MISSED) >= 5 and set(PUBLISHED) <= set(BUGS)
     assert set(cases()) == set(BUGS) and set(RUNNER_SIDE) <= set(BUGS)
 
 
-@pytest.mark.parametrize("name", sorted(set(BUGS) - TP_BUGS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="no adapter in the records"))
+                                  if n in MISSED else n for n in sorted(set(BUGS) - TP_BUGS)])
 def test_a_planted_bug_is_judged_by_the_oracle_and_found_by_the_canary(name):
     v = judge(name)
     assert v["fired"] > 0, v
@@ -32,6 +38,19 @@ def test_a_planted_bug_is_judged_by_the_oracle_and_found_by_the_canary(name):
     else:
         assert v["verdict"] == "harmful" and v["wrong_reads"] > 0, v
         assert v["detected"] and v["violations"] > 0, v
+
+
+def test_the_lora_replay_reads_another_adapters_kv_and_the_canary_does_not_see_it():
+    v = judge("lora-salt-collision")
+    assert v["verdict"] == "harmful" and v["wrong_reads"] > 0 and v["violations"] == 0, v
+
+
+@pytest.mark.skipif(os.environ.get("KV_CANARY_VLLM_SLOW") != "1",
+                    reason="a TP-2 engine starts in minutes on a loaded 2-core machine: KV_CANARY_VLLM_SLOW=1")
+def test_a_bug_on_one_tensor_parallel_rank_is_found_there():
+    v = judge("tp-rank-slot-shift")
+    assert v["verdict"] == "harmful" and v["detected"], v
+    assert all(line.startswith("rank 1:") for line in v["oracle_first"]), v
 
 
 def test_the_oracle_sees_no_wrong_read_without_a_bug():
