@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-NEVER_WRITTEN = 0
-_ANCHOR = 0x5EED
+_ANCHOR = 0x5EED  # (the seed of every request's key chain, with its LoRA adapter)
 
 
 @dataclass
