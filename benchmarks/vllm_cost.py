@@ -22,6 +22,7 @@ import platform
 import random
 import statistics
 import subprocess
+import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -58,6 +59,28 @@ def run(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
     return dt, [list(o.outputs[0].token_ids) for o in out]
 
 
+def profile(llm, prompts, max_tokens: int) -> dict:
+    """One run of ``llm`` under cProfile: the wall time, the time in the canary's code (frames under kvcanary/ and
+    the torch and numba calls they make) and its costliest functions by their own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    dt, _ = run(llm, prompts, max_tokens)
+    prof.disable()
+    st = pstats.Stats(prof)
+    mine = lambda key: "/kvcanary/" in key[0]  # noqa: E731
+    # the canary's own frames, plus what they call outside themselves (torch, numba), except vLLM (the forward the
+    # hook runs inside its guard is the engine's, not the canary's)
+    canary = sum(v[2] for k, v in st.stats.items() if mine(k))
+    canary += sum(ct for k, v in st.stats.items() if not mine(k) and "/vllm/" not in k[0]
+                  for caller, (_, _, _, ct) in v[4].items() if mine(caller))
+    own = {f"{k[0].split('/kvcanary/')[-1]}:{k[2]}": round(v[2], 3) for k, v in st.stats.items() if mine(k)}
+    return {"wall_s": round(dt, 3), "canary_s": round(canary, 3), "canary_share": round(canary / dt, 4) if dt else None,
+            "top_self_s": dict(sorted(own.items(), key=lambda kv: -kv[1])[:12])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
@@ -66,6 +89,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=128, help="KV blocks of 32 tokens per engine")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the rounds, profile one run of the canary's engine (cProfile): the canary's share")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -91,6 +116,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"without": [], "with": []}
     tokens_equal = True
     for r in range(args.rounds):
+        print(f"vllm_cost: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         prompts = workload(args.requests, args.prompt_len, cfg["vocab_size"], r)
         order = ("without", "with") if r % 2 == 0 else ("with", "without")
         got = {}
@@ -118,6 +144,9 @@ def main() -> None:
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "canary_stats": report.stats if hasattr(report, "stats") else None,
     }
+    if args.profile:
+        out["profile"] = profile(engines["with"], workload(args.requests, args.prompt_len, cfg["vocab_size"], -2),
+                                 args.max_tokens)
     text = json.dumps(out, indent=2, default=str)
     if args.json:
         with open(args.json, "w") as f:
