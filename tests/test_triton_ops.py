@@ -110,7 +110,10 @@ def test_kernel_cache_stable_on_gpu(monkeypatch):
         return {name: sum(len(c[0]) for c in getattr(_kernel_module(name), name).device_caches.values())
                 for name in STEP_KERNELS}
 
+    # one decode-shaped step (the lane write kernel) and one prefill-shaped (the block one) compile each kernel
+    # once; what the worker compiled before this test must not decide the answer
     _step(device, 2, 1, torch.int32, buf, ring, counters, plan_out, rtt)
+    _step(device, 2, 3, torch.int32, buf, ring, counters, plan_out, rtt)
     before = compiled()
     for bs, extend in ((3, 5), (17, 1), (32, 2), (1, 1), (33, 7)):
         _step(device, bs, extend, torch.int32, buf, ring, counters, plan_out, rtt)
