@@ -1,10 +1,10 @@
 """Canary configuration: a frozen dataclass, overridable from ``KV_CANARY_*`` environment variables.
 
-Seventeen variables in all (``VARIABLES``): the twelve fields of ``ENV_FIELDS``, each its upper-case name
+Eighteen variables in all (``VARIABLES``): the twelve fields of ``ENV_FIELDS``, each its upper-case name
 behind ``KV_CANARY_``; ``KV_CANARY_INJECT``, the fault-injection fields as one ``key=value,...`` spec;
-``KV_CANARY_TRITON_FAST_LAUNCH``, read by the Triton launcher; and the vLLM integration's three
-(``KV_CANARY_VLLM``, ``KV_CANARY_VLLM_REPORT_DIR``, ``KV_CANARY_VLLM_TP_INTERVAL``, read by
-``kvcanary.integrations.vllm``). Other fields are set in code
+``KV_CANARY_TRITON_FAST_LAUNCH``, read by the Triton launcher; and the vLLM integration's four
+(``KV_CANARY_VLLM``, ``KV_CANARY_VLLM_REPORT_DIR``, ``KV_CANARY_VLLM_TP_INTERVAL``,
+``KV_CANARY_VLLM_ALLOCATOR_INTERVAL``, read by ``kvcanary.integrations.vllm``). Other fields are set in code
 (``CanaryConfig(...)``). docs/configuration.md holds the one table that documents them.
 """
 
@@ -34,7 +34,7 @@ INJECT_KEYS = {"table": "inject_table_prob", "kv": "inject_kv_prob", "cached": "
                "warmup": "inject_warmup", "group": "inject_group"}
 # Variables with the prefix that are read elsewhere (not CanaryConfig fields): no "unknown variable" warning.
 OTHER_VARIABLES = ("KV_CANARY_TRITON_FAST_LAUNCH", "KV_CANARY_VLLM", "KV_CANARY_VLLM_REPORT_DIR",
-                   "KV_CANARY_VLLM_TP_INTERVAL")
+                   "KV_CANARY_VLLM_TP_INTERVAL", "KV_CANARY_VLLM_ALLOCATOR_INTERVAL")
 VARIABLES = tuple(ENV_PREFIX + f.upper() for f in ENV_FIELDS) + (INJECT_VARIABLE,) + OTHER_VARIABLES
 # Upper bounds of the size and count knobs (docs/configuration.md). Past them an allocation (a ring of
 # 2**30 rows is 64 GiB, three more copies on CUDA) or a counter would fail at the first Canary or step,
@@ -299,4 +299,6 @@ def env_table() -> list[tuple[str, str, str]]:
                  "and writes its stats (kvcanary-rank<R>-pid<P>.jsonl / .stats.json; read_reports)."))
     rows.append(("KV_CANARY_VLLM_TP_INTERVAL", "16", "vLLM with tensor parallelism: forwards between the ranks' "
                  "consistency exchanges (0: only when a report is collected)."))
+    rows.append(("KV_CANARY_VLLM_ALLOCATOR_INTERVAL", "0", "vLLM with one worker: steps between checks of vLLM's "
+                 "block pool (free queue, held blocks, ref counts; docs/allocator.md); 0 = off."))
     return rows

@@ -25,8 +25,9 @@ def report_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tight(model_dir, report_dir):
     """Prefix caching, chunked prefill (64 tokens a step) and a pool of 12 blocks for 8 requests of up to 5 blocks:
-    vLLM preempts (by recompute) and evicts cached blocks."""
-    with engine.guarded(True, KV_CANARY_VLLM_REPORT_DIR=report_dir, KV_CANARY_MODE="log"):
+    vLLM preempts (by recompute) and evicts cached blocks. The allocator check reads vLLM's block pool every step."""
+    with engine.guarded(True, KV_CANARY_VLLM_REPORT_DIR=report_dir, KV_CANARY_MODE="log",
+                        KV_CANARY_VLLM_ALLOCATOR_INTERVAL="1"):
         llm = engine.start(model_dir, num_blocks=12, max_num_seqs=6, max_num_batched_tokens=64, max_model_len=256)
         yield llm
         engine.stop(llm)
@@ -42,10 +43,10 @@ def test_clean_run_with_preemption_prefix_hits_and_chunks_reports_nothing_and_ke
     session = session_of(_runner(tight))
     assert session is not None and session in SESSIONS
     with engine.guarded(False):
-        without = _fresh(tight, prompts=prompts, max_tokens=40)
+        without = _fresh(tight, prompts=prompts, max_tokens=24)
     steps_before = session.events["steps"]
     assert steps_before == 0  # (the hooks were off: nothing counted)
-    guarded = _fresh(tight, prompts=prompts, max_tokens=40)
+    guarded = _fresh(tight, prompts=prompts, max_tokens=24)
     report = collect(tight)
     stats = report.stats[0]
     assert report.clean, report.violations[:3]
@@ -54,6 +55,7 @@ def test_clean_run_with_preemption_prefix_hits_and_chunks_reports_nothing_and_ke
     assert stats["preempted"] > 0 and stats["resumed_after_preemption"] > 0
     assert stats["prefix_hits"] >= 5 and stats["chunked_prefill_chunks"] > 0
     assert stats["tokens_protected"] >= sum(len(p) for p in prompts)
+    assert stats["allocator_checks"] >= stats["steps"] and stats["allocator_violations"] == 0
     assert list(guarded.values()) == list(without.values())
 
 
@@ -85,6 +87,37 @@ def test_a_stale_block_table_entry_is_reported(tight, prompts):
     assert readers and all(rid.split("-")[0] in outputs for rid in readers)
 
 
+def test_the_allocator_check_sees_an_early_free_in_vllms_block_pool(tight, prompts):
+    """(Last of the tight engine's tests: its block pool is left corrupted.) The scheduler frees a block that a
+    running request still holds: the check names the block on the free queue and its holder."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = Scheduler.schedule
+    freed = []
+
+    def early_free(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        if not freed:
+            for rid, blocks in self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.items():
+                if len(blocks) >= 2 and blocks[0].ref_cnt == 1:
+                    self.kv_cache_manager.block_pool.free_blocks([blocks[0]])
+                    freed.append((rid, blocks[0].block_id))
+                    break
+        return out
+
+    before = len(collect(tight).violations)
+    Scheduler.schedule = early_free
+    try:
+        _fresh(tight, prompts=prompts[:3], max_tokens=4)
+    finally:
+        Scheduler.schedule = schedule
+    rows = [r for r in collect(tight).violations[before:] if r["launch_tag"] == "ALLOCATOR"]
+    assert freed and rows
+    rid, block = freed[0]
+    assert any("live_block_free" in r["reasons"] and r["block_id"] == block for r in rows)
+    assert any(rid in r["holder_names"] for r in rows)
+
+
 @pytest.fixture(scope="module")
 def no_prefix_cache(model_dir):
     with engine.guarded(True, KV_CANARY_MODE="raise"):
@@ -100,6 +133,18 @@ def test_clean_run_without_prefix_caching_raises_nothing(no_prefix_cache, prompt
     stats = report.stats[0]
     assert stats["prefix_hits"] == 0 and stats["chunked_prefill_chunks"] > 0 and stats["mode"] == "raise"
     assert stats["forwards"] >= 12
+
+
+def test_mode_raise_stops_the_engine_at_the_first_bad_forward(no_prefix_cache, prompts):
+    """(Last of the no-prefix-cache engine's tests: the engine is dead afterwards.)"""
+    from kvcanary import KvCanaryViolationError
+
+    session = session_of(_runner(no_prefix_cache))
+    with plant("slot-off-by-one"), pytest.raises(Exception) as info:
+        engine.generate(no_prefix_cache, prompts[:4], max_tokens=6)
+    # in-process the canary's own error reaches the caller (a multiprocess engine core turns it into EngineDeadError)
+    assert isinstance(info.value, KvCanaryViolationError), repr(info.value)
+    assert session.rows and session.rows[0]["reader"] is not None
 
 
 def test_mode_abort_fails_exactly_the_requests_that_read_wrong_kv(model_dir, prompts):

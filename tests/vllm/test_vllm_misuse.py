@@ -79,4 +79,6 @@ def test_mode_abort_needs_the_scheduler_in_the_worker_process(world, backend):
     with pytest.raises(ValueError, match=f"KV_CANARY_MODE=abort on vLLM needs the worker in the scheduler's process .* "
                                          f"world size {world} with backend '{backend}'"):
         _check_abort(runner)
+    with pytest.raises(ValueError, match="KV_CANARY_VLLM_ALLOCATOR_INTERVAL on vLLM needs the worker"):
+        _check_abort(runner, "KV_CANARY_VLLM_ALLOCATOR_INTERVAL")
     _check_abort(SimpleNamespace(parallel_config=SimpleNamespace(world_size=1, distributed_executor_backend="uni")))

@@ -12,6 +12,7 @@ subclasses it, so GPU and CPU runs take the same hooks) and adds one method to i
   GPUModelRunner._model_forward        around the model: before_forward / after_forward
   GPUModelRunner.shutdown              before: the session's final drain and report
   WorkerBase.kvcanary_report           the report of this worker (``LLM.collective_rpc("kvcanary_report")``)
+  Scheduler.__init__                   after: this process's scheduler, for the allocator check (allocator.py)
   Scheduler.update_from_output         mode abort: before the step's outputs, the requests the canary named join
                                        the scheduler's own per-request error path (finish reason "error")
 
@@ -32,6 +33,7 @@ log = logging.getLogger("kvcanary")
 ENABLE_VARIABLE = "KV_CANARY_VLLM"
 REPORT_DIR_VARIABLE = "KV_CANARY_VLLM_REPORT_DIR"
 TP_INTERVAL_VARIABLE = "KV_CANARY_VLLM_TP_INTERVAL"
+ALLOCATOR_INTERVAL_VARIABLE = "KV_CANARY_VLLM_ALLOCATOR_INTERVAL"
 # (first, first unsupported) vLLM versions whose model runner internals the hooks were written and tested on
 SUPPORTED_VERSIONS = ((0, 32), (0, 33))
 SUPPORTED_RANGE = ">=0.32,<0.33"
@@ -187,6 +189,16 @@ def _hook_scheduler(S) -> None:
         return update(self, *args, **kwargs)
 
     _set(Scheduler, "update_from_output", update_from_output)
+    init = Scheduler.__init__
+
+    @functools.wraps(init)
+    def scheduler_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        from kvcanary.integrations.vllm.allocator import note_scheduler
+
+        note_scheduler(self)
+
+    _set(Scheduler, "__init__", scheduler_init)
 
 
 def _refuse_runner_v2() -> None:

@@ -44,7 +44,8 @@ def violation_row(v, names: RequestNames, *, rank: int, block_size: int, text: s
     row = v.to_dict()
     row.update(kind="violation", rank=rank, pid=os.getpid(), block=v.slot // block_size if v.slot >= 0 else None,
                reader=names.name(v.reader_request), writer=names.name(v.writer_request),
-               reader_names=[names.name(r) for r in v.readers], log_line=v.log_line(),
+               reader_names=[names.name(r) for r in v.readers],
+               holder_names=[names.name(h) for h in getattr(v, "holders", ())], log_line=v.log_line(),
                text=text)
     return row
 

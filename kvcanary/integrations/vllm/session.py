@@ -23,6 +23,7 @@ import numpy as np
 
 from kvcanary.runtime import Canary, PoolSpec
 
+from kvcanary.integrations.vllm.allocator import BlockPoolView
 from kvcanary.integrations.vllm.batch import BatchBuilder, subset, waves
 from kvcanary.integrations.vllm.layout import KvLayout, check_engine
 from kvcanary.integrations.vllm.report import ReportFiles, RequestNames, describe, violation_row
@@ -99,10 +100,16 @@ class Session:
         k_sources, v_sources = lay.real_kv_sources(config.check_v)
         pool = PoolSpec(lay.num_slots, k_sources, v_sources, reserved_slots=lay.reserved_slots())
         if config.mode == "abort":
-            _check_abort(r)
+            _check_abort(r, "KV_CANARY_MODE=abort")
+        if self.settings.allocator_interval:
+            _check_abort(r, "KV_CANARY_VLLM_ALLOCATOR_INTERVAL")
+            config = config.replace(allocator_check_interval=self.settings.allocator_interval)
         canary = Canary(pool, config, max_batch=max_batch, max_tokens=max_tokens, max_context=max_context,
                         num_rows=max_batch + 1, device="cpu", on_violation=self._on_violation,
                         on_abort=self._on_abort)
+        if self.settings.allocator_interval:
+            canary.watch_allocator(BlockPoolView(self.names, lay.num_blocks), num_blocks=lay.num_blocks,
+                                   slots_per_block=lay.block_size)
         # No forward before this one wrote request KV through the guarded path (warm-up runs are unguarded and
         # write no request's blocks): arm the chain-position assert now.
         canary.mark_ready()
@@ -244,14 +251,14 @@ class Session:
         self.events["chunked_prefill_chunks"] += int((done < runner.input_batch.num_prompt_tokens[:n]).sum())
 
 
-def _check_abort(runner) -> None:
-    """Mode abort needs the scheduler in this process (vLLM's one-worker executor, ``uni``): a worker of the
-    multiprocess executor cannot reach it without a change to vLLM."""
+def _check_abort(runner, what: str = "KV_CANARY_MODE=abort") -> None:
+    """Mode abort and the allocator check need the scheduler in this process (vLLM's one-worker executor, ``uni``):
+    a worker of the multiprocess executor cannot reach it without a change to vLLM."""
     pc = runner.parallel_config
     if pc.world_size > 1 or pc.distributed_executor_backend not in (None, "uni"):
-        raise ValueError("kv-canary: KV_CANARY_MODE=abort on vLLM needs the worker in the scheduler's process (one "
-                         "worker, distributed_executor_backend 'uni'), got world size "
-                         f"{pc.world_size} with backend {pc.distributed_executor_backend!r} (use log or raise)")
+        raise ValueError(f"kv-canary: {what} on vLLM needs the worker in the scheduler's process (one worker, "
+                         f"distributed_executor_backend 'uni'), got world size {pc.world_size} with backend "
+                         f"{pc.distributed_executor_backend!r}")
 
 
 def _tp_rank(runner) -> tuple[int, int, object]:

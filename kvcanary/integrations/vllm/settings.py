@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvcanary.runtime import CanaryConfig
 
-from kvcanary.integrations.vllm.plugin import REPORT_DIR_VARIABLE, TP_INTERVAL_VARIABLE
+from kvcanary.integrations.vllm.plugin import ALLOCATOR_INTERVAL_VARIABLE, REPORT_DIR_VARIABLE, TP_INTERVAL_VARIABLE
 
 DEFAULT_TP_INTERVAL = 16  # forwards between the tensor-parallel ranks' consistency exchanges
 
@@ -26,11 +26,13 @@ class Settings:
         config: the ``CanaryConfig`` (``KV_CANARY_MODE``, ...).
         report_dir: where each process appends its violation rows and writes its stats (None: nowhere).
         tp_interval: forwards between the tensor-parallel consistency exchanges (0: only when a report is asked).
+        allocator_interval: steps between checks of vLLM's block pool (docs/allocator.md; 0: off).
     """
 
     config: CanaryConfig
     report_dir: str | None
     tp_interval: int
+    allocator_interval: int = 0
 
     @classmethod
     def from_env(cls, environ=None) -> Settings:
@@ -49,13 +51,18 @@ class Settings:
                                  f"and write, got {report_dir!r} ({e})") from None
             if not os.access(report_dir, os.W_OK):
                 raise ValueError(f"kv-canary: {REPORT_DIR_VARIABLE} must be a writable directory, got {report_dir!r}")
-        raw = environ.get(TP_INTERVAL_VARIABLE)
-        interval = DEFAULT_TP_INTERVAL
-        if raw is not None:
-            try:
-                interval = int(raw)
-            except ValueError:
-                interval = -1
-            if interval < 0:
-                raise ValueError(f"kv-canary: {TP_INTERVAL_VARIABLE} must be an integer >= 0, got {raw!r}")
-        return cls(config, report_dir, interval)
+        interval = _count(environ, TP_INTERVAL_VARIABLE, DEFAULT_TP_INTERVAL)
+        return cls(config, report_dir, interval, _count(environ, ALLOCATOR_INTERVAL_VARIABLE, 0))
+
+
+def _count(environ, name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"kv-canary: {name} must be an integer >= 0, got {raw!r}")
+    return value
