@@ -11,7 +11,9 @@ The modules, each one part of the canary around one vLLM forward:
 - ``layout``: the engine checks and the KV cache's slots and real-KV bytes (the CPU attention backend's layout);
 - ``batch``: one forward's ``ForwardBatch`` from vLLM's attention metadata, slot mapping and input batch;
 - ``session``: one canary per model runner (per process and TP rank), the per-step hooks, the TP exchange;
-- ``report``: rows naming vLLM's request ids, the report directory, ``collect(llm)`` and ``read_reports(dir)``.
+- ``report``: rows naming vLLM's request ids, the report directory, ``collect(llm)`` and ``read_reports(dir)``;
+- ``allocator``: vLLM's block pool as the allocator check reads it (one worker, ``KV_CANARY_VLLM_ALLOCATOR_INTERVAL``);
+- ``engine``: a tiny engine for tests, the demo and benchmarks (random-weight model, ``LLM`` arguments, hooks on/off).
 
 Example (in-process or multiprocess alike):
     >>> os.environ["KV_CANARY_VLLM"] = "1"                 # before vllm starts its engine
@@ -25,7 +27,7 @@ import importlib
 # Loaded on first use: importing the package imports neither torch nor vllm (the plugin entry point is cheap).
 _NAMES = {"register": "plugin", "unregister": "plugin", "enabled": "plugin", "check_version": "plugin",
           "SUPPORTED_RANGE": "plugin", "ENABLE_VARIABLE": "plugin", "REPORT_DIR_VARIABLE": "plugin",
-          "TP_INTERVAL_VARIABLE": "plugin", "collect": "report", "read_reports": "report", "VllmReport": "report",
+          "TP_INTERVAL_VARIABLE": "plugin", "ALLOCATOR_INTERVAL_VARIABLE": "plugin", "collect": "report", "read_reports": "report", "VllmReport": "report",
           "SESSIONS": "session", "Settings": "settings"}
 __all__ = sorted(_NAMES)
 
