@@ -60,25 +60,51 @@ def run(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
 
 
 def profile(llm, prompts, max_tokens: int) -> dict:
-    """One run of ``llm`` under cProfile: the wall time, the time in the canary's code (frames under kvcanary/ and
-    the torch and numba calls they make) and its costliest functions by their own time."""
-    import cProfile
-    import pstats
+    """One run of ``llm`` with the canary's per-step hooks timed: the session's step start and end, and its guard of
+    each forward less the forward it guards (the engine's). Returns the wall time and the canary's share of it."""
+    from kvcanary.integrations.vllm.session import Session
 
-    prof = cProfile.Profile()
-    prof.enable()
-    dt, _ = run(llm, prompts, max_tokens)
-    prof.disable()
-    st = pstats.Stats(prof)
-    mine = lambda key: "/kvcanary/" in key[0]  # noqa: E731
-    # the canary's own frames, plus what they call outside themselves (torch, numba), except vLLM (the forward the
-    # hook runs inside its guard is the engine's, not the canary's)
-    canary = sum(v[2] for k, v in st.stats.items() if mine(k))
-    canary += sum(ct for k, v in st.stats.items() if not mine(k) and "/vllm/" not in k[0]
-                  for caller, (_, _, _, ct) in v[4].items() if mine(caller))
-    own = {f"{k[0].split('/kvcanary/')[-1]}:{k[2]}": round(v[2], 3) for k, v in st.stats.items() if mine(k)}
-    return {"wall_s": round(dt, 3), "canary_s": round(canary, 3), "canary_share": round(canary / dt, 4) if dt else None,
-            "top_self_s": dict(sorted(own.items(), key=lambda kv: -kv[1])[:12])}
+    spent = {"begin_step": 0.0, "guard_forward": 0.0, "end_step": 0.0}
+    calls = {"forwards": 0}
+    orig = {name: getattr(Session, name) for name in spent}
+
+    def timed(name):
+        def call(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return orig[name](self, *args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return call
+
+    def guard_forward(self, forward, runner, args, kwargs):
+        inner = [0.0]
+
+        def engine_forward(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return forward(*a, **k)
+            finally:
+                inner[0] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        try:
+            return orig["guard_forward"](self, engine_forward, runner, args, kwargs)
+        finally:
+            spent["guard_forward"] += time.perf_counter() - t0 - inner[0]
+            calls["forwards"] += 1
+
+    Session.begin_step, Session.end_step = timed("begin_step"), timed("end_step")
+    Session.guard_forward = guard_forward
+    try:
+        dt, _ = run(llm, prompts, max_tokens)
+    finally:
+        for name, fn in orig.items():
+            setattr(Session, name, fn)
+    canary = sum(spent.values())
+    return {"wall_s": round(dt, 3), "canary_s": round(canary, 3), "canary_share": round(canary / dt, 4),
+            "forwards": calls["forwards"], "canary_ms_per_forward": round(1e3 * canary / max(1, calls["forwards"]), 3),
+            "by_hook_s": {k: round(v, 3) for k, v in spent.items()}}
 
 
 def main() -> None:
@@ -90,7 +116,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=128, help="KV blocks of 32 tokens per engine")
     ap.add_argument("--profile", action="store_true",
-                    help="after the rounds, profile one run of the canary's engine (cProfile): the canary's share")
+                    help="after the rounds, time the canary's hooks in one run of its engine: the canary's share")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
