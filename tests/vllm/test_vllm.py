@@ -166,3 +166,27 @@ def test_mode_abort_fails_exactly_the_requests_that_read_wrong_kv(model_dir, pro
     assert finished == {o.request_id for o in outs} - failed and finished  # the others ran to their length
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs if o.request_id in finished)
     assert report.stats[0]["aborted"] == len(failed) and report.stats[0]["aborted_requests"] == len(failed)
+
+
+def test_lora_requests_share_prefixes_within_an_adapter_and_report_nothing(model_dir):
+    """Records carry the adapter (LoRA changes a token's KV): requests of one adapter share cached blocks, requests
+    without it compute their own, and nothing is reported."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from kvcanary.sim.vllm_drive import tiny_lora_dir
+
+    prompt = [(7 * i + 3) % 512 for i in range(80)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    adapter = LoRARequest("x", 1, tiny_lora_dir(model_dir))
+    with engine.guarded(True):
+        llm = engine.start(model_dir, num_blocks=64, enable_lora=True, max_lora_rank=8, max_loras=1)
+        try:
+            llm.generate([{"prompt_token_ids": prompt}] * 2, params, lora_request=adapter, use_tqdm=False)
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            llm.generate([{"prompt_token_ids": prompt}], params, lora_request=adapter, use_tqdm=False)
+            report = collect(llm)
+        finally:
+            engine.stop(llm)
+    assert report.clean, report.violations[:1]
+    assert report.stats[0]["prefix_hits"] >= 2

@@ -13,9 +13,8 @@ from kvcanary.sim.vllm_cases import cases, judge
 # request's end, which attention never reads (the mechanism of vllm#42494 alone does no harm here)
 HARMLESS = {"row-keeps-old-ids"}
 TP_BUGS = {"tp-rank-slot-shift"}
-# harmful, and not seen: the salted request reads KV computed under another LoRA adapter, with the very tokens,
-# positions and bytes that were written; the canary's records name no adapter (docs/vllm.md, "Planted vLLM bugs")
-MISSED = {"lora-salt-collision"}
+# harmful and not seen: none (the LoRA replay was, until the records carried the adapter: docs/vllm.md)
+MISSED: set[str] = set()
 
 
 def test_the_catalogue_covers_the_components_and_replays_published_bugs():
@@ -40,9 +39,11 @@ def test_a_planted_bug_is_judged_by_the_oracle_and_found_by_the_canary(name):
         assert v["detected"] and v["violations"] > 0, v
 
 
-def test_the_lora_replay_reads_another_adapters_kv_and_the_canary_does_not_see_it():
+def test_the_lora_replay_reads_another_adapters_kv_and_the_canary_sees_it():
+    # the salted request reads a block computed under the adapter: same tokens, positions and bytes as written, but
+    # the records carry the adapter (a LoRA request's tokens enter the canary namespaced), so its tokens differ
     v = judge("lora-salt-collision")
-    assert v["verdict"] == "harmful" and v["wrong_reads"] > 0 and v["violations"] == 0, v
+    assert v["verdict"] == "harmful" and v["wrong_reads"] > 0 and v["detected"] and v["violations"] > 0, v
 
 
 @pytest.mark.skipif(os.environ.get("KV_CANARY_VLLM_SLOW") != "1",

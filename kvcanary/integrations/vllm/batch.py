@@ -33,8 +33,10 @@ from kvcanary.runtime import ForwardBatch, ForwardMode, TokenHistory
 class BatchBuilder:
     """Builds each forward's batch into buffers sized once for the engine's limits."""
 
-    def __init__(self, *, max_batch: int, max_context: int, block_size: int, layer_name: str, names):
+    def __init__(self, *, max_batch: int, max_context: int, block_size: int, layer_name: str, names,
+                 lora: bool = False):
         self.block_size, self.layer_name, self.names = block_size, layer_name, names
+        self.lora = lora  # LoRA adapters change a token's KV: records carry the adapter (_namespaced)
         self.max_context = max_context
         # row 0 is the canary's padding row; request r of a forward takes row r + 1 (rows are rebuilt each forward)
         self.req_to_token = torch.zeros(max_batch + 1, max_context, dtype=torch.int64)
@@ -71,9 +73,13 @@ class BatchBuilder:
                                              + self._offsets[:cols])
         expected_pos = _expected_positions(prefix, extend)
         history, expected = self._tokens(ib, n, seq.numpy(), expected_pos, qsl.numpy())
+        input_ids = input_ids[:ntok]
+        if self.lora:
+            input_ids, history, expected = _namespaced(ib.request_lora_mapping[:n], extend.numpy(), input_ids,
+                                                       history, expected)
         batch = ForwardBatch(
             req_pool_indices=self._rows[:n], prefix_lens=prefix, extend_lens=extend,
-            input_ids=input_ids[:ntok], positions=positions[:ntok], out_cache_loc=slots.to(torch.int64),
+            input_ids=input_ids, positions=positions[:ntok], out_cache_loc=slots.to(torch.int64),
             req_to_token=self.req_to_token,
             request_ids=torch.tensor([self.names.number(r) for r in req_ids], dtype=torch.int64),
             token_history=history, expected_input_ids=expected,
@@ -100,6 +106,31 @@ class BatchBuilder:
         # positions the batch does not know yet (async scheduling's placeholders) are not asserted
         expected[~inside | (pos >= known[req])] = -1
         return TokenHistory(flat, offsets), None if (expected < 0).any() else torch.from_numpy(expected)
+
+
+# A LoRA request's tokens enter the canary as token + (namespace << LORA_SHIFT): the same token computed with
+# another adapter (or none) has other KV, so its record must differ; a prefix-cache hit across adapters then reads
+# another token (verify_token). The expected-token table is int32: tokens below 2**20, namespaces 1..2047.
+LORA_SHIFT = 20
+LORA_NAMESPACES = 2047
+
+
+def lora_namespace(lora_ids: np.ndarray) -> np.ndarray:
+    """The namespace of each request's adapter id (0: no adapter), in 1..2047 for an adapter (ids past 2047 share)."""
+    ids = np.asarray(lora_ids, dtype=np.int64)
+    return np.where(ids > 0, (ids - 1) % LORA_NAMESPACES + 1, 0)
+
+
+def _namespaced(lora_ids, extend: np.ndarray, input_ids, history: TokenHistory, expected):
+    """The canary's view of the batch's tokens with each request's LoRA namespace added (the model's are untouched)."""
+    shift = torch.from_numpy(lora_namespace(lora_ids) << LORA_SHIFT)
+    if not bool(shift.any()):
+        return input_ids, history, expected
+    per_token = torch.repeat_interleave(shift, torch.from_numpy(extend.astype(np.int64)))
+    lens = history.offsets[1:] - history.offsets[:-1]
+    flat = history.flat + torch.repeat_interleave(shift, lens)
+    return (input_ids.to(torch.int64) + per_token, TokenHistory(flat, history.offsets),
+            None if expected is None else expected + per_token)
 
 
 def waves(batch: ForwardBatch, block_size: int) -> list[list[int]]:

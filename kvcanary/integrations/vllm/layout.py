@@ -142,6 +142,9 @@ def check_engine(runner, config=None) -> KvLayout:
             refuse("no KV connector", "a KV transfer connector (KV that arrives without canary records)")
     except ImportError:
         pass
+    if getattr(runner, "lora_config", None) is not None and mc.get_vocab_size() >= 1 << 20:
+        refuse("a vocabulary below 2**20 tokens with LoRA (records carry the adapter above the token id)",
+               mc.get_vocab_size())
     groups = runner.kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         refuse("one KV-cache group", f"{len(groups)} groups ({[type(g.kv_cache_spec).__name__ for g in groups]})",

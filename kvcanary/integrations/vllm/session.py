@@ -78,7 +78,8 @@ class Session:
         self.canary = self._build_canary()
         lay = self.layout
         self.builder = BatchBuilder(max_batch=self.canary.max_batch, max_context=self.canary.max_context,
-                                    block_size=lay.block_size, layer_name=lay.layer_names[0], names=self.names)
+                                    block_size=lay.block_size, layer_name=lay.layer_names[0], names=self.names,
+                                    lora=runner.lora_config is not None)
         self.consistency = None
         if self.tp_size > 1:
             from kvcanary.distributed import ConsistencyCheck
