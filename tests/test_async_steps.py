@@ -11,7 +11,7 @@ import torch
 from kvcanary.format import RecordField as R
 from kvcanary.runtime.step import carry as carry_mod
 from kvcanary.runtime.step.fused import FusedSteps
-from kvcanary.runtime.step.graphs import StepGraphs
+from kvcanary.runtime.step.plans import Storages
 from kvcanary.sim import step_source
 from kvcanary.sim.config import SimConfig
 from kvcanary.sim.engine import SimEngine, default_canary_config
@@ -101,7 +101,7 @@ def test_graphs_keyed_without_the_storage_set_are_reported(steps, monkeypatch):
     # (Not steady: a per-turn graph's key holds its staging turn, and with an even number of turns each turn
     # serves one storage set only, which hides the missing address; the shape graphs read one static copy.)
     one_set = (1, 2, 3, 4)
-    monkeypatch.setattr(StepGraphs, "_storages", lambda self, io: one_set)
+    monkeypatch.setattr(Storages, "of", lambda self, io: one_set)
     e = engine(steps)
     e.run()
     assert e.canary.violations, steps

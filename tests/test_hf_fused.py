@@ -6,7 +6,6 @@ refill asks CUDA nothing once the slot was taken again. Where the close fails be
 recorded, the step falls back to events of its own on the side stream.
 """
 
-from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from kvcanary.runtime.step import fused as hf_fused, staging as hf_staging
 from kvcanary.runtime.step.fused import FusedSteps
 from kvcanary.runtime.engine import HostStep
+from kvcanary.runtime.step.plans import Plans
 from kvcanary.runtime.step.staging import Staging
 from kvcanary.runtime import observer
 from kvcanary.runtime.observer import SlotFence
@@ -75,7 +75,8 @@ def fused_step(monkeypatch, fail_close: bool = False, waits=None):
     def replay():
         calls.append(("replay", streams.current()))
     key = ("shape",)
-    fs.entries = OrderedDict({key + (1,): SimpleNamespace(replay=replay, state=None, waits=waits)})
+    fs.plans = Plans(4)
+    fs.plans.add(key + (1,), SimpleNamespace(replay=replay, state=None, waits=waits))
     e = SimpleNamespace(batch="batch")
     stage.send([[1, 2, 3]], copy=False)  # the host half: its copy is issued by the replay
     assert stage.pending is not None and stage.pending[2] == 0
@@ -146,29 +147,35 @@ def test_a_steady_run_repeats_only_steps_of_its_shape(cap):
     # A repeat skips the graph keys: it must match only a step the keys would give the same graph, i.e. the
     # same batch size and staged values, storages, read-index flavour, a full read index, and a read-table
     # width that rounds to the run's; and it should take every width that does, below the cap.
-    from kvcanary.runtime.step.tables import table_width
     from kvcanary.runtime.step.graphs import WIDTH_STEP, StepGraphs
+    from kvcanary.runtime.step.plans import StepKey, table_width
 
     ptrs = (1, 2, 3, 4)
-    io = SimpleNamespace(max_kv_read=5, true_read_sizes=[40])
+    io = SimpleNamespace(max_kv_read=5, true_read_sizes=[40], use_block_table=False)
+
+    def key(h, storages=ptrs):  # (the step's key as the runner computes it)
+        return StepKey.of(h, storages, 0, 0, WIDTH_STEP, cap)
+
     for width in (1, 300, 512, 513, 1000, 1024, 1025, 2048, 2049, 2999, 3000, 3001, 5000):
         g = StepGraphs.__new__(StepGraphs)
         g.fused = SimpleNamespace(run=None)
         g.s = SimpleNamespace(canary=SimpleNamespace(max_context=cap), group=0)
         h = HostStep(io, [], 2, 2, [0, 0], [1, 1], [1, 2], None, 2, width, 40)
         rounded = table_width(width, cap, WIDTH_STEP)
-        run = g.fused.run = g._run_for(h, io, (2, 2, 2, rounded, False, True, *ptrs), rounded, ptrs)
+        run = g.fused.run = g._run_for(h, key(h))
         for w in [w for w in list(range(1, 5200, 7)) + [width - 1, width + 1, 512, 513, 2049, cap, cap + 1] if w > 0]:
             same = table_width(w, cap, WIDTH_STEP) == rounded
             # below the cap exactly the widths that round alike; past it (no rounding) the width alone
-            assert run.matches(h._replace(width=w), io, ptrs) == (same if rounded <= cap else w == width), (width, w)
-        assert run.matches(h, io, ptrs)
-        assert not run.matches(h, io, tuple(list(ptrs)))  # other storages (a new tuple: asked of torch again)
-        assert not run.matches(h._replace(bs=3, T=3), io, ptrs)
-        assert not run.matches(h._replace(total=41), io, ptrs)  # a read index shorter than the reads
-        assert not run.matches(h, SimpleNamespace(max_kv_read=0, true_read_sizes=[40]), ptrs)
+            hw = h._replace(width=w)
+            assert run.matches(hw, key(hw)) == (same if rounded <= cap else w == width), (width, w)
+        assert run.matches(h, key(h))
+        assert not run.matches(h, key(h, tuple(list(ptrs))))  # other storages (a new tuple: asked of torch again)
+        assert not run.matches(h._replace(bs=3, T=3), key(h._replace(bs=3, T=3)))
+        assert not run.matches(h._replace(total=41), key(h._replace(total=41)))  # a read index shorter than the reads
+        fresh = h._replace(io=SimpleNamespace(max_kv_read=0, true_read_sizes=[40], use_block_table=False))
+        assert not run.matches(fresh, key(fresh))
     # a step whose read index is short is never remembered (its keys tell the general path's graph)
-    assert g._run_for(h, io, (2, 2, 14, rounded, False, False, *ptrs), rounded, ptrs) is None
+    assert g._run_for(h._replace(total=41), key(h._replace(total=41))) is None
 
 
 @pytest.mark.gpu

@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 
 import torch
 
 from kvcanary.runtime.graphs import capture, eager, replay_of
 from kvcanary.runtime.observer import SlotFence
+from kvcanary.runtime.step.plans import Plans
 from kvcanary.runtime.streams import event_wait, record_event, stream_cache
 
 log = logging.getLogger("kvcanary")
@@ -62,7 +62,7 @@ class FusedSteps:
 
     def __init__(self, graphs):
         self.g, self.s = graphs, graphs.s
-        self.entries: OrderedDict = OrderedDict()
+        self.plans = Plans(MAX_FUSED)  # the fused graphs by step key and snapshot slot
         # their own memory pool: fused replays run one after another on one stream, which the unfused
         # step graphs (sharing theirs) do not
         self.pool = graphs.new_pool()
@@ -94,16 +94,12 @@ class FusedSteps:
         obs = self.s.canary.monitor.observer
         index = None if obs.eager_read else obs.next  # the slot this step's snapshot copies into
         slot = None if index is None else obs.slots[index]
-        fkey = key + (None if slot is None else slot.key[1],)
-        f = self.entries.get(fkey)
+        fkey = key + (None if slot is None else slot.key[1],)  # (the step's key and its snapshot slot)
+        f = self.plans.get(fkey)
         if f is None:
             f = self._capture(e, h, slot)
-            self.entries[fkey] = f
-            while len(self.entries) > MAX_FUSED:
-                self.entries.popitem(last=False)
+            if self.plans.add(fkey, f):
                 run = self.other = None  # (a dropped graph may be one of the run's: the run starts again)
-        else:
-            self.entries.move_to_end(fkey)
         if run is not None and self.run is not None and run.ptrs is not self.run.ptrs:
             self.other = self.run  # (the other storage set's run stays for its next step: select)
         self.run = run
@@ -112,7 +108,7 @@ class FusedSteps:
         return self._launch(e, f, slot, obs)
 
     def select(self, ptrs: tuple) -> None:
-        """Make the kept run of the input storage set ``ptrs`` (``StepGraphs._storages``) the current one, where
+        """Make the kept run of the input storage set ``ptrs`` (``plans.Storages``) the current one, where
         the engine alternates two sets (async batching) and the run kept aside is that set's."""
         run, other = self.run, self.other
         if run is not None and run.ptrs is not ptrs and other.ptrs is ptrs:
@@ -264,20 +260,20 @@ class FusedSteps:
 
 
 class Run:
-    """A run of steady steps of one shape (``StepGraphs.before``): what a repeat must match (batch size,
-    staged values, a read-table width that rounds to the run's, the read index's flavour, the engine's input
-    storages) and each (staging turn, snapshot slot) pair's entry and graph, found by the turn buffer's
-    address and the slot's index: a repeat builds no keys and looks nothing up in the kept graphs."""
+    """A run of steady steps of one shape (``StepGraphs.before``): what a repeat must match (batch size, token
+    cells, a read-table width that rounds to the run's, the read index's flavour, the engine's input storages)
+    and each (staging turn, snapshot slot) pair's plan and graph, found by the turn buffer's address and the
+    slot's index: a repeat builds no keys and looks nothing up in the kept graphs."""
 
-    __slots__ = ("bs", "cells", "lo", "hi", "no_read", "ptrs", "group", "pairs")
+    __slots__ = ("bs", "cells", "lo", "hi", "no_read", "ptrs", "pairs")
 
-    def __init__(self, h, lo: int, hi: int, no_read: bool, ptrs: tuple, group: int):
+    def __init__(self, h, lo: int, hi: int, no_read: bool, ptrs: tuple):
         self.bs, self.cells, self.lo, self.hi = h.bs, h.cells, lo, hi
-        self.no_read, self.ptrs, self.group = no_read, ptrs, group
+        self.no_read, self.ptrs = no_read, ptrs
         self.pairs: dict = {}
 
-    def matches(self, h, io, ptrs: tuple) -> bool:
-        """Step ``h`` has the run's shape (its width in (lo, hi]; the read index lists every slot it reads)."""
+    def matches(self, h, key) -> bool:
+        """Step ``h`` of key ``key`` (``plans.StepKey``) has the run's shape (its width in (lo, hi]; the read
+        index lists every slot it reads)."""
         return (h.T == h.bs == self.bs and h.cells == self.cells and self.lo < h.width <= self.hi
-                and ptrs is self.ptrs and (io.max_kv_read == 0) is self.no_read
-                and io.true_read_sizes[self.group] >= h.total)
+                and key.storages is self.ptrs and key.no_read == self.no_read and key.full_read)

@@ -32,15 +32,14 @@ group, the token oracle, fault injection — runs eagerly.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from contextlib import nullcontext
 
 import torch
 
 from kvcanary.runtime.graphs import capture, replay_of
 from kvcanary.runtime.step.fused import FusedSteps, Run
+from kvcanary.runtime.step.plans import Plan, Plans, table_width
 from kvcanary.runtime.step.staging import STAGING_TURNS, Staging
-from kvcanary.runtime.step.tables import table_width
 from kvcanary.runtime.streams import capturing
 
 WIDTH_STEP = 512  # read-table columns: at least this, rounded up to a power of two (few shapes, little waste)
@@ -52,13 +51,6 @@ EAGER_SIGHTINGS = 1
 # shapes that come and go with a changing batch) one graph per shape plus two copies per step is cheaper
 # than five captures.
 STEADY_SIGHTINGS = 10
-
-
-class _Entry:
-    __slots__ = ("batch", "graph", "replay", "state", "keep")
-
-    def __init__(self, batch):
-        self.batch, self.graph, self.replay, self.state, self.keep = batch, None, None, None, None
 
 
 class _Report:
@@ -103,9 +95,10 @@ class StepGraphs:
         self.pool = self.new_pool()
         # a stand-in graph on the CPU replays tensor ops only: the launcher's numpy shortcuts stay off
         runner.canary.use_graphs(host_ops=graph_type is None)
-        self.entries: OrderedDict = OrderedDict()
-        self.sightings: dict = {}  # steps per shape, any turn (EAGER_SIGHTINGS, STEADY_SIGHTINGS)
-        self.reports: OrderedDict = OrderedDict()  # multi-token steps' batches for the monitor (_report)
+        # the plans by key (shape and staged buffer: a staging turn's, or the static copy's), and the steps seen
+        # per shape, any turn (EAGER_SIGHTINGS, STEADY_SIGHTINGS)
+        self.plans = Plans(MAX_ENTRIES)
+        self.reports = Plans(MAX_ENTRIES)  # multi-token steps' batches for the monitor (_report), by key
         self.captures = self.replays = 0
         self.inline = False  # this step's before work was replayed by _inline: its after hook is ``after``
         self.quiet = None  # (stream, runner.engine_calls) of the last inline close (_inline, after)
@@ -113,8 +106,6 @@ class StepGraphs:
         self.fused = FusedSteps(self) if runner.options.fused_steps else None
         self.fused_now = False  # this step ran fused: its after hook has nothing left to do
         self.last_fused = False  # the last step ran fused (the next one likely will: Session._late_step)
-        self._ptrs = None  # (the engine's four input storages, their data pointers): before's shape key
-        self._other_ptrs = None  # the same of the other storage set, if the engine alternates two (_storages)
         if runner.stage.depth != STAGING_TURNS:  # (the CPU's one turn: a graph per turn reads its own)
             runner.source.stage = Staging(runner.device)
         # decode steps padded to their size bucket (tables.bucket): a changing batch keeps its graphs
@@ -131,17 +122,16 @@ class StepGraphs:
                 and c.injector is None
                 and not (c.device.type == "cuda" and capturing()))
 
-    def before(self, h, engine_stream) -> object:
-        """Build, check and launch the step's before-forward work; returns its ForwardBatch.
-        ``engine_stream``: a context that puts the caller on the engine's compute stream (the general
-        path runs there; a steady decode step's replay does not need it, ``_inline``)."""
-        s, io = self.s, h.io
+    def before(self, h, key, engine_stream) -> object:
+        """Build, check and launch the step's before-forward work; returns its ForwardBatch. ``key``: the step's
+        key (``plans.StepKey``); ``engine_stream``: a context that puts the caller on the engine's compute stream
+        (the general path runs there; a steady decode step's replay does not need it, ``_inline``)."""
+        s = self.s
         self.inline = False
         fused = self.fused
-        ptrs = self._storages(io)
         if fused is not None and fused.other is not None:
-            fused.select(ptrs)  # (two storage sets: each keeps its steady run)
-        if fused is not None and fused.run is not None and s.late and fused.run.matches(h, io, ptrs) \
+            fused.select(key.storages)  # (two storage sets: each keeps its steady run)
+        if fused is not None and fused.run is not None and s.late and fused.run.matches(h, key) \
                 and fused.usable():
             # a repeat of the steady run's shape: its pair's graph without keys (FusedSteps.repeat)
             self.inline = self.fused_now = self.last_fused = True  # (set first, as for step: a raise keeps them)
@@ -149,77 +139,45 @@ class StepGraphs:
             if batch is not None:
                 return batch
             self.inline = self.fused_now = self.last_fused = False
-        g = s.group
-        width = table_width(h.width, s.canary.max_context, WIDTH_STEP)
-        shape = (h.bs, h.T, h.cells, width, io.max_kv_read == 0, min(h.total, io.true_read_sizes[g]) == h.total,
-                 *ptrs)
         # a steady decode shape: a graph per turn (see the module's docstring); anything else reads a
         # static copy of the staged values, and the monitor keeps the turn's values and a copy of the
         # read table (such shapes recur too rarely to fill a graph per turn)
-        sightings = self.sightings.get(shape, 0) + 1
-        if len(self.sightings) > 8 * MAX_ENTRIES:  # shapes once seen and gone (prefill widths): forget them
-            self.sightings.clear()
-        self.sightings[shape] = sightings
+        sightings = self.plans.seen(key.shape)
         per_turn = h.T == h.bs and sightings > STEADY_SIGHTINGS
         self.last_fused = False
         if per_turn:
-            key = shape + (s.stage.last_ptr,)  # (the staged buffer's address, known without a call)
-            e = self.entries.get(key)
+            e = self.plans.get(key)  # (the key holds the staged buffer's address: the turn's)
             if self.fused is not None and s.late and self.fused.usable():
                 if e is None:
-                    e = self._entry(key, h, width)
-                else:
-                    self.entries.move_to_end(key)
+                    e = self._entry(key, h)
                 self.inline = self.fused_now = self.last_fused = True
-                return self.fused.step(e, key, h, self._run_for(h, io, shape, width, ptrs))
+                return self.fused.step(e, key, h, self._run_for(h, key))
             if e is not None and e.graph is not None:
-                self.entries.move_to_end(key)
                 return self._inline(e)
         if s.ready is not None:
             # late hooks: the forward is enqueued on the compute stream already; the staged values' copies
             # go on the inputs' stream instead, and the side stream follows both (_general)
-            return self._general(h, shape, sightings, per_turn, width, late=True)
+            return self._general(h, key, sightings, per_turn, late=True)
         with engine_stream():
-            return self._general(h, shape, sightings, per_turn, width)
+            return self._general(h, key, sightings, per_turn)
 
-    def _run_for(self, h, io, shape: tuple, width: int, ptrs: tuple) -> Run | None:
-        """The steady run a fused step of ``shape`` belongs to, for repeats (``FusedSteps.repeat``): the current
+    def _run_for(self, h, key) -> Run | None:
+        """The steady run a fused step of ``key`` belongs to, for repeats (``FusedSteps.repeat``): the current
         one where the step matches it, else a new one of the widths that round alike; None for a short read
         index (an engine bug, left to the keyed path)."""
-        if not shape[5]:
+        if not key.full_read:
             return None
         run = self.fused.run
-        if run is not None and run.matches(h, io, ptrs):
+        if run is not None and run.matches(h, key):
             return run
         # the widths that round to this one: (the power of two below, width], or (0, WIDTH_STEP]
-        cap = self.s.canary.max_context
+        cap, width = self.s.canary.max_context, key.width
         lo = 0 if width <= WIDTH_STEP else 1 << ((width - 1).bit_length() - 1)
         if not (table_width(lo + 1, cap, WIDTH_STEP) == width == table_width(h.width, cap, WIDTH_STEP)):
             lo = h.width - 1  # (past the cap, or anything unusual: this width alone)
-        return Run(h, lo, width, shape[4], ptrs, self.s.group)
+        return Run(h, lo, width, key.no_read, key.storages)
 
-    def _storages(self, io) -> tuple:
-        """The data pointers of the engine's input storages, asked of torch only when a storage tensor is
-        not the one seen before (transformers allocates them once): each ``data_ptr`` is a tensor call,
-        tens of microseconds together inside the engine's step. Two sets are remembered: an engine that
-        alternates two storage sets (async batching, ``carry.py``) asks torch nothing either, and each set
-        keeps its tuple (``Run.matches`` compares it by identity)."""
-        p, a, b, c, d = self._ptrs or (None,) * 5
-        if a is not io.input_ids or b is not io.position_ids or c is not io.read_index_storage \
-                or d is not io.write_index_storage:
-            other = self._other_ptrs
-            self._other_ptrs = self._ptrs
-            if other is not None and other[1] is io.input_ids and other[2] is io.position_ids \
-                    and other[3] is io.read_index_storage and other[4] is io.write_index_storage:
-                self._ptrs = other
-                return other[0]
-            a, b, c, d = io.input_ids, io.position_ids, io.read_index_storage, io.write_index_storage
-            # (whole storages: a row view per step costs a tensor call)
-            p = (a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr())
-            self._ptrs = (p, a, b, c, d)
-        return p
-
-    def _inline(self, e: _Entry):
+    def _inline(self, e: Plan):
         """A captured steady decode step replayed on the hook's own stream, which the engine prepared the
         step's inputs on: no stream switch. The previous step's close (compute stream) comes first; the
         forward need not wait for it (HEAD beside the forward), and ``after`` orders the step's close."""
@@ -256,7 +214,7 @@ class StepGraphs:
             # everything the canary did since is on this stream
             self.quiet = (c.launcher.streams.current(), self.s.engine_calls)
 
-    def _general(self, h, shape: tuple, sightings: int, per_turn: bool, width: int, late: bool = False):
+    def _general(self, h, key, sightings: int, per_turn: bool, late: bool = False):
         """Eager, capture, or replay on the canary's side stream (on the engine's compute stream)."""
         s = self.s
         c = s.canary
@@ -270,13 +228,12 @@ class StepGraphs:
             # (the recording fake's record: the copy reads this step's staging buffer)
             c.launcher.streams.note("stage_static", reads=(h.packed,), writes=("staged_static",))
         work = h if per_turn else h._replace(packed=s.stage.to_static(h.packed))
-        key = shape + (work.packed.data_ptr(),)
-        e = self.entries.get(key)
+        # (the plan of the step's shape that reads the static copy: the key with its address for the turn's)
+        plan_key = key if per_turn else key._replace(packed=work.packed.data_ptr())
+        e = self.plans.get(plan_key)
         if e is None:
-            e = self._entry(key, work, width)
-        else:
-            self.entries.move_to_end(key)
-        report = e.batch if per_turn else self._report(h, width, e.batch.req_to_token)
+            e = self._entry(plan_key, work)
+        report = e.batch if per_turn else self._report(h, key, e.batch.req_to_token)
         c.host_before(e.batch)  # checks, drains, opens the forward; joins the side stream's earlier work
         launcher = c.launcher
         streams = launcher.streams
@@ -291,8 +248,8 @@ class StepGraphs:
             on_side = streams.use(side)
         with on_side:
             # (the recording fake's record: the staged copy and the input storage set, by its ids' address)
-            streams.note("step_reads", reads=("staged_static", ("inputs", shape[-4])) if not per_turn
-                         else (("inputs", shape[-4]),))
+            streams.note("step_reads", reads=("staged_static", ("inputs", key.storages[0])) if not per_turn
+                         else (("inputs", key.storages[0]),))
             self._run(e, sightings, work)
             s.stage.copied()  # (a per-turn graph holds the staged values' copy: issued by its replay)
             if not per_turn:
@@ -302,31 +259,27 @@ class StepGraphs:
             launcher.note_side_work(side)
         return report
 
-    def _entry(self, key: tuple, h, width: int) -> _Entry:
-        e = self.entries[key] = _Entry(self.s.tables.assemble(h, width))
+    def _entry(self, key, h) -> Plan:
+        """A new plan for ``key`` (eager until its shape was seen ``EAGER_SIGHTINGS`` times: ``_run``)."""
+        e = Plan(self.s.tables.assemble(h, key.width))
+        self.plans.add(key, e)  # (a dropped plan's graph goes; a remembered batch keeps its tensors)
         # made here, filled and read by the side stream's replays: once dropped, its memory must not serve a
         # new tensor before the side stream's queued work is done with it (the side stream may lag steps behind)
         self.s.canary.launcher.hand_over(e.batch.req_to_token)
-        while len(self.entries) > MAX_ENTRIES:
-            self.entries.popitem(last=False)  # its graph goes; a remembered batch keeps its tensors
         return e
 
-    def _report(self, h, width: int, table: torch.Tensor):
-        """A multi-token step's batch for the monitor: views into this turn's staged buffer and its own
-        read table (a copy of the captured batch's), assembled only when a report reads it (``_Report``)."""
-        key = (h.packed.data_ptr(), h.bs, h.T, h.cells, width, h.io.input_ids.data_ptr(),
-               h.io.write_index_storage.data_ptr())
+    def _report(self, h, key, table: torch.Tensor):
+        """A multi-token step's batch for the monitor: views into this turn's staged buffer (``key`` holds its
+        address) and its own read table (a copy of the captured batch's), assembled only when a report reads it
+        (``_Report``)."""
         batch = self.reports.get(key)
         if batch is None:
-            batch = self.reports[key] = _Report(self.s.tables, h, width, torch.empty_like(table))
+            batch = _Report(self.s.tables, h, key.width, torch.empty_like(table))
+            self.reports.add(key, batch)
             self.s.canary.launcher.hand_over(batch.req_to_token)  # (the side stream copies into it: _entry)
-            while len(self.reports) > MAX_ENTRIES:
-                self.reports.popitem(last=False)
-        else:
-            self.reports.move_to_end(key)
         return batch
 
-    def _run(self, e: _Entry, sightings: int, h) -> None:
+    def _run(self, e: Plan, sightings: int, h) -> None:
         """Replay the entry's graph, or capture it, or run its work eagerly (a shape's first sightings)."""
         launcher = self.s.canary.launcher
         if e.graph is not None:
@@ -342,7 +295,7 @@ class StepGraphs:
         else:
             self._body(e, h)
 
-    def _body(self, e: _Entry, h) -> None:
+    def _body(self, e: Plan, h) -> None:
         s, batch = self.s, e.batch
         # A graph keeps no tensor alive: the entry holds what the body reads that the runner may replace
         # (the staged values' pinned buffer too: a graph copies from its address on every replay).

@@ -13,11 +13,15 @@ A step is one of:
 - **steady** (``steady.SteadyStep``, the CPU's eager steps with numba): a step shaped like one taken before
   runs from the plan bound to it then (the full eager path wherever anything differs).
 
+Each step's key is computed once, here (``key_of``: ``plans.StepKey``), and every route keys its plans by it
+(``plans.py``, the design note of the recorded step).
+
 The engine calls ``late_step`` when it starts a step (whether the canary work may wait until the forward is
 enqueued), ``before`` and ``after`` around (or after) the forward, ``engine_stream`` around canary work of
 its own between steps (record copies, saves), and ``join`` before it next writes KV or its inputs. The
 runner keeps no engine object: it reads what the source gives (its host part, its inputs) and calls the
-``Canary``'s public methods, which keep before/after, records, flush and stats.
+``Canary``'s public methods, which keep before/after, records, flush and stats, and end every step
+(``Canary._close``).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import torch
 from kvcanary.runtime.engine import StepOptions
 from kvcanary.runtime.graphs import CudaGraphs
 from kvcanary.runtime.step.carry import Carry
-from kvcanary.runtime.step.graphs import StepGraphs
+from kvcanary.runtime.step.graphs import WIDTH_STEP, StepGraphs
+from kvcanary.runtime.step.plans import StepKey, Storages
 from kvcanary.runtime.step.staging import Staging
 from kvcanary.runtime.step.steady import SteadyStaging, SteadyStep
-from kvcanary.runtime.step.tables import StepTables
+from kvcanary.runtime.step.tables import CPU_WIDTH_STEP, StepTables
 from kvcanary.runtime.streams import event_wait, record_event, stream_cache
 
 __all__ = ["StepRunner"]
@@ -66,7 +71,10 @@ class StepRunner:
         self.batch = None  # the step's ForwardBatch (before -> after)
         # the forward rewrites some input ids on the device (async batching): every step late (carry.py)
         self.carries = bool(getattr(source, "carries", False))
+        self.storages = Storages()  # the engine's input storages' addresses (a step key's part)
         self.graphs = self._step_graphs(graph_type)  # (it may stage through turns of its own: graphs.py)
+        # the read table's width bucket in a step's key: the graphs' where they run, else the CPU's reused batches'
+        self.width_step = CPU_WIDTH_STEP if self.graphs is None else WIDTH_STEP
         self.stage.on_alloc = canary.launcher.hand_over  # (the side stream reads the staging buffers)
         self.stage.sized_for(canary.max_batch, canary.max_tokens)
         self.fused = None if self.graphs is None else self.graphs.fused
@@ -133,25 +141,31 @@ class StepRunner:
             h = self.source.host_part(copy=False, padded=True)
             c.padding_tokens = h.pad
             self.tables.check_read_length(h)
-            self.batch = graphs.before(h, self.engine_stream)
+            self.batch = graphs.before(h, self.key_of(h), self.engine_stream)
         else:
             c.padding_tokens = 0
             steady = self.steady
             with self.engine_stream():
                 h = self.source.host_part()
-                batch = None if steady is None else steady.before(h)
+                key = self.key_of(h)
+                batch = None if steady is None else steady.before(h, key)
                 if batch is None:
-                    batch = self.tables.build(h)
+                    batch = self.tables.build(h, key)
                     c.before_forward(batch, check_now=False)  # (checked below, new reads included)
                     if c.enabled:
                         self.tables.verify_new_reads(batch)
                         if steady is not None:
-                            steady.bind(h, batch)
+                            steady.bind(h, key, batch)
                 self.batch = batch
         if c.config.check_before_forward:  # (the new tokens' read check included)
             with self.engine_stream():
                 c.check_reads_now()
         return self.batch
+
+    def key_of(self, h) -> StepKey:
+        """The step's key (``plans.StepKey``), computed once per step: every cache of the runner is keyed by it."""
+        return StepKey.of(h, self.storages.of(h.io), self.stage.last_ptr, self.group, self.width_step,
+                          self.canary.max_context)
 
     def after(self) -> None:
         """The step's after-forward work (TAIL, the step's close), on the path its before work took."""

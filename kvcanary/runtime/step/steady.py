@@ -47,16 +47,11 @@ class SteadyStaging(Staging):
         return Staging.send(self, parts, copy, last)
 
 
-def _key(h, io, group: int) -> tuple:
-    """What a step must share with the bound one: its shape and packed host part, and the engine's storages."""
-    return (h.bs, h.T, h.cells, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
-            io.write_index_storage.data_ptr(), io.read_index_storage[group].data_ptr())
-
-
 class _Bound:
-    """One bound step: its key, its batch and what the launcher holds for it, the compiled calls."""
+    """The CPU recorder's recording of a plan (``plans.Plan.bound``): the key it was bound under, the width it was
+    bound at (a later step's may grow up to the key's bucket), the compiled calls and what the close reads."""
 
-    __slots__ = ("key", "lo", "width", "batch", "state", "calls", "loc", "offs", "finite")
+    __slots__ = ("key", "lo", "calls", "loc", "offs", "finite")
 
 
 class SteadyStep:
@@ -66,7 +61,7 @@ class SteadyStep:
     def __init__(self, runner):
         self.runner, self.canary, self.tables, self.source = runner, runner.canary, runner.tables, runner.source
         self.group = runner.group
-        self.bound: _Bound | None = None
+        self.bound = None  # the plan (``plans.Plan``, of ``tables.plans``) bound last: its steps run from its recording
         self.open = None  # the batch of a step whose before work ran bound (its after work may too)
         self.taken = self.closed = 0
 
@@ -78,12 +73,16 @@ class SteadyStep:
                 and runner.tables.host_table is not None and len(c.groups) == 1)
 
     # -- binding ---------------------------------------------------------------------------------
-    def bind(self, h, batch) -> None:
-        """After an eager step's before work: keep ``batch`` (built from host part ``h``) and its compiled calls
-        if every condition of a bound step holds for it (else keep what was bound)."""
+    def bind(self, h, key, batch) -> None:
+        """After an eager step's before work: record the plan of ``key`` (its batch ``batch``, built from host part
+        ``h``) as compiled calls bound to that batch, if every condition of a bound step holds for it (else keep
+        what was bound). One plan is bound at a time."""
         c, io, launcher = self.canary, h.io, self.canary.launcher
-        b = self.bound
-        if b is not None and b.batch is batch:
+        plan = self.bound
+        if plan is not None and plan.batch is batch:
+            return
+        plan = self.tables.plans.get(key)
+        if plan is None or plan.batch is not batch:
             return
         width = batch.req_to_token.shape[1]
         if (not c.enabled or not c._check_values or c.injector is not None or c.config.check_before_forward
@@ -111,15 +110,16 @@ class SteadyStep:
         if calls is None:
             return
         b = _Bound()
-        b.key = _key(h, io, self.group)
-        b.lo, b.width, b.batch, b.calls = h.width, width, batch, calls
-        b.state = launcher.state()  # (what the after work reads: restored when a bound step opens)
+        b.key, b.lo, b.calls = key, h.width, calls
         b.loc, b.offs = batch.out_cache_loc.numpy(), g.plan.write_offsets.numpy()
         # the non-finite KV test's sources as the slot checks read them (``slots._finite_np``)
         b.finite = [(src.num_slots, src.page_size, EXPONENT[src.tensor.dtype],
                      src.byte_rows().numpy().view(_NP_INT[src.tensor.dtype.itemsize]).reshape(
                          src.tensor.shape[0], src.page_size, -1)) for _, _, src in c.slots.float_sources]
-        self.bound = b
+        if self.bound is not None:
+            self.bound.bound = None  # (its recording goes: its steps take the eager path again)
+        plan.bound, plan.state = b, launcher.state()  # (the state: what the after work reads, restored at each open)
+        self.bound = plan
 
     def _phase_kw(self, batch):
         """The launcher's fused HEAD and TAIL keyword dicts for ``batch`` (its inputs are the bound ones)."""
@@ -132,19 +132,22 @@ class SteadyStep:
         return launcher.fused_kw("head", plan), launcher.fused_kw("tail")
 
     # -- per step --------------------------------------------------------------------------------
-    def before(self, h):
-        """The step's before work from the bound plan; its batch, or None (nothing done: the full path)."""
-        b, c, io = self.bound, self.canary, h.io
-        if (b is None or c.open_batch is not None or not b.lo <= h.width <= b.width or h.pad
-                or _key(h, io, self.group) != b.key
-                or io.use_block_table or not io.max_kv_read or io.true_read_sizes[self.group] != h.total
+    def before(self, h, key):
+        """The step's before work from the bound plan, where step ``h``'s key ``key`` is the plan's (and its width
+        not below the one bound); its batch, or None (nothing done: the full path)."""
+        plan, c, io = self.bound, self.canary, h.io
+        if plan is None:
+            return None
+        b = plan.bound
+        if (key != b.key or c.open_batch is not None or h.width < b.lo or h.pad
+                or io.true_read_sizes[self.group] != h.total  # (the key says >=: a longer read index is reported)
                 or c.monitor.observer.order or c.launcher.pending is not None):
             return None
         code = b.calls.before()
         if code < 0:
             return None
-        batch = b.batch
-        c.open_recorded(batch, b.state)
+        batch = plan.batch
+        c.open_recorded(batch, plan.state)
         if code:  # (a finding: the full paths of the checks that found it report it)
             if code == 1:
                 c.slots.before()
@@ -156,15 +159,16 @@ class SteadyStep:
     def after(self, batch) -> bool:
         """The step's after work from the bound plan, then the step's close (``Canary.close_step``, the close
         every route shares); False (nothing done) where the full path takes it."""
-        b, c = self.bound, self.canary
-        if self.open is not batch or b is None or b.batch is not batch or c.open_batch is not batch:
+        plan, c = self.bound, self.canary
+        if self.open is not batch or plan is None or plan.batch is not batch or c.open_batch is not batch:
             self.open = None
             return False
         self.open = None
+        b = plan.bound
         if not c.plain_close() or not b.calls.after():  # (a sweep or allocator check due: the full path)
             return False
         if b.finite:
-            live = b.loc[:b.offs[b.state[1][0]]]  # (the launcher's key: the batch size first)
+            live = b.loc[:b.offs[plan.state[1][0]]]  # (the launcher's key: the batch size first)
             for num_slots, ps, exp, rows in b.finite:
                 s = live[(live >= 1) & (live < num_slots)]
                 if s.shape[0] and ((rows[s // ps, s % ps] & exp) == exp).any():

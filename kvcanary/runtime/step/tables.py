@@ -21,6 +21,7 @@ from kvcanary.ops.read_table_ops import compiled_loop, compiled_new_reads_match,
 from kvcanary.ops.types import NO_LIMIT
 from kvcanary.runtime.batch import ForwardBatch, ForwardMode, TokenAppend
 from kvcanary.runtime.engine import HostStep
+from kvcanary.runtime.step.plans import Plan, Plans, StepKey, table_width
 
 __all__ = ["StepTables", "bucket", "new_read_ops", "table_width"]
 
@@ -34,12 +35,6 @@ def bucket(bs: int, cap: int) -> int:
     below ``bs``). A batch that shrinks or grows inside its bucket keeps the shape its step graphs were captured
     with (``graphs.py``)."""
     return bs if bs >= cap or bs < 1 else min(1 << (bs - 1).bit_length(), cap)
-
-
-def table_width(width: int, max_context: int, floor: int) -> int:
-    """``width`` rounded up to a power of two of at least ``floor``, never past ``max_context`` (a wider
-    batch fails the canary's size check as it is)."""
-    return max(width, min(max(floor, 1 << (max(1, width) - 1).bit_length()), max_context))
 
 
 class StepTables:
@@ -59,7 +54,7 @@ class StepTables:
         self.warned_read_size = False
         self.new_reads = ops.Entries.allocate(canary.max_tokens, self.device)
         self.iota = torch.arange(1024, dtype=torch.int64, device=self.device)
-        self.cpu_batches: dict = {}  # CPU: a reused ForwardBatch per shape (_cpu_batch)
+        self.plans = Plans(64)  # CPU: a reused ForwardBatch per step key (_cpu_batch); the bound plan's (steady.py)
         # the read table and the new tokens' read entries as one Triton kernel each where the canary runs
         # Triton (kernels.py); the torch backend keeps the tensor ops
         backend = ops.resolve_backend(canary.config.backend, self.device)
@@ -70,35 +65,29 @@ class StepTables:
         elif backend == "numba":  # (compiled on first use: numba imports then)
             self.host_table, self.new_reads_match = compiled_loop(), compiled_new_reads_match()
 
-    def build(self, h: HostStep | None = None) -> ForwardBatch:
-        """This step's batch (from host part ``h``, made here if None), its device work issued eagerly."""
+    def build(self, h: HostStep, key: StepKey) -> ForwardBatch:
+        """This step's batch (from host part ``h``, whose key is ``key``), its device work issued eagerly."""
         src = self.source
-        h = src.host_part() if h is None else h
         self.check_read_length(h)
-        batch = self._cpu_batch(h) if self.device.type == "cpu" else self.assemble(h)
+        batch = self._cpu_batch(h, key) if self.device.type == "cpu" else self.assemble(h)
         self.fill_read_table(batch, h)
         src.finish(batch, h, self._arange)
         return batch
 
-    def _cpu_batch(self, h: HostStep) -> ForwardBatch:
+    def _cpu_batch(self, h: HostStep, key: StepKey) -> ForwardBatch:
         """On the CPU a step's observation is read when the step closes, so no report reads a batch
         after the next one is built: a batch object (views and read table) is reused for every step
-        of the same shape instead of being assembled anew (a score of tensor views per step)."""
-        io = h.io
-        # the read table's width rounded up: decode steps grow it by one column each, and cells past a
-        # request's length are never read, so one batch serves many steps
-        width = table_width(h.width, self.canary.max_context, CPU_WIDTH_STEP)
-        key = (h.bs, h.T, h.cells, width, h.packed.data_ptr(), io.input_ids.data_ptr(), io.position_ids.data_ptr(),
-               io.write_index_storage.data_ptr(), io.read_index_storage.data_ptr(), io.use_block_table)
-        batch = self.cpu_batches.get(key)
-        if batch is None:
-            batch = self.cpu_batches[key] = self.assemble(h, width)
+        with the same key (``plans``: the eager stage of its plan) instead of being assembled anew (a score
+        of tensor views per step). Its read table has the key's width: decode steps grow it by one column each,
+        and cells past a request's length are never read, so one batch serves many steps."""
+        plan = self.plans.get(key)
+        if plan is None:
+            batch = self.assemble(h, key.width)
             # numpy views of its tensors, made once: a tensor call costs tens of microseconds inside the
             # engine's step (cold caches after the forward), a numpy read of a view far less
-            batch.host_views = self._views(batch, io)
-            if len(self.cpu_batches) > 64:
-                self.cpu_batches.pop(next(iter(self.cpu_batches)))
-        return batch
+            batch.host_views = self._views(batch, h.io)
+            self.plans.add(key, plan := Plan(batch))
+        return plan.batch
 
     def _views(self, batch: ForwardBatch, io) -> SimpleNamespace:
         return SimpleNamespace(rows=batch.req_pool_indices.numpy(), prefix=batch.prefix_lens.numpy(),
