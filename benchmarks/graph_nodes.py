@@ -50,8 +50,8 @@ def measure(max_new_tokens: int = 16) -> dict:
     out = {"fused": [], "step": [], "violations": len(run.violations)}
     for g in filter(None, made):
         if g.fused is not None:
-            out["fused"] += [count(f.graph.calls) for f in g.fused.entries.values()]
-        out["step"] += [count(e.graph.calls) for e in g.entries.values() if e.graph is not None]
+            out["fused"] += [count(f.graph.calls) for f in g.fused.plans.values()]
+        out["step"] += [count(e.graph.calls) for e in g.plans.values() if e.graph is not None]
     return out
 
 

@@ -80,7 +80,7 @@ def test_carried_steps_run_clean_and_store_the_sampled_tokens(steady, steps):
     graphs = e.runner.graphs
     if steps != "eager":  # graphs captured for both storage sets and replayed
         assert graphs.captures > 0 and graphs.replays + (graphs.fused.replays if graphs.fused else 0) > 0
-        sets = {p for p in (graphs._ptrs, graphs._other_ptrs) if p is not None}
+        sets = {p[0] for p in (e.runner.storages.now, e.runner.storages.other) if p is not None}
         assert len(sets) == 2
 
 

@@ -191,7 +191,7 @@ def test_tensors_made_for_the_side_streams_replays_are_handed_to_it(llama, monke
               num_return_sequences=1)
     run, made = graphed_run(llama, monkeypatch, **kw)
     assert run.violations == []
-    tables = [e.batch.req_to_token for g in made for e in g.entries.values()]
+    tables = [e.batch.req_to_token for g in made for e in g.plans.values()]
     reports = [r.req_to_token for g in made for r in g.reports.values()]
     assert tables and reports and made_stages
     buffers = [t for st in made_stages for t in (*st.ring, st.static)]

@@ -122,6 +122,10 @@ class Plans:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def values(self):
+        """The plans kept, least recently used first."""
+        return self.entries.values()
+
     def get(self, key):
         """The plan under ``key`` (now the most recently used), or None."""
         plan = self.entries.get(key)
