@@ -17,8 +17,10 @@ def _triton_usable() -> bool:
 
 
 # tests/vllm/ runs in vLLM's own environment (make test: .venv-vllm, a pytest run of its own): the project's
-# environment has no vllm, so its run leaves the directory out
-collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["vllm/*"]
+# environment has no vllm, so its run leaves the directory out. (The directory itself, on sys.path's tests/, is a
+# namespace package named vllm: only a spec with a file of its own is the real package.)
+_VLLM = importlib.util.find_spec("vllm")
+collect_ignore_glob = [] if _VLLM is not None and _VLLM.origin not in (None, "namespace") else ["vllm/*"]
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = _triton_usable()
