@@ -70,6 +70,11 @@ class FailReason(enum.IntFlag):
     RESERVED_SLOT_WRITE = 128
     NONFINITE_KV = 256
     READ_PAST_LENGTH = 512
+    # Project extensions: the write and attention-metadata checks (kvcanary/runtime/write_check.py,
+    # kvcanary/runtime/attention_check.py, docs/write_check.md), never set by the record ops.
+    WRITE_KV = 1024
+    ATTENTION_MASK = 2048
+    KEY_LENGTH = 4096
 
 
 def reason_label(bits: int) -> str:

@@ -49,10 +49,10 @@ def test_unknown_variables_warn_and_known_others_do_not():
         CanaryConfig.from_env({"KV_CANARY_TRITON_FAST_LAUNCH": "0", "OTHER": "1"})
 
 
-def test_eighteen_variables_and_fields_set_only_in_code_warn():
+def test_nineteen_variables_and_fields_set_only_in_code_warn():
     from kvcanary.runtime.config import VARIABLES, env_table
 
-    assert len(VARIABLES) == 18 and [row[0] for row in env_table()] == list(VARIABLES)
+    assert len(VARIABLES) == 19 and [row[0] for row in env_table()] == list(VARIABLES)
     # a field without a variable (set in code) is not read from the environment: the variable warns
     with pytest.warns(UserWarning, match=r"unknown environment variables \['KV_CANARY_RECORD_STRIDE'\]"):
         cfg = CanaryConfig.from_env({"KV_CANARY_RECORD_STRIDE": "64"})

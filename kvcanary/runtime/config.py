@@ -1,6 +1,6 @@
 """Canary configuration: a frozen dataclass, overridable from ``KV_CANARY_*`` environment variables.
 
-Eighteen variables in all (``VARIABLES``): the twelve fields of ``ENV_FIELDS``, each its upper-case name
+Nineteen variables in all (``VARIABLES``): the thirteen fields of ``ENV_FIELDS``, each its upper-case name
 behind ``KV_CANARY_``; ``KV_CANARY_INJECT``, the fault-injection fields as one ``key=value,...`` spec;
 ``KV_CANARY_TRITON_FAST_LAUNCH``, read by the Triton launcher; and the vLLM integration's four
 (``KV_CANARY_VLLM``, ``KV_CANARY_VLLM_REPORT_DIR``, ``KV_CANARY_VLLM_TP_INTERVAL``,
@@ -26,7 +26,8 @@ INJECT_PROBS = ("inject_table_prob", "inject_kv_prob", "inject_cached_prob", "in
 # The fields a deployment sets without touching code. The rest (the checks one would only switch off to
 # debug the canary, capacities, the launch-path toggles) are set in code: fewer variables to misspell.
 ENV_FIELDS = ("mode", "backend", "check_v", "real_kv", "value_check", "sweep_interval", "ring_capacity",
-              "plan_capacity", "health_interval", "stats_interval", "report_blocks", "check_before_forward")
+              "plan_capacity", "health_interval", "stats_interval", "report_blocks", "check_before_forward",
+              "write_check")
 INJECT_VARIABLE = ENV_PREFIX + "INJECT"
 # KV_CANARY_INJECT's keys: the inject_* field each sets (probabilities, seed, warm-up steps, address space)
 INJECT_KEYS = {"table": "inject_table_prob", "kv": "inject_kv_prob", "cached": "inject_cached_prob",
@@ -98,6 +99,8 @@ class CanaryConfig:
         nonfinite_check: report NaN/Inf in the KV a forward wrote (floating real-KV sources, at TAIL).
         poison_on_free: debug: ``Canary.poison_slots`` fills freed slots' KV with a NaN pattern, so a read of a freed slot fails its real-KV check.
         check_before_forward: read what HEAD found before the engine's forward runs (a device sync per forward on CUDA), so a bad read is reported, in mode "raise" raised, before the forward can fail on it.
+        write_check: compare the KV bytes each written slot holds after the forward with the KV the layer computed for its token (fingerprinted layers, where the engine hands the computed K/V over: ``Canary.note_written_kv``).
+        attention_check: compare the attention metadata the engine hands its kernel (per-request key lengths, the attention mask: ``Canary.check_attention``) with the read index the canary verified.
         allocator_check_interval: check the allocator invariants (docs/allocator.md) every N steps where the engine gives a snapshot (``Canary.watch_allocator``); 0 = off.
     """
 
@@ -133,6 +136,8 @@ class CanaryConfig:
     nonfinite_check: bool = True
     poison_on_free: bool = False
     allocator_check_interval: int = 0
+    write_check: bool = True
+    attention_check: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -21,7 +21,8 @@ from kvcanary.runtime.abort import Aborts
 from kvcanary.runtime.allocator import is_allocator_row
 from kvcanary.runtime.batch import batch_lists, verified_cells
 from kvcanary.runtime.observer import NUM_SLOTS, HostObserver, Observation
-from kvcanary.runtime.report import SLOT_REASONS, KvCanaryHealthError, KvCanaryViolationError, Violation
+from kvcanary.runtime.report import CHECK_REASONS, SLOT_REASONS, KvCanaryHealthError, KvCanaryViolationError, Violation
+from kvcanary.runtime.write_check import check_attribution
 
 log = logging.getLogger("kvcanary")
 # Batches remembered for reader attribution of late observations: a step's observation is drained at
@@ -166,6 +167,8 @@ class Monitor:
             return Violation.from_row(row, step)
         phase, kv, group = tag.name.lower().split("_")
         try:
+            if row[7] & CHECK_REASONS:  # the write and attention checks' rows (docs/write_check.md)
+                return Violation.from_row(row, step, **check_attribution(self.canary, row, step))
             if row[7] & SLOT_REASONS:  # the slot checks' rows (runtime/slots.py) have layouts of their own
                 return Violation.from_row(row, step, **self.canary.slots.attribution(row, step, self))
             attribution = self._writer(row, phase, kv, group)
@@ -335,6 +338,7 @@ class Monitor:
             "idempotent_rewrites": 0 if obs is None else obs.values["rewrites"][0],
             **self.aborts.stats(),
             **self.canary.slots.stats(),
+            **self.canary.write_check.stats(), **self.canary.attention_check.stats(),
             **self.canary.allocator.stats(),  # allocator checks run and their violations (docs/allocator.md)
         }
 

@@ -11,6 +11,9 @@ WRITE_REASONS = int(FailReason.WRITE_TOKEN | FailReason.WRITE_POSITION)
 # the slot checks' reasons (runtime/slots.py): rows with layouts of their own (docs/slots.md)
 SLOT_REASONS = int(FailReason.RESERVED_SLOT_READ | FailReason.RESERVED_SLOT_WRITE | FailReason.NONFINITE_KV
                    | FailReason.READ_PAST_LENGTH)
+# the write and attention-metadata checks' reasons (runtime/write_check.py, runtime/attention_check.py): rows with
+# layouts of their own (docs/write_check.md)
+CHECK_REASONS = int(FailReason.WRITE_KV | FailReason.ATTENTION_MASK | FailReason.KEY_LENGTH)
 # Expected token of a position the engine's token history does not cover (an adapter sets it when a
 # request's history is shorter than its positions): never equal to a stored token, so it is reported.
 MISSING_TOKEN = -2
@@ -28,7 +31,9 @@ class Violation:
     writer then put that token and position there. ``slot_position`` (write-time rows) is the
     position whose slot the writing request's table says the written slot is. ``layer`` (a
     ``nonfinite_kv`` row) is the index of the real-KV source whose bytes were not finite, in
-    ``PoolSpec`` order; ``poisoned``: the slot's KV is the poison pattern of a freed slot.
+    ``PoolSpec`` order; a ``write_kv`` row: the engine's layer number where the adapter names it);
+    ``poisoned``: the slot's KV is the poison pattern of a freed slot; ``source`` (a ``write_kv`` row): which
+    cache of which layer holds bytes other than the layer computed, in words ("V of layer 1 (full group)").
 
     ``reader_request`` / ``reader_position`` name the request whose verify entry wrote this row (each failing
     entry writes one). ``readers`` / ``reader_positions``: every request of the same forward whose read of the
@@ -58,6 +63,7 @@ class Violation:
     poisoned: bool = False
     readers: tuple[int, ...] = ()
     reader_positions: tuple[int, ...] = ()
+    source: str | None = None
 
     @classmethod
     def from_row(cls, row: list[int], step: int, **attribution) -> Violation:
@@ -95,7 +101,8 @@ class Violation:
     def never_written(self) -> bool:
         """A verify row whose record is empty: no write reached the slot (a written record's
         prev hash is a hash output, never 0 in practice)."""
-        return (not self.is_write_check and not self.fail_reason & SLOT_REASONS and self.stored_chain_hash == 0
+        return (not self.is_write_check and not self.fail_reason & (SLOT_REASONS | CHECK_REASONS)
+                and self.stored_chain_hash == 0
                 and self.stored_token == 0 and self.position == 0)
 
     def block(self, name_of=None) -> str:
@@ -114,6 +121,8 @@ class Violation:
 
     def _block(self) -> str:
         lines = [f"KV canary violation at step {self.step} ({self.launch_tag}): {self.reason_label}"]
+        if self.fail_reason & CHECK_REASONS:
+            return "\n".join(lines + self._check_lines())
         if self.fail_reason & SLOT_REASONS:
             return "\n".join(lines + self._slot_lines())
         if self.is_write_check:
@@ -169,6 +178,31 @@ class Violation:
             lines.append(f"  expected position {expected_pos}: the request's previous record (the slot its table "
                          f"gives position {self.position - 1}) holds {held}, not position {self.position - 1}")
         return lines
+
+    def _check_lines(self) -> list[str]:
+        """The readable lines of a write-check or attention-metadata row (docs/write_check.md has the layouts)."""
+        who = "" if self.reader_request is None else f" of request {self.reader_request}"
+        if self.fail_reason & FailReason.WRITE_KV:
+            what = self.source or f"real-KV source {self.expected_token}"
+            return [f"  slot {self.slot} holds other bytes in the {what} than the layer computed for token "
+                    f"{self.stored_token} at position {self.position}{who} (the KV handed to the cache update) at "
+                    f"step {self.step}",
+                    "  -> the cache write stored something else: a write that skipped this cache (K without V), wrote "
+                    "the other cache (V into K), landed short or in another slot; every later read of the slot reads "
+                    "the wrong KV"]
+        if self.fail_reason & FailReason.KEY_LENGTH:
+            return [f"  request{who or ' ?'}'s key length handed to attention is {self.stored_token}, its read index "
+                    f"holds {self.expected_token} keys (first query position {self.position})",
+                    "  -> attention reads other keys than the ones verified: another request's, or fewer than its own"]
+        col = to_signed(self.expected_aux)
+        seen = "may attend" if self.stored_token else "may not attend"
+        should = "a key of its own" if self.expected_token else "a key its read index does not give it"
+        slot = f" (slot {self.slot})" if self.slot >= 0 else ""
+        return [f"  the attention mask says the query at position {self.position}{who} {seen} key column {col}"
+                f"{slot}: {should}",
+                "  -> " + ("attention reads another request's keys (or keys past the request's length): a mask not "
+                           "reset or built over the wrong lengths" if self.stored_token else
+                           "attention hides keys the request must read: a mask built over the wrong lengths")]
 
     def _slot_lines(self) -> list[str]:
         """The readable lines of a slot-check row (runtime/slots.py; row layouts in docs/slots.md)."""

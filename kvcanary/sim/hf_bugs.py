@@ -42,13 +42,23 @@ BUGS: dict[str, tuple[str, str]] = {
                                   "slot instead of the slot it was just written to"),
     "flip-shared-block": ("G", "one byte of layer 0's K flips in a full prompt block that several live requests "
                                "share (a parent and its forks): each of them reads it in the next forward"),
+    "write-k-only": ("G", "the write-only fast path (a batch of fresh prefills, nothing read back) writes each "
+                          "layer's K and returns without writing V, for one forward"),
+    "mask-reset-short": ("C", "the SDPA mask is reset over too few key columns between batches, so a query may "
+                              "attend keys of other requests in the batch (every batch)"),
+}
+
+# Bugs of the sliding-window group: planted like those of ``BUGS``, on a hybrid model (full + sliding layers).
+SLIDING_BUGS: dict[str, tuple[str, str]] = {
+    "sliding-v-into-k": ("G", "a sliding-window layer's write-only branch copies V into the K cache, for one "
+                              "forward"),
 }
 
 
 def plant(model, name: str) -> Callable[[], None]:
     """Plant bug ``name`` into every batch processor ``model`` creates; returns the undo function."""
-    if name not in BUGS:
-        raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {name!r}")
+    if name not in BUGS and name not in SLIDING_BUGS:
+        raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS) + sorted(SLIDING_BUGS)}, got {name!r}")
     planter = _PLANTERS[name.replace("-", "_")]
 
     def zeroed(bp, lay, state) -> None:
@@ -374,4 +384,7 @@ def new_token_read_index(bp, lay, state) -> None:
     cm.get_read_indices = get_read_indices
 
 
-_PLANTERS = {name.replace("-", "_"): globals()[name.replace("-", "_")] for name in BUGS}
+# (below _once, which they use: the bugs in what a forward stores and what attention is handed)
+from kvcanary.sim.hf_bugs_kv import mask_reset_short, sliding_v_into_k, write_k_only  # noqa: E402
+
+_PLANTERS = {name.replace("-", "_"): globals()[name.replace("-", "_")] for name in (*BUGS, *SLIDING_BUGS)}

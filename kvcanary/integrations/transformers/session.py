@@ -24,6 +24,7 @@ from kvcanary.integrations.transformers.events import EngineAborts, watch_blocks
 from kvcanary.integrations.transformers.moves import KvMoves
 from kvcanary.integrations.transformers.layout import patcher
 from kvcanary.integrations.transformers.layouts import layout_of
+from kvcanary.integrations.transformers.written_kv import check_attention_meta, hook_cache_update
 from kvcanary.runtime import Canary, PoolSpec, SwaSpec
 from kvcanary.runtime.engine import StepOptions
 from kvcanary.runtime.step import StepRunner
@@ -201,6 +202,7 @@ class Session(KvMoves):
             p.set(aio, "get_model_kwargs", get_model_kwargs)
             p.set(aio, "reset", reset)
         self.layout.install_hooks(p, self)
+        hook_cache_update(p, self)  # the computed K/V of fingerprinted layers (the write check)
         if self.handle.options.get("token_oracle"):
             orig_sample = runner._sample
 
@@ -218,6 +220,7 @@ class Session(KvMoves):
         with self.lock:
             # (with _late still set: the runner knows the step is usable)
             self._ranged("kvcanary_before", self.runner.before, self._late)
+            check_attention_meta(self)  # key lengths and mask vs the read index (docs/write_check.md)
         self._before_s = time.perf_counter() - t0
 
     def _abandon(self) -> None:

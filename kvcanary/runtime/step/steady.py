@@ -174,6 +174,7 @@ class SteadyStep:
                 if s.shape[0] and ((rows[s // ps, s % ps] & exp) == exp).any():
                     c.slots.after()  # (reports the first such token and source)
                     break
+        c.write_check.after()  # (a no-op with nothing noted; a finding is read by the close)
         c.close_step(batch)
         self.closed += 1
         return True

@@ -1,0 +1,56 @@
+"""The transformers side of the write and attention-metadata checks (docs/write_check.md).
+
+``hook_cache_update``: every attention layer hands the K and V it computed to the paged cache's ``update(key_states,
+value_states, layer_idx, ...)`` inside the forward, before any allocator stores them (index-based update, the
+decode fast path whose kernel writes through the block table): the hook passes them on to
+``canary.write_check.note_layer``. ``check_attention_meta``: before the forward, each attention type's per-request key
+lengths and SDPA / eager mask, as the engine's IO holds them, to ``canary.attention_check.check``.
+"""
+
+from __future__ import annotations
+
+from kvcanary.integrations.transformers.layout import layer_types
+
+TYPES = (("full_attention", "full"), ("sliding_attention", "swa"))
+
+
+def hook_cache_update(patcher, session) -> None:
+    lay, canary, cache = session.layout, session.canary, session.bp.cache
+    types = layer_types(cache.config)
+    rows = {"full": (lay.keys, lay.values), "swa": (lay.swa_keys, lay.swa_values)}
+    named = canary.write_check.name_layers(
+        [(g, [i for i, t in enumerate(types) if t == kind], *rows[g]) for kind, g in TYPES
+         if g == "full" or (lay.swa_group is not None and len(canary.groups) > 1)])
+    if not named:
+        return
+    orig = cache.update
+
+    def update(key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx in named and not session.closed:  # ([1, heads, tokens, dim] -> [tokens, heads, dim])
+            canary.write_check.note_layer(layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
+        return orig(key_states, value_states, layer_idx, *args, **kwargs)
+
+    patcher.set(cache, "update", update)
+
+
+def check_attention_meta(session) -> None:
+    canary, runner, lay = session.canary, session.runner, session.layout
+    graphs = runner.graphs
+    # (a fused step's batch is filled when its graph replays, after the forward: not checked now)
+    if not canary.attention_check.on or runner.batch is None or getattr(graphs, "fused_now", False):
+        return
+    io, batch = session.builder.inputs, runner.batch
+    masks = None if getattr(io, "use_block_table", False) else getattr(io, "attention_mask", None)
+    width = int(getattr(io, "max_kv_read", 0)) + int(getattr(io, "num_q_tokens", 0))
+    for kind, group in TYPES:
+        index = lay.full_group if group == "full" else lay.swa_group
+        if index is None:
+            continue
+        mask = masks.get(kind) if isinstance(masks, dict) else None
+        slots = None
+        if mask is not None:
+            # the widest slice the engine hands attention (its padded key count): a correct mask hides the rest
+            mask = mask[..., :batch.num_tokens, :min(mask.shape[-1], width)]
+            slots = io.read_index_storage[index, :mask.shape[-1]]
+        lens = getattr(io, "cumulative_seqlens_k", {}).get(kind)
+        canary.attention_check.check(group, cu_seqlens_k=lens, mask=mask, key_slots=slots, batch=batch)

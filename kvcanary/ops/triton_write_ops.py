@@ -1,0 +1,135 @@
+"""Triton kernels of the write check (``kvcanary.ops.write_ops`` has their contract, reference and tensor-op twins).
+
+As tensor ops a row hash is a dozen launches per word of the row, each a host call of an eager step and a node of
+every captured one; here each pass is one launch. Nothing is read on the host and grids come from static sizes,
+so both can be captured in a CUDA graph (the row hash runs inside the engine's forward, which may be one).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcanary.ops import triton_ops
+from kvcanary.ops.triton_hash import as_i64, push_violations, splitmix64, violation_rows
+from kvcanary.ops.write_ops import WRITE_KV
+
+WRITE_KV_C = tl.constexpr(WRITE_KV)
+HASH_TOKENS = 64  # tokens per program of the row hash: each walks its row's words in order
+CHECK_TOKENS = 64
+# A source's row of the check's table: its byte offset from the first source, row stride, page size, bytes per
+# token, slots.
+TABLE_COLUMNS = 5
+TABLE_COLUMNS_C = tl.constexpr(TABLE_COLUMNS)
+
+
+@triton.jit
+def _hash_rows_kernel(p_words, n, heads, width, s_t, s_h, s_w, p_out, BLOCK_T: tl.constexpr):
+    o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < n
+    p_row = p_words + o_t * s_t  # [BLOCK_T] *int64
+    b_acc = tl.zeros([BLOCK_T], tl.int64).to(tl.uint64, bitcast=True)
+    for h in range(heads):
+        for w in range(width):
+            b_w = tl.load(p_row + h * s_h + w * s_w, mask=m_t, other=0).to(tl.uint64, bitcast=True)
+            b_acc = splitmix64(b_acc ^ b_w)
+    tl.store(p_out + o_t, as_i64(b_acc), mask=m_t)
+
+
+@triton.jit
+def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_ids, p_writers, num_slots, p_base,
+                         p_table, num_sources, p_expected, exp_stride, p_noted, p_tags, p_layers, p_ring,
+                         p_write_index, ring_capacity, HAS_WRITERS: tl.constexpr, BLOCK_T: tl.constexpr):
+    o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n_live = tl.minimum(tl.load(p_offsets + num_requests), num_tokens)
+    m_t = o_t < n_live
+    b_slot = tl.load(p_loc + o_t, mask=m_t, other=0).to(tl.int64)
+    m_t = m_t & (b_slot >= 1) & (b_slot < num_slots)
+    # the last live token written to each slot holds it: earlier ones (a sliding window's ring) are not compared
+    b_later = tl.zeros([BLOCK_T], tl.int32)
+    for c0 in range(tl.program_id(0).to(tl.int64) * BLOCK_T, n_live, BLOCK_T):
+        o_c = c0 + tl.arange(0, BLOCK_T)
+        b_c = tl.load(p_loc + o_c, mask=o_c < n_live, other=-1).to(tl.int64)
+        m_same = (b_slot[:, None] == b_c[None, :]) & (o_c[None, :] > o_t[:, None]) & (o_c[None, :] < n_live)
+        b_later |= tl.max(m_same.to(tl.int32), axis=1)
+    m_t = m_t & (b_later == 0)
+    b_first = tl.full([BLOCK_T], -1, tl.int64)  # each token's first source whose bytes differ
+    for s in range(num_sources):
+        p_row = p_table + s * TABLE_COLUMNS_C
+        offset, row_stride, page_size = tl.load(p_row), tl.load(p_row + 1), tl.load(p_row + 2)
+        nbpt, src_slots = tl.load(p_row + 3), tl.load(p_row + 4)
+        m = m_t & (b_slot < src_slots) & (tl.load(p_noted + s + o_t * 0) != 0) & (b_first < 0)  # [BLOCK_T]
+        b_r = b_slot // page_size
+        p_tok = (p_base.to(tl.pointer_type(tl.uint8)) + offset + b_r * row_stride
+                 + (b_slot - b_r * page_size) * nbpt).to(tl.pointer_type(tl.int64))
+        b_acc = tl.zeros([BLOCK_T], tl.int64).to(tl.uint64, bitcast=True)
+        for w in range(nbpt // 8):
+            b_acc = splitmix64(b_acc ^ tl.load(p_tok + w, mask=m, other=0).to(tl.uint64, bitcast=True))
+        b_exp = tl.load(p_expected + s * exp_stride + o_t, mask=m, other=0)
+        b_first = tl.where(m & (as_i64(b_acc) != b_exp), s, b_first)
+    m_fail = b_first >= 0
+    if tl.sum(m_fail.to(tl.int32), axis=0) > 0:
+        b_s = tl.maximum(b_first, 0)
+        b_req = tl.full([BLOCK_T], -1, tl.int64)
+        if HAS_WRITERS:
+            if num_requests > 0:
+                b_r = tl.zeros([BLOCK_T], tl.int64)
+                for j in range(1, num_requests + 1):
+                    b_r += (tl.load(p_offsets + j) <= o_t).to(tl.int64)
+                b_req = tl.load(p_writers + tl.minimum(b_r, num_requests - 1), mask=m_fail, other=-1).to(tl.int64)
+        b_row = violation_rows(tl.load(p_tags + b_s, mask=m_fail, other=0)[:, None], b_slot,
+                               tl.load(p_pos + o_t, mask=m_fail, other=0).to(tl.int64),
+                               tl.load(p_ids + o_t, mask=m_fail, other=0).to(tl.int64), b_s,
+                               b_req, tl.load(p_layers + b_s, mask=m_fail, other=0),
+                               tl.full([BLOCK_T], WRITE_KV_C, tl.int64), tl.arange(0, 8))
+        push_violations(m_fail, b_row, p_ring, p_write_index, ring_capacity)
+
+
+def hash_rows(*, words, out) -> None:
+    n = words.shape[0]
+    if not n:
+        return
+    triton_ops._launch(_hash_rows_kernel, (triton_ops._cdiv(n, HASH_TOKENS),),
+        p_words=words, n=n, heads=words.shape[1], width=words.shape[2], s_t=words.stride(0), s_h=words.stride(1),
+        s_w=words.stride(2), p_out=out, BLOCK_T=HASH_TOKENS,
+    )
+
+
+def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots, sources,
+                 expected, noted, tags, layers, ring, host_reads=None) -> None:
+    n = min(out_cache_loc.shape[0], expected.shape[1])
+    if not n or not sources:
+        return
+    triton_ops._launch(_check_writes_kernel, (triton_ops._cdiv(n, CHECK_TOKENS),),
+        p_loc=out_cache_loc, num_tokens=n, p_offsets=write_offsets, num_requests=num_requests, p_pos=positions,
+        p_ids=input_ids, p_writers=out_cache_loc if writer_ids is None else writer_ids, num_slots=num_slots,
+        p_base=sources[0].tensor, p_table=_table(sources), num_sources=len(sources), p_expected=expected,
+        exp_stride=expected.stride(0), p_noted=noted, p_tags=tags, p_layers=layers, p_ring=ring.rows,
+        p_write_index=ring.write_index, ring_capacity=ring.capacity, HAS_WRITERS=writer_ids is not None,
+        BLOCK_T=CHECK_TOKENS,
+    )
+
+
+# the sources' ids -> (weak references to them, their table): the runtime passes the same sources every step, and
+# a cache entry keeps no KV pool alive after its engine is gone
+_TABLES: dict = {}
+
+
+def _table(sources) -> torch.Tensor:
+    """int64 [k, TABLE_COLUMNS] on the sources' device: byte offsets from the first source's first byte, made once
+    per set of sources (a pool's tensors stay put)."""
+    key = tuple(map(id, sources))
+    known = _TABLES.get(key)
+    if known is not None and all(ref() is src for ref, src in zip(known[0], sources)):
+        return known[1]
+    first = sources[0].tensor.data_ptr()
+    rows = [[src.tensor.data_ptr() - first, src.row_stride_bytes, src.page_size, src.num_bytes_per_token,
+             src.num_slots] for src in sources]
+    table = torch.tensor(rows, dtype=torch.int64, device=sources[0].tensor.device)
+    if len(_TABLES) >= 64:
+        _TABLES.clear()
+    _TABLES[key] = ([weakref.ref(src) for src in sources], table)
+    return table

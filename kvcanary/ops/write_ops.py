@@ -1,0 +1,139 @@
+"""The write check's device passes (runtime/write_check.py, docs/write_check.md): hash what a layer computed, and
+compare it with what the slots it was written to hold.
+
+Two passes, each with one keyword signature in every implementation, agreeing bit for bit (the ring's rows as a
+multiset: the Triton kernel appends with one atomic per block, so rows of several blocks may land in either order):
+
+- ``hash_rows(words, out)``: ``out[i]`` = the real-KV hash of one source (SPEC 3.4: ``acc = 0``; ``acc =
+  splitmix64(acc ^ w)`` for each little-endian 8-byte word) over row ``i`` of ``words``, an int64 view ``[n, H, W]``
+  of the K (or V) the layer handed to its cache update, words in (h, w) order: the bytes its token's slot must hold.
+  Any strides: the engine's K is usually a transposed view, read where it lies.
+- ``check_writes(...)``: for each live written token (index below ``write_offsets[num_requests]``) whose slot is in
+  ``[1, num_slots)`` and is the last live token of the forward written to that slot (a sliding-window cache is a
+  ring: a long prefill writes one slot several times, and the last write is what stays, as in the records), and
+  each source ``s`` whose layer was noted this forward (``noted[s] != 0``), the hash of the
+  slot's ``num_bytes_per_token`` bytes in the source against ``expected[s, token]``; a token whose bytes differ in
+  some source pushes one row, for its first such source:
+  ``[tags[s], slot, position, token, s, writer request (-1 without ids), layers[s], WRITE_KV]``.
+
+Implementations: ``reference_*`` (scalar loops, the oracle), ``torch_*`` (tensor ops, any device), ``numba_*`` (the
+CPU backend's compiled loops, ``numba_write_ops``) and ``kvcanary.ops.triton_write_ops`` (one kernel per pass, the
+CUDA path). ``write_impl`` picks one for a backend name. Arguments are the canary's own buffers, checked once by the
+runtime (no validation here).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import torch
+
+from kvcanary.format import MASK64, FailReason, splitmix64, to_signed
+from kvcanary.ops.reference import _push_violation, _source_hash
+from kvcanary.ops.slot_ops import _live_tokens, _request_ids, _request_of
+from kvcanary.ops.torch_hash import source_hash as torch_source_hash
+from kvcanary.ops.torch_hash import splitmix64 as torch_splitmix64
+from kvcanary.ops.torch_ops import _host_reads, _push
+
+WRITE_KV = int(FailReason.WRITE_KV)
+NAMES = ("hash_rows", "check_writes")
+
+
+def write_impl(backend: str):
+    """The two passes of a resolved backend name: Triton's for "triton", numba's for "numba", the scalar
+    reference's for "reference" (tests), tensor ops otherwise."""
+    if backend == "triton":
+        return importlib.import_module("kvcanary.ops.triton_write_ops")
+    if backend == "numba":
+        return importlib.import_module("kvcanary.ops.numba_write_ops")
+    prefix = "reference_" if backend == "reference" else "torch_"
+    return SimpleNamespace(**{name: globals()[prefix + name] for name in NAMES})
+
+
+def as_words(rows: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n, H, W]`` words of ``rows`` (``[n, ...]``, any dtype): each row's bytes in its elements' order,
+    its last dimension read in place where it is contiguous and a whole number of words (else a copy)."""
+    x = rows.reshape(rows.shape[0], 1, -1) if rows.dim() < 3 else rows.reshape(rows.shape[0], -1, rows.shape[-1])
+    if x.shape[-1] * x.element_size() % 8:
+        x = x.reshape(x.shape[0], 1, -1)
+    try:
+        return x.view(torch.int64)
+    except RuntimeError:  # (strides that no int64 view can take: a transposed last dimension, an odd offset)
+        return x.contiguous().view(torch.int64)
+
+
+def written_later(slot: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """bool [n]: a later live token of the forward writes the same slot (a stable sort: no host read)."""
+    n = slot.shape[0]
+    key = torch.where(live, slot, -1 - torch.arange(n, device=slot.device))  # (dead tokens never match)
+    ordered, idx = torch.sort(key, stable=True)
+    later = torch.zeros(n, dtype=torch.bool, device=slot.device)
+    if n > 1:
+        later[idx[:-1]] = ordered[:-1] == ordered[1:]
+    return later & live
+
+
+# -- scalar reference ---------------------------------------------------------------------------------
+def reference_hash_rows(*, words, out) -> None:
+    for i in range(words.shape[0]):
+        acc = 0
+        for w in words[i].reshape(-1).tolist():
+            acc = splitmix64(acc ^ (w & MASK64))
+        out[i] = to_signed(acc)
+
+
+def reference_check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots,
+                           sources, expected, noted, tags, layers, ring, host_reads=None) -> None:
+    live = min(out_cache_loc.shape[0], expected.shape[1], int(write_offsets[num_requests]))
+    loc = out_cache_loc[:live].tolist()
+    for t in range(live):
+        slot = loc[t]
+        if not 1 <= slot < num_slots or slot in loc[t + 1:]:
+            continue
+        for s, src in enumerate(sources):
+            if int(noted[s]) == 0 or slot >= src.num_slots:
+                continue
+            if to_signed(_source_hash(src, slot, src.num_bytes_per_token)) != int(expected[s, t]):
+                _push_violation(ring, [int(tags[s]), slot, int(positions[t]), int(input_ids[t]), s,
+                                       _request_of(t, write_offsets, num_requests, writer_ids), int(layers[s]),
+                                       WRITE_KV])
+                break
+
+
+# -- tensor ops ---------------------------------------------------------------------------------------
+def torch_hash_rows(*, words, out) -> None:
+    n = words.shape[0]
+    if not n:
+        return
+    flat = words.reshape(n, -1)
+    acc = torch.zeros(n, dtype=torch.int64, device=words.device)
+    for k in range(flat.shape[1]):
+        acc = torch_splitmix64(acc ^ flat[:, k])
+    out[:n].copy_(acc)
+
+
+def torch_check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots,
+                       sources, expected, noted, tags, layers, ring, host_reads=None) -> None:
+    host = _host_reads(out_cache_loc.device) if host_reads is None else host_reads
+    n = min(_live_tokens(out_cache_loc, write_offsets, num_requests, host), expected.shape[1])
+    if not n or not sources:
+        return
+    slot = out_cache_loc[:n].long()
+    live = (torch.arange(n, device=slot.device) < write_offsets[num_requests]) & (slot >= 1) & (slot < num_slots)
+    live &= ~written_later(slot, live)
+    bad = []
+    for s, src in enumerate(sources):
+        inside = live & (slot < src.num_slots) & (noted[s] != 0)
+        h = torch_source_hash(src, torch.where(inside, slot, 0), src.num_bytes_per_token)
+        bad.append(inside & (h != expected[s, :n]))
+    bad = torch.stack(bad, 1)  # [n, S]
+    hit = bad.any(1)
+    first = bad.to(torch.int8).argmax(1)  # each token's first source whose bytes differ
+
+    def rows(i):  # (only the rows that can land in the ring: _push)
+        s = first[i]
+        return torch.stack([tags[s], slot[i], positions[i].long(), input_ids[i].long(), s,
+                            _request_ids(i, write_offsets, num_requests, writer_ids), layers[s],
+                            torch.where(hit[i], WRITE_KV, 0)], 1)
+    _push(ring, rows, hit, host_reads=host)

@@ -1,0 +1,71 @@
+"""The attention-metadata check: the keys each query may attend, by the metadata the engine hands its attention
+kernel, against the read index the canary verified (docs/write_check.md).
+
+The record checks verify the slots a forward's read index lists. Attention reads keys through more than the
+index: varlen kernels take per-request key lengths, SDPA and eager attention an explicit mask over the
+concatenated keys of the whole batch. A mask not reset between batches, or a length off by some, lets a query
+attend another request's keys (or hides its own) while every verified slot is right.
+
+``AttentionCheck.check`` (``Canary.check_attention``) compares, for the open forward, the engine's cumulative
+key lengths and mask of one group with the layout the batch's prefix and new-token counts imply
+(``ops/attention_ops.py``): ``key_length`` and ``attention_mask`` rows, one per request at most, pushed into
+the ring on the canary's side stream (tensor ops, no host read off the CPU).
+"""
+
+from __future__ import annotations
+
+from kvcanary.ops.attention_ops import reference_check_attention, torch_check_attention
+from kvcanary.runtime.batch import ForwardBatch
+
+
+class AttentionCheck:
+    """The attention-metadata check of one ``Canary`` (``canary.attention_check``); idle with
+    ``CanaryConfig.attention_check`` off."""
+
+    def __init__(self, canary):
+        self.c = canary
+        self.on = bool(canary.config.attention_check) and canary.enabled
+        self.impl = reference_check_attention if canary.config.backend == "reference" else torch_check_attention
+        self.checks = 0  # stats: calls that compared something
+
+    def check(self, group: str = "full", *, cu_seqlens_k=None, mask=None, key_slots=None,
+              batch: ForwardBatch | None = None) -> None:
+        """Compare one group's attention metadata with the read index of ``batch`` (default: the open forward).
+
+        Args:
+            group: "full" or "swa" (its window: the canary's ``SwaSpec.window``).
+            cu_seqlens_k: int [>= bs + 1] cumulative key lengths per request, as the kernel gets them.
+            mask: [..., queries, keys] (leading dims of size 1): additive float (hidden = the dtype's lowest or
+                -inf) or bool (True = attend); rows are the forward's tokens in batch order.
+            key_slots: optional int [keys] the slot each key column reads (for the report).
+        """
+        if not self.on:
+            return
+        c = self.c
+        batch = c._open if batch is None else batch
+        if batch is None:
+            raise RuntimeError(f"kv-canary: check_attention must run while a forward is open (between "
+                               f"before_forward and after_forward), got none open at step {c.step}")
+        g = c._group(group)
+        if mask is not None:
+            if mask.dim() < 2 or any(d != 1 for d in mask.shape[:-2]):
+                raise ValueError(f"kv-canary: check_attention mask must be [..., queries, keys] with leading "
+                                 f"dimensions of 1, got shape {tuple(mask.shape)}")
+            mask = mask.reshape(mask.shape[-2], mask.shape[-1])[:batch.num_tokens]
+        if cu_seqlens_k is None and mask is None:
+            return
+        with c.launcher.side():
+            c.launcher.streams.note("attention_check", reads=("engine_inputs",), atomic=("ring",))
+            self.impl(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
+                      extend_lens=batch.extend_lens, positions=batch.positions, request_ids=batch.request_ids,
+                      window=g.window, cu_seqlens_k=cu_seqlens_k, mask=mask, key_slots=key_slots,
+                      launch_tag=g.tag("head", "k"), ring=c.ring,
+                      host_reads=c.device.type == "cpu" and c.launcher.host_ops)
+        self.checks += 1
+
+    def attribution(self, row: list[int], step: int) -> dict:
+        """What a report adds to an ``attention_mask`` / ``key_length`` row: the reading request (and position)."""
+        return {"reader_request": row[5], "reader_position": row[2]}
+
+    def stats(self) -> dict:
+        return {"attention_checks": self.checks}

@@ -1,0 +1,229 @@
+"""The write check: the KV bytes a written slot holds after the forward against the KV its layer computed.
+
+The record ops certify whatever bytes a slot holds after the forward (TAIL hashes them into the record), so a
+cache write that stored the wrong bytes is never seen: a write-only path that writes K and not V, a branch that
+copies V into the K cache, a write that lands short. Every later read then "matches" the wrong bytes.
+
+``WriteCheck`` closes that hole for every real-KV source of the pool (the fingerprinted layers, K and V, both
+groups; docs/write_check.md):
+
+- inside the forward, where the engine hands a layer's computed K and V to its cache update, the engine (or
+  its adapter) calls ``canary.write_check.note_layer(layer, k, v)`` (after naming each layer's cache rows
+  once, ``name_layers``), or ``note(source, rows)`` per real-KV source: one hash per token of the rows' bytes
+  (the real-KV hash of SPEC 3.4 over every byte of the token) into a static ``expected[source, token]`` buffer,
+  and a flag that the source was noted this forward (device ops only: capturable in the engine's CUDA graph, no sync);
+- at TAIL, one pass per group over the forward's live written tokens hashes each noted source's bytes of the
+  token's slot and compares: a token whose bytes differ pushes one ``write_kv`` row for its first such source,
+  naming the slot, position, token, writer and layer; then the flags are cleared.
+
+Sources the engine never noted in a forward are not compared (nothing to compare with). Rows go into the
+canary's ring on the stream TAIL appends to, so they are drained, logged, raised and aborted with the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvcanary.format import FailReason
+from kvcanary.ops.api import resolve_backend
+from kvcanary.ops.types import RealKvSource
+from kvcanary.ops.write_ops import as_words, write_impl
+from kvcanary.runtime.attention_check import AttentionCheck
+
+__all__ = ["AttentionCheck", "WriteCheck", "check_attribution"]
+
+log = logging.getLogger("kvcanary")
+WRITE_KV = int(FailReason.WRITE_KV)
+KINDS = ("k", "v")
+
+
+class WriteCheck:
+    """The write check of one ``Canary`` (``canary.write_check``); idle with ``CanaryConfig.write_check`` off."""
+
+    def __init__(self, canary):
+        self.c = canary
+        self.on = bool(canary.config.write_check) and canary.enabled
+        # every real-KV source, group by group (each group's sources contiguous: one TAIL pass per group)
+        self.sources: list[RealKvSource] = []
+        self.spans: list[tuple[int, int]] = []  # per group: its sources' [lo, hi)
+        self.where: list[tuple[str, str]] = []  # per source: (group, the record buffer whose hash covers it)
+        tags = []
+        for g in canary.groups:
+            lo = len(self.sources)
+            for kv in KINDS:
+                for src in g.sources[kv]:
+                    self.sources.append(src)
+                    self.where.append((g.name, kv))
+                    tags.append(g.tag("tail", kv))
+            self.spans.append((lo, len(self.sources)))
+        self.index = {id(src): s for s, src in enumerate(self.sources)}
+        self.group_of_tag = {g.tag("tail", kv): i for i, g in enumerate(canary.groups) for kv in KINDS}
+        n, dev = max(1, len(self.sources)), canary.device
+        self.expected = torch.zeros(n, canary.max_tokens if self.on else 1, dtype=torch.int64, device=dev)
+        self.noted = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.tags = torch.tensor(tags or [0], dtype=torch.int64, device=dev)
+        self.layers = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.layer_of = [-1] * n  # host copies of ``layers`` and of each source's kind ("k" / "v" / None)
+        self.kind_of: list[str | None] = [None] * n
+        self.ops = write_impl(resolve_backend(canary.config.backend, dev))
+        self.pending = False  # host: a note since the last TAIL pass (the CPU skips a pass with nothing noted)
+        self.notes = 0  # stats: sources noted so far
+        self.by_layer: dict[int, list] = {}  # engine layer -> [(source, kind, K and V share one row)]
+        self.skipped = False  # a layer's rows did not fit its source once (warned)
+
+    # -- naming layers ------------------------------------------------------------------------------
+    def name_layers(self, groups) -> dict[int, list]:
+        """Which of the pool's sources hold each engine layer's K and V: ``groups`` is ``[(group, layers, keys,
+        values)]`` with ``keys[i]`` / ``values[i]`` the tensors of layer ``layers[i]``'s cache rows as the
+        sources were built over them (matched by their first byte, within the group: one tensor may serve
+        several groups, their slots telling them apart). A layer whose K and V are one tensor (an MLA latent
+        row) is noted as its K then V bytes side by side. Returns ``{layer: [(source, kind, joined)]}``."""
+        self.by_layer = {}
+        if not self.on:
+            return self.by_layer
+        for name, layers, keys, values in groups:
+            if len(layers) != len(keys) or len(layers) != len(values):
+                raise ValueError(f"kv-canary: name_kv_layers wants one K and one V tensor per layer, got "
+                                 f"{len(layers)} layers, {len(keys)} K and {len(values)} V tensors in group {name!r}")
+            g = self.c._group(name)
+            at: dict[int, tuple[int, str, bool]] = {}
+            for layer, k, v in zip(layers, keys, values):
+                joined = k.data_ptr() == v.data_ptr()
+                at.setdefault(k.data_ptr(), (int(layer), "k", joined))  # (joined: the first name wins)
+                at.setdefault(v.data_ptr(), (int(layer), "v", joined))
+            for src in (*g.sources["k"], *g.sources["v"]):
+                hit = at.get(src.tensor.data_ptr())
+                if hit is not None:
+                    self.by_layer.setdefault(hit[0], []).append((src, hit[1], hit[2]))
+        return self.by_layer
+
+    def note_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``note`` for each source of ``layer`` (``name_layers``): ``k``, ``v`` [tokens, ...] as computed. Rows that
+        do not fit the source (another shape than its cache rows) are skipped, with one warning."""
+        todo = self.by_layer.get(layer)
+        if not todo or not self.on:
+            return
+        n = k.shape[0]
+        for src, kind, joined in todo:
+            rows = torch.cat([k.reshape(n, -1), v.reshape(n, -1)], 1) if joined else (k if kind == "k" else v)
+            if rows.shape[0] > self.expected.shape[1] or (
+                    n and rows.numel() // n * src.tensor.element_size() != src.num_bytes_per_token):
+                if not self.skipped:
+                    self.skipped = True
+                    log.warning("kv-canary: layer %d's computed %s (shape %s) does not fit its cache rows (%d bytes "
+                                "per token): the write check skips it", layer, kind.upper(), tuple(rows.shape),
+                                src.num_bytes_per_token)
+                continue
+            self.note(src, rows, layer=layer, kind=kind)
+
+    # -- inside the forward ------------------------------------------------------------------------
+    def note(self, source: RealKvSource, rows: torch.Tensor, *, layer: int | None = None,
+             kind: str | None = None) -> None:
+        """Hash ``rows`` (the K or V the layer computed, one row per token of the forward in ``out_cache_loc``
+        order, each row the token's ``source.num_bytes_per_token`` bytes once in the source's dtype) as what the
+        forward's writes into ``source`` must leave in each token's slot. Rows past the live tokens (padding)
+        are hashed and never compared. Device ops only, validated from metadata."""
+        if not self.on:
+            return
+        s = self.index.get(id(source))
+        if s is None:
+            raise ValueError("kv-canary: note_written_kv source must be one of the canary's real-KV sources "
+                             "(PoolSpec k_sources / v_sources, SwaSpec's), got a RealKvSource that is not; "
+                             f"the pool has {len(self.sources)}")
+        if not isinstance(rows, torch.Tensor) or rows.dim() < 1:
+            raise TypeError(f"kv-canary: note_written_kv rows must be a tensor [tokens, ...], got "
+                            f"{type(rows).__name__} {getattr(rows, 'shape', '')}")
+        if rows.device != source.tensor.device:
+            raise ValueError(f"kv-canary: note_written_kv rows must be on the source's device "
+                             f"{source.tensor.device}, got {rows.device}")
+        n = rows.shape[0]
+        per_row = (rows.numel() // n if n else 0) * source.tensor.element_size()
+        if n and per_row != source.num_bytes_per_token:
+            raise ValueError(f"kv-canary: note_written_kv rows must hold one token's {source.num_bytes_per_token} "
+                             f"bytes per row in the source's dtype {source.tensor.dtype}, got shape "
+                             f"{tuple(rows.shape)} ({per_row} bytes per row)")
+        if n > self.expected.shape[1]:
+            raise ValueError(f"kv-canary: note_written_kv rows must be at most max_tokens = "
+                             f"{self.expected.shape[1]} rows, got {n}")
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"kv-canary: note_written_kv kind must be 'k', 'v' or None, got {kind!r}")
+        if layer is not None and layer != self.layer_of[s]:
+            self.layer_of[s] = int(layer)
+            self.layers[s] = int(layer)
+        self.kind_of[s] = kind if kind is not None else self.kind_of[s]
+        if rows.dtype != source.tensor.dtype:
+            rows = rows.to(source.tensor.dtype)  # (what the cache's copy stores: a cast)
+        if n:
+            self.ops.hash_rows(words=as_words(rows), out=self.expected[s])
+        self.noted[s:s + 1].fill_(1)
+        self.pending = True
+        self.notes += 1
+
+    # -- TAIL ---------------------------------------------------------------------------------------
+    def after(self) -> None:
+        """Compare the forward's written slots with what was noted (after the launcher's TAIL, on its stream)."""
+        if not self.on or not self.sources:
+            return
+        launcher = self.c.launcher
+        if self._host() and not self.pending:
+            return  # (the CPU, nothing noted this forward: nothing to compare)
+        with launcher.side():
+            if launcher.staged_now:
+                # static buffers only (staged inputs, plan, KV, the expected hashes): captured with TAIL
+                if not launcher.extend_tail("write_check", self._after_device):
+                    launcher.graphs.run(("write_check",) + launcher.key, lambda call: call(self._after_device))
+            else:
+                self._after_device()
+        self.pending = False
+
+    def _after_device(self) -> None:
+        """The device pass (no host read off the CPU: capturable), on the current stream."""
+        c = self.c
+        c.launcher.streams.note("write_check", reads=("plan", "staged", "kv"), writes=("write_check",),
+                                atomic=("ring",))
+        x = c.launcher.inputs
+        for (lo, hi), g, loc in zip(self.spans, c.groups, x.loc):
+            if hi > lo:
+                self.ops.check_writes(out_cache_loc=loc, write_offsets=g.plan.write_offsets,
+                                      num_requests=c.launcher.key[0], positions=x.positions, input_ids=x.input_ids,
+                                      writer_ids=x.writer_ids, num_slots=g.num_slots, sources=self.sources[lo:hi],
+                                      expected=self.expected[lo:hi], noted=self.noted[lo:hi], tags=self.tags[lo:hi],
+                                      layers=self.layers[lo:hi], ring=c.ring, host_reads=self._host())
+        self.noted.zero_()
+
+    def _host(self) -> bool:
+        """Whether values may be read on the host (the CPU outside a recorded step; ``SlotChecks._host``)."""
+        return self.c.device.type == "cpu" and self.c.launcher.host_ops
+
+    # -- reports ------------------------------------------------------------------------------------
+    def describe(self, s: int) -> str:
+        """'V of layer 3 (full group)' for source ``s`` (as the adapter named it, else by its buffer)."""
+        if not 0 <= s < len(self.sources):
+            return f"real-KV source {s}"
+        group, buf = self.where[s]
+        kind = (self.kind_of[s] or buf).upper()
+        layer = self.layer_of[s]
+        return f"{kind} of layer {layer} ({group} group)" if layer >= 0 else \
+            f"{kind} real-KV source {s} ({group} group)"
+
+    def attribution(self, row: list[int], step: int) -> dict:
+        """What a report adds to a ``write_kv`` row: the writer (who reads this KV next: also the reader mode
+        "abort" fails), the layer."""
+        writer = row[5] if row[5] >= 0 else None
+        # (the row holds the source's index among its group's: the tag names the group)
+        s = self.spans[self.group_of_tag.get(row[0], 0)][0] + row[4]
+        layer = self.layer_of[s] if 0 <= s < len(self.layer_of) and self.layer_of[s] >= 0 else row[6]
+        return {"writer_request": writer, "writer_step": step, "reader_request": writer, "reader_position": row[2],
+                "layer": layer, "source": self.describe(s)}
+
+    def stats(self) -> dict:
+        return {"write_check_notes": self.notes}
+
+
+def check_attribution(canary, row: list[int], step: int) -> dict:
+    """What a report adds to a write-check or attention-metadata row (``Monitor._decode``)."""
+    if row[7] & WRITE_KV:
+        return canary.write_check.attribution(row, step)
+    return canary.attention_check.attribution(row, step)
