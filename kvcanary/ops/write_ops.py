@@ -54,6 +54,8 @@ def write_impl(backend: str):
 def as_words(rows: torch.Tensor) -> torch.Tensor:
     """int64 ``[n, H, W]`` words of ``rows`` (``[n, ...]``, any dtype): each row's bytes in its elements' order,
     its last dimension read in place where it is contiguous and a whole number of words (else a copy)."""
+    if rows.shape[0] == 0 or rows.numel() == 0:
+        return torch.zeros(rows.shape[0], 1, 0, dtype=torch.int64, device=rows.device)
     x = rows.reshape(rows.shape[0], 1, -1) if rows.dim() < 3 else rows.reshape(rows.shape[0], -1, rows.shape[-1])
     if x.shape[-1] * x.element_size() % 8:
         x = x.reshape(x.shape[0], 1, -1)

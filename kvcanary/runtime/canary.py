@@ -236,7 +236,8 @@ class Canary(RecordMoves):
         self.slots.before()
 
     def device_after(self, batch: ForwardBatch) -> None:
-        """TAIL verify (with real-KV hash) and TAIL write, non-finite KV and write checks; advances the device step."""
+        """TAIL verify (with real-KV hash) and TAIL write, non-finite KV and write checks; advances the device
+        step."""
         self.launcher.after(batch)
         self.slots.after()
         self.write_check.after()  # the written slots' bytes vs the computed KV (runtime/write_check.py)

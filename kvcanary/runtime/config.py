@@ -99,8 +99,8 @@ class CanaryConfig:
         nonfinite_check: report NaN/Inf in the KV a forward wrote (floating real-KV sources, at TAIL).
         poison_on_free: debug: ``Canary.poison_slots`` fills freed slots' KV with a NaN pattern, so a read of a freed slot fails its real-KV check.
         check_before_forward: read what HEAD found before the engine's forward runs (a device sync per forward on CUDA), so a bad read is reported, in mode "raise" raised, before the forward can fail on it.
-        write_check: compare the KV bytes each written slot holds after the forward with the KV the layer computed for its token (fingerprinted layers, where the engine hands the computed K/V over: ``Canary.note_written_kv``).
-        attention_check: compare the attention metadata the engine hands its kernel (per-request key lengths, the attention mask: ``Canary.check_attention``) with the read index the canary verified.
+        write_check: compare the KV bytes each written slot holds after the forward with the KV the layer computed for its token (every fingerprinted layer, K and V, where the engine hands the computed K/V over; docs/write_check.md); off: no hash at the cache update, no TAIL pass.
+        attention_check: compare the attention metadata the engine hands its kernel (per-request key lengths, the attention mask) with the read index the canary verified (docs/write_check.md).
         allocator_check_interval: check the allocator invariants (docs/allocator.md) every N steps where the engine gives a snapshot (``Canary.watch_allocator``); 0 = off.
     """
 

@@ -21,7 +21,8 @@ from kvcanary.runtime.abort import Aborts
 from kvcanary.runtime.allocator import is_allocator_row
 from kvcanary.runtime.batch import batch_lists, verified_cells
 from kvcanary.runtime.observer import NUM_SLOTS, HostObserver, Observation
-from kvcanary.runtime.report import CHECK_REASONS, SLOT_REASONS, KvCanaryHealthError, KvCanaryViolationError, Violation
+from kvcanary.runtime.report import (CHECK_REASONS, SLOT_REASONS, KvCanaryHealthError, KvCanaryViolationError,
+                                     Violation)
 from kvcanary.runtime.write_check import check_attribution
 
 log = logging.getLogger("kvcanary")

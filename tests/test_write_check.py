@@ -1,0 +1,112 @@
+"""The write and attention-metadata checks through the runtime's protocol (runtime/write_check.py,
+runtime/attention_check.py, docs/write_check.md): a hand-driven engine of two layers names its cache rows, hands
+each forward's computed K/V over, and its attention metadata; planted faults are reported, clean forwards are not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcanary import Canary, CanaryConfig, ForwardBatch, PoolSpec
+from kvcanary.format import FailReason
+from kvcanary.runtime.batch import layer_sources
+
+SLOTS, HEADS, DIM = 32, 2, 4
+
+
+class Engine:
+    """Two layers of K/V rows ``[slot, heads, dim]``; the canary fingerprints layer 0's K and layer 1's V."""
+
+    def __init__(self, **config):
+        self.keys = [torch.zeros(SLOTS, HEADS, DIM) for _ in range(2)]
+        self.values = [torch.zeros(SLOTS, HEADS, DIM) for _ in range(2)]
+        k_src, v_src = layer_sources(self.keys, self.values, check_v=False)
+        self.canary = Canary(PoolSpec(SLOTS, k_src, v_src), CanaryConfig(mode="log", **config), max_batch=2,
+                             max_tokens=8, max_context=16, num_rows=3)
+        self.canary.write_check.name_layers([("full", [0, 1], self.keys, self.values)])
+        self.table = torch.zeros(3, 16, dtype=torch.int64)
+
+    def forward(self, prefix, tokens, slots, skip_v=(), mask=None):
+        n = len(tokens)
+        self.table[1, prefix:prefix + n] = torch.tensor(slots)
+        batch = ForwardBatch(torch.tensor([1]), torch.tensor([prefix]), torch.tensor([n]), torch.tensor(tokens),
+                             torch.arange(prefix, prefix + n), torch.tensor(slots), self.table)
+        c = self.canary
+        seen = len(c.flush())
+        c.before_forward(batch)
+        if mask is not None:
+            c.attention_check.check(cu_seqlens_k=torch.tensor([0, prefix + n]), mask=mask)
+        for layer in range(2):
+            k, v = torch.randn(n, HEADS, DIM), torch.randn(n, HEADS, DIM)
+            c.write_check.note_layer(layer, k, v)  # (what the layer computed, handed to its cache update)
+            loc = torch.tensor(slots)
+            self.keys[layer][loc] = k
+            if layer not in skip_v:
+                self.values[layer][loc] = v
+        c.after_forward(batch)
+        return c.flush()[seen:]  # (this forward's)
+
+
+def test_a_clean_run_reports_nothing_and_the_hook_ran():
+    e = Engine()
+    e.forward(0, [11, 12, 13], [5, 6, 7])
+    assert e.forward(3, [14], [8]) == []
+    assert e.canary.stats()["write_check_notes"] == 4  # (two sources, two forwards)
+
+
+def test_a_write_that_skips_v_is_reported_at_its_forward_with_layer_and_slot():
+    e = Engine()
+    e.forward(0, [11, 12, 13], [5, 6, 7])
+    vs = e.forward(3, [14, 15], [8, 9], skip_v=(1,))
+    assert [(v.step, v.slot, v.layer, v.source, v.reasons) for v in vs] == [
+        (2, 8, 1, "V of layer 1 (full group)", ("write_kv",)), (2, 9, 1, "V of layer 1 (full group)", ("write_kv",))]
+    assert vs[0].launch_tag == "TAIL_K_FULL" and vs[0].position == 3 and vs[0].stored_token == 14
+    assert "K without V" in vs[0].block()
+
+
+def test_a_layer_the_canary_does_not_fingerprint_is_not_compared():
+    e = Engine()
+    assert e.forward(0, [11, 12], [5, 6], skip_v=(0,)) == []  # (layer 0's V is no real-KV source)
+
+
+def test_off_the_write_check_sees_nothing():
+    e = Engine(write_check=False)
+    assert e.forward(0, [11, 12], [5, 6], skip_v=(1,)) == [] and e.canary.stats()["write_check_notes"] == 0
+
+
+def _causal(prefix: int, n: int, width: int) -> torch.Tensor:
+    """The additive mask of one request's ``n`` queries over ``width`` key columns (its ``prefix + n`` keys first)."""
+    mask = torch.full((n, width), torch.finfo(torch.float32).min)
+    for i in range(n):
+        mask[i, :prefix + i + 1] = 0
+    return mask
+
+
+def test_a_mask_that_shows_a_query_a_key_it_may_not_read_or_hides_its_own_is_reported():
+    e = Engine()
+    e.forward(0, [11, 12], [5, 6])
+    assert e.forward(2, [13, 14], [7, 8], mask=_causal(2, 2, 6)) == []  # (two padding columns, hidden)
+    future = _causal(4, 2, 8)
+    future[0, 5] = 0  # the query at position 4 may attend position 5's key: not in its read index yet
+    vs = e.forward(4, [15, 16], [9, 10], mask=future)
+    assert [v.reasons for v in vs] == [("attention_mask",)] and vs[0].reader_request == 1
+    assert (vs[0].position, vs[0].stored_token, vs[0].expected_token) == (4, 1, 0)
+    assert "may attend key column 5" in vs[0].block()
+    hidden = _causal(6, 1, 8)
+    hidden[0, 2] = torch.finfo(torch.float32).min  # its own position 2 hidden
+    vs = e.forward(6, [17], [11], mask=hidden)
+    assert [(v.position, v.stored_token, v.expected_token) for v in vs] == [(6, 0, 1)]
+    assert "may not attend key column 2" in vs[0].block()
+
+
+def test_bad_input_is_refused_before_anything_is_noted():
+    e = Engine()
+    src = e.canary.write_check.sources[0]
+    with pytest.raises(ValueError, match="one of the canary's real-KV sources"):
+        e.canary.write_check.note(layer_sources([torch.zeros(4, 8)], [torch.zeros(4, 8)], False)[0][0],
+                                  torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="bytes per row"):
+        e.canary.write_check.note(src, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="one K and one V tensor per layer"):
+        e.canary.write_check.name_layers([("full", [0], e.keys, e.values)])
+    assert int(e.canary.write_check.noted.sum()) == 0 and FailReason.WRITE_KV == 1024

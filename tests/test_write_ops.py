@@ -1,0 +1,216 @@
+"""The write check's passes (kvcanary/ops/write_ops.py, numba_write_ops.py, triton_write_ops.py) and the attention-
+metadata pass (ops/attention_ops.py): every implementation agrees with the scalar reference bit for bit (ring rows as
+a multiset: Triton appends with one atomic per block), on case tables and seeded random cases."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import DEVICE, HAS_TRITON
+from kvcanary.format import MASK64, FailReason, splitmix64, to_signed
+from kvcanary.ops import RealKvSource, ViolationRing
+from kvcanary.ops.api import numba_available
+from kvcanary.ops.attention_ops import reference_check_attention, torch_check_attention
+from kvcanary.ops.write_ops import as_words, write_impl
+
+IMPLS = ["torch"] + (["numba"] if numba_available() and DEVICE.type == "cpu" else []) + \
+    (["triton"] if HAS_TRITON else [])
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _rows(ring: ViolationRing) -> tuple:
+    n = min(int(ring.write_index[0]), ring.capacity)
+    return int(ring.write_index[0]), sorted(map(tuple, ring.rows[:n].tolist()))
+
+
+def _spec_hash(row: torch.Tensor) -> int:
+    """SPEC 3.4's single-source hash of a row's bytes, written out."""
+    data = row.contiguous().view(torch.uint8).reshape(-1).cpu().tolist()
+    acc = 0
+    for k in range(0, len(data), 8):
+        acc = splitmix64(acc ^ int.from_bytes(bytes(data[k:k + 8]), "little"))
+    return to_signed(acc & MASK64)
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [0, 1, 7, 65], ids=lambda n: f"{n}tok")
+def test_hash_rows_is_the_spec_hash_of_each_row_read_where_it_lies(impl, dtype, tokens):
+    torch.manual_seed(tokens)
+    k = torch.randn(1, 3, tokens, 8, device=DEVICE).to(dtype)  # [1, heads, tokens, dim]: the engine's layout
+    rows = k[0].transpose(0, 1)  # [tokens, heads, dim], a strided view
+    out = torch.full((tokens + 3,), 77, dtype=torch.int64, device=DEVICE)  # (poisoned: unwritten cells stay 77)
+    write_impl(impl).hash_rows(words=as_words(rows), out=out)
+    assert out.tolist() == [_spec_hash(rows[i]) for i in range(tokens)] + [77] * 3
+
+
+def _pool(rng: random.Random, dtype, num_slots=48, page_size=1):
+    """Two sources (K and V of one layer) over a pool of pages, filled with random bytes."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    k = torch.randn(num_slots // page_size, page_size * 16, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(num_slots // page_size, page_size * 16, generator=g).to(dtype).to(DEVICE)
+    nbpt = 16 * k.element_size()
+    return k, v, [RealKvSource(t, page_size=page_size, num_bytes_per_token=nbpt, read_bytes=nbpt) for t in (k, v)]
+
+
+def _case(rng: random.Random, dtype, page_size=1):
+    """A forward's write into a pool: each token's computed K/V rows, the cache after the writes (some planted
+    wrong: V never written, V into K, a short row, another slot), and the pass's other arguments."""
+    num_slots = 48
+    k_cache, v_cache, sources = _pool(rng, dtype, num_slots, page_size)
+    n_req = rng.randint(0, 4)
+    lens = [rng.randint(0, 5) for _ in range(n_req)]
+    live = sum(lens)
+    pad = rng.randint(0, 3)
+    n = live + pad
+    slots = rng.sample(range(1, num_slots), live) + [0] * pad
+    if live >= 2 and rng.random() < 0.5:
+        slots[rng.randrange(live - 1)] = slots[live - 1]  # (a ring: one slot written twice, the last one stays)
+    if live and rng.random() < 0.3:
+        slots[rng.randrange(live)] = rng.choice([0, -1, num_slots + 5])  # (slots the check skips)
+    width = 16 * page_size
+    comp_k = torch.randn(n, 16).to(dtype).to(DEVICE)
+    comp_v = torch.randn(n, 16).to(dtype).to(DEVICE)
+    kr, vr = k_cache.view(-1, 16), v_cache.view(-1, 16)
+    for t in range(n):
+        s = slots[t]
+        if not 0 <= s < num_slots:
+            continue
+        bug = rng.random()
+        kr[s] = comp_v[t] if bug < 0.1 else comp_k[t]  # V into K
+        if bug > 0.9:
+            continue  # V never written
+        vr[s] = comp_v[t]
+        if 0.8 < bug <= 0.9:
+            vr[s, 8:] = 0  # a write that lands short
+    assert width  # (one page row holds page_size tokens of 16 elements each)
+    expected = torch.full((2, n + 2), 5, dtype=torch.int64, device=DEVICE)
+    ref = write_impl("reference")
+    ref.hash_rows(words=as_words(comp_k), out=expected[0])
+    ref.hash_rows(words=as_words(comp_v), out=expected[1])
+    offs = [0]
+    for n_t in lens:
+        offs.append(offs[-1] + n_t)
+    offs += [0] * (6 - len(offs))
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    noted = [1, 1] if rng.random() < 0.8 else [1, 0]
+    writers = t([rng.randrange(100) for _ in range(n_req)]) if n_req and rng.random() < 0.7 else None
+    return dict(out_cache_loc=t(slots), write_offsets=t(offs), num_requests=n_req, positions=t(list(range(n))),
+                input_ids=t([rng.randrange(500) for _ in range(n)]), writer_ids=writers, num_slots=num_slots,
+                sources=sources, expected=expected, noted=torch.tensor(noted, dtype=torch.int32, device=DEVICE),
+                tags=t([2, 3]), layers=t([4, 9]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(8))
+def test_check_writes_agrees_with_the_reference(impl, page_size, seed):
+    rng = random.Random(seed * 10 + page_size)
+    dtype = DTYPES[seed % len(DTYPES)]
+    args = _case(rng, dtype, page_size)
+    want, got = ViolationRing.allocate(64, DEVICE), ViolationRing.allocate(64, DEVICE)
+    write_impl("reference").check_writes(**args, ring=want)
+    write_impl(impl).check_writes(**args, ring=got)
+    assert _rows(got) == _rows(want)
+
+
+def test_check_writes_names_the_write_that_went_wrong():
+    k, v, sources = _pool(random.Random(0), torch.float16, 16)
+    comp = torch.randn(3, 2, 16).to(torch.float16).to(DEVICE)  # [tokens, K / V, 16]
+    loc = torch.tensor([3, 5, 7], device=DEVICE)
+    k[loc], v[loc] = comp[:, 0], comp[:, 1]
+    v[5] = 0  # token 1: V never written
+    k[7] = comp[2, 1]  # token 2: V into K
+    expected = torch.zeros(2, 4, dtype=torch.int64, device=DEVICE)
+    for s in range(2):
+        write_impl("reference").hash_rows(words=as_words(comp[:, s]), out=expected[s])
+    ring = ViolationRing.allocate(8, DEVICE)
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    write_impl("reference").check_writes(
+        out_cache_loc=loc, write_offsets=t([0, 1, 3]), num_requests=2, positions=t([10, 4, 5]),
+        input_ids=t([11, 12, 13]), writer_ids=t([41, 42]), num_slots=16, sources=sources, expected=expected,
+        noted=torch.ones(2, dtype=torch.int32, device=DEVICE), tags=t([2, 3]), layers=t([0, 1]), ring=ring)
+    bit = int(FailReason.WRITE_KV)
+    # [tag, slot, position, token, source, writer, layer, reason]: V of token 1, K of token 2 (its first source)
+    assert _rows(ring) == (2, [(2, 7, 5, 13, 0, 42, 0, bit), (3, 5, 4, 12, 1, 42, 1, bit)])
+
+
+# -- the attention-metadata pass ----------------------------------------------------------------------------
+def _build_mask(cu_q, cu_k, window, T, K, dtype=torch.float32):
+    """The mask as transformers builds it (``build_attention_mask``: causal blocks, a sliding window), in a buffer
+    whose other cells are the dtype's lowest."""
+    from transformers.generation.continuous_batching.utils import build_attention_mask
+
+    mask = torch.full((1, 1, T, K), torch.finfo(dtype).min, dtype=dtype)
+    build_attention_mask(mask, cu_q, cu_k, sliding_window=window + 1 if window else 1)
+    return mask[0, 0]
+
+
+def _attention_case(rng, window):
+    n = rng.randint(1, 4)
+    prefix = [rng.randint(0, 9) for _ in range(n)]
+    extend = [rng.randint(1, 4) for _ in range(n)]
+    rows = list(range(1, n + 1))
+    pad = rng.randint(0, 2)
+    rows, prefix, extend = rows + [0] * pad, prefix + [0] * pad, extend + [1] * pad
+    kept = [min(p, window) if window else p for p in prefix]
+    cu_q, cu_k = [0], [0]
+    for r in range(n):
+        cu_q.append(cu_q[-1] + extend[r])
+        cu_k.append(cu_k[-1] + kept[r] + extend[r])
+    T, K = sum(extend), cu_k[-1] + rng.randint(0, 3)
+    pos = [p + i for p, q in zip(prefix, extend) for i in range(q)]
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    args = dict(req_pool_indices=t(rows), prefix_lens=t(prefix), extend_lens=t(extend), positions=t(pos),
+                request_ids=t([100 + r for r in rows]), window=window,
+                cu_seqlens_k=torch.tensor(cu_k + [cu_k[-1]] * pad, dtype=torch.int32),
+                mask=_build_mask(cu_q, cu_k, window, T, K), key_slots=t(rng.sample(range(1, 200), K)),
+                launch_tag=0)
+    return args, cu_q, cu_k
+
+
+def _attention_rows(fn, args) -> tuple:
+    ring = ViolationRing.allocate(32)
+    fn(**args, ring=ring)
+    return _rows(ring)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("seed", range(6))
+def test_attention_metadata_as_transformers_builds_it_is_clean_and_a_planted_fault_is_named(window, seed):
+    pytest.importorskip("transformers")
+    rng = random.Random(seed)
+    args, cu_q, cu_k = _attention_case(rng, window)
+    assert _attention_rows(reference_check_attention, args) == (0, [])
+    assert _attention_rows(torch_check_attention, args) == (0, [])
+    n = len(cu_q) - 1
+    r = rng.randrange(n)
+    mask = args["mask"].clone()
+    t = cu_q[r]  # the request's first query row
+    other = cu_k[(r + 1) % n] if n > 1 and cu_k[(r + 1) % n] < mask.shape[1] else mask.shape[1] - 1
+    mask[t, other] = 0  # a stale cell: the query may attend a key that is not its own
+    faulty = {**args, "mask": mask}
+    want = _attention_rows(reference_check_attention, faulty)
+    assert want == _attention_rows(torch_check_attention, faulty)
+    if other not in range(cu_k[r], cu_k[r + 1]):  # (a column of its own block stays allowed: no row)
+        bit = int(FailReason.ATTENTION_MASK)
+        assert want[0] == 1 and want[1][0][5] == 100 + r + 1 and want[1][0][7] == bit and want[1][0][3] == 1
+    lens = args["cu_seqlens_k"].clone()
+    lens[1:] += 1  # the first request's key length one too long
+    short = {**args, "cu_seqlens_k": lens, "mask": None}
+    want = _attention_rows(reference_check_attention, short)
+    assert want == _attention_rows(torch_check_attention, short)
+    assert want[0] >= 1 and want[1][0][7] == int(FailReason.KEY_LENGTH)
+
+
+def test_a_mask_that_hides_a_requests_own_key_is_named():
+    pytest.importorskip("transformers")
+    args, cu_q, cu_k = _attention_case(random.Random(3), 0)
+    mask = args["mask"].clone()
+    mask[cu_q[1] - 1, cu_k[0]] = torch.finfo(mask.dtype).min  # the first request's last query loses key 0
+    rows = _attention_rows(reference_check_attention, {**args, "mask": mask})
+    assert rows == _attention_rows(torch_check_attention, {**args, "mask": mask})
+    assert rows[0] == 1 and rows[1][0][3:5] == (0, 1) and rows[1][0][6] == 0
