@@ -84,6 +84,7 @@ _BUG_LIST = (
     Bug("swa_no_translation", "D", "the sliding-window layer writes KV at full-pool slot ids, untranslated",
         "the SWA cache is indexed with out_cache_loc instead of full_to_swa[out_cache_loc]: the token's own SWA "
         "slot keeps old bytes and another token's SWA slot is overwritten (SGLang PRs #24617, #26531)",
+        "TAIL_K_SWA write_kv in the very forward (the token's own SWA slot holds other bytes than the layer computed); "
         "TAIL_K_SWA verify_real_kv_hash at the overwritten SWA slot's next reader",
         lambda cfg: cfg.swa_window > 0, "SWA on"),
     Bug("write_into_free", "C", "a decode's write slot assumes the request's pages are contiguous: the slot "
@@ -148,7 +149,8 @@ _BUG_LIST = (
     Bug("nan_write", "H", "one layer's K of a decode token is written as NaN (an overflow in that layer)",
         "the forward writes a NaN pattern into layer 1's K of the first decoding request's new token; the records "
         "are right, and every later token that attends to it inherits the NaN",
-        "TAIL nonfinite_kv in the very forward, naming the layer's source, the request and the position"),
+        "TAIL nonfinite_kv in the very forward, naming the layer's source, the request and the position; write_kv "
+        "there too (the NaN is not what the layer computed)"),
     Bug("read_slot0", "C", "a rollback clears one table cell too many: a live prefix cell becomes slot 0",
         "the cell of a decoding request's middle prefix position is zeroed (the padding slot) while the request "
         "still reads it; the verify op skips slot 0 and the next position's chain check, whose predecessor is "

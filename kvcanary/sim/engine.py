@@ -89,6 +89,10 @@ class SimEngine:
                              on_abort=self.fail_request)
         self.in_flight: set[int] = set()  # request ids of the forward under way (an abort defers their release)
         self.canary.sweep_provider = self.sweep_triples
+        # the write check: which sources hold each layer's K and V (the SWA layer is layer num_layers)
+        m = self.model
+        self.canary.write_check.name_layers([("full", list(range(len(m.k))), m.k, m.v)] + (
+            [("swa", [len(m.k)], [m.swa_k], [m.swa_v])] if swa is not None else []))
         # the full pool's pages, the live requests' rows and the prefix cache's pages (docs/allocator.md)
         pool.pages.on_free = self.canary.watch_allocator(self.allocator_snapshot, num_blocks=pool.pages.num_pages,
                                                          slots_per_block=cfg.page_size).note_free
@@ -211,7 +215,7 @@ class SimEngine:
             swa_loc = self.pool.full_to_swa[loc.clamp(min=0)]
             if bool((swa_loc != loc).any()) and self.bugs.hit("swa_no_translation"):
                 swa_loc = loc  # Planted: the SWA layer indexes its cache with full-pool slot ids.
-        self.model.forward(loc, batch.input_ids, batch.positions, swa_loc)
+        self.model.forward(loc, batch.input_ids, batch.positions, swa_loc, note=self.canary.write_check.note_layer)
 
     def end_step(self) -> None:
         """After the canary's after-forward work: the sliding window's sweep, the host copies' landing, then

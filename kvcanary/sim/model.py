@@ -85,20 +85,31 @@ class MockModel:
             yield 2 * layer + 1, v.view(-1, WORDS)
 
     def forward(self, out_cache_loc: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                swa_loc: torch.Tensor | None = None) -> None:
+                swa_loc: torch.Tensor | None = None, note=None) -> None:
         """Write the KV of every token (padding included) into its slot, in every layer.
 
         Args: out_cache_loc, input_ids, positions: int64 [n]; swa_loc: int64 [n] SWA slots
         the SWA layer writes (None without SWA). Out-of-range slots are dropped like masked stores.
+        ``note(layer, k, v)``: each layer's computed K and V, every token's row (float64 views of the words, as
+        the real-KV sources see them), before they are stored (the canary's write check); the SWA layer is
+        layer ``len(self.k)``.
         """
         loc = out_cache_loc.to(torch.int64)
-        for tag, view in self._full_views():
-            ok = (loc >= 0) & (loc < view.shape[0])
-            view[loc[ok]] = kv_words(input_ids[ok], positions[ok], tag + SHARD_TAG * self.shard)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            rows = [kv_words(input_ids, positions, 2 * layer + kind + SHARD_TAG * self.shard) for kind in (0, 1)]
+            if note is not None:
+                note(layer, rows[0].view(torch.float64), rows[1].view(torch.float64))
+            for t, words in zip((k, v), rows):
+                view = t.view(-1, WORDS)
+                ok = (loc >= 0) & (loc < view.shape[0])
+                view[loc[ok]] = words[ok]
         if swa_loc is not None and self.swa_k is not None:
+            rows = [kv_words(input_ids, positions, SWA_LAYER_TAG + kind + SHARD_TAG * self.shard) for kind in (0, 1)]
+            if note is not None:
+                note(len(self.k), rows[0].view(torch.float64), rows[1].view(torch.float64))
             ok = (swa_loc >= 0) & (swa_loc < self.swa_k.shape[0])
-            self.swa_k[swa_loc[ok]] = kv_words(input_ids[ok], positions[ok], SWA_LAYER_TAG + SHARD_TAG * self.shard)
-            self.swa_v[swa_loc[ok]] = kv_words(input_ids[ok], positions[ok], SWA_LAYER_TAG + 1 + SHARD_TAG * self.shard)
+            self.swa_k[swa_loc[ok]] = rows[0][ok]
+            self.swa_v[swa_loc[ok]] = rows[1][ok]
 
     def sample(self, request_id: int, position: int) -> int:
         """The next token: the token oracle's token for ``position``."""
