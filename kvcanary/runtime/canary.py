@@ -28,11 +28,29 @@ from kvcanary.runtime.launch import ForwardLauncher
 from kvcanary.runtime.monitor import Monitor
 from kvcanary.runtime.moves import RecordMoves
 from kvcanary.runtime.report import Violation, memory_bytes
-from kvcanary.runtime.group import Group
 from kvcanary.runtime.slots import SlotChecks
 from kvcanary.runtime.write_check import AttentionCheck, WriteCheck
 
 SweepProvider = Callable[[], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]  # (slots, positions, prevs)
+
+
+class _Group:
+    """One address space (FULL or SWA) with its canary buffers and static plan."""
+
+    def __init__(self, name, num_slots, window, table, k_sources, v_sources, cfg, real_kv_mode, plan_capacity,
+                 sweep_capacity, max_batch, device):
+        self.name, self.num_slots, self.window, self.table = name, num_slots, window, table
+        self.sources = {kv: v.check_sources("Canary", srcs, real_kv_mode, device)
+                        for kv, srcs in (("k", k_sources), ("v", v_sources))}
+        self.kvs = ("k", "v") if cfg.check_v else ("k",)
+        self.bufs = {(phase, kv): ops.allocate_canary_buffer(num_slots, cfg.record_stride, device)
+                     for phase in ("head", "tail") for kv in self.kvs}
+        self.plan = ops.Plan.allocate(plan_capacity, max_batch, device)
+        self.sweep_entries = ops.Entries.allocate(sweep_capacity or num_slots, device)
+        self._tags = {(p, kv): int(launch_tag(p, kv, name)) for p in ("head", "tail", "sweep") for kv in ("k", "v")}
+
+    def tag(self, phase: str, kv: str) -> int:  # (the launch tag of a phase's op on one of K / V)
+        return self._tags[phase, kv]
 
 
 class Canary(RecordMoves):
@@ -67,11 +85,11 @@ class Canary(RecordMoves):
         self.enabled = cfg.mode != "none"
         self.real_kv_mode = RealKvMode[cfg.real_kv.upper()]
         plan_capacity = cfg.plan_capacity or max_batch * max_context
-        self.groups = [Group("full", pool.num_slots, 0, None, pool.k_sources, pool.v_sources, cfg,
+        self.groups = [_Group("full", pool.num_slots, 0, None, pool.k_sources, pool.v_sources, cfg,
                               self.real_kv_mode, plan_capacity, cfg.sweep_capacity, max_batch, self.device)]
         if pool.swa is not None:
             s = pool.swa
-            self.groups.append(Group("swa", s.num_slots, s.window, s.full_to_swa, s.k_sources, s.v_sources, cfg,
+            self.groups.append(_Group("swa", s.num_slots, s.window, s.full_to_swa, s.k_sources, s.v_sources, cfg,
                                       self.real_kv_mode, min(plan_capacity, max_batch * s.window), cfg.sweep_capacity, max_batch,
                                       self.device))
         self.ring = ops.ViolationRing.allocate(cfg.ring_capacity, self.device)
@@ -236,8 +254,7 @@ class Canary(RecordMoves):
         self.slots.before()
 
     def device_after(self, batch: ForwardBatch) -> None:
-        """TAIL verify (with real-KV hash) and TAIL write, non-finite KV and write checks; advances the device
-        step."""
+        """TAIL verify (with real-KV hash) and TAIL write, non-finite KV check; advances the device step."""
         self.launcher.after(batch)
         self.slots.after()
         self.write_check.after()  # the written slots' bytes vs the computed KV (runtime/write_check.py)
@@ -403,10 +420,10 @@ class Canary(RecordMoves):
         return self.monitor.check_health(force=True)
 
     # -- internals -------------------------------------------------------------------------------
-    def _mode(self, g: Group, kv: str) -> int:
+    def _mode(self, g: _Group, kv: str) -> int:
         return int(self.real_kv_mode) if g.sources[kv] else int(RealKvMode.NONE)
 
-    def _group(self, name: str) -> Group:
+    def _group(self, name: str) -> _Group:
         for g in self.groups:
             if g.name == name:
                 return g
