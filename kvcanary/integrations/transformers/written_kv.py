@@ -10,6 +10,7 @@ lengths and SDPA / eager mask, as the engine's IO holds them, to ``canary.attent
 from __future__ import annotations
 
 from kvcanary.integrations.transformers.layout import layer_types
+from kvcanary.runtime.batch import ForwardBatch
 
 TYPES = (("full_attention", "full"), ("sliding_attention", "swa"))
 
@@ -35,9 +36,10 @@ def hook_cache_update(patcher, session) -> None:
 
 def check_attention_meta(session) -> None:
     canary, runner, lay = session.canary, session.runner, session.layout
-    graphs = runner.graphs
-    # (a fused step's batch is filled when its graph replays, after the forward: not checked now)
-    if not canary.attention_check.on or runner.batch is None or getattr(graphs, "fused_now", False):
+    # (a captured step's batch is assembled only when a report reads it, a fused step's filled when its graph
+    # replays after the forward: both are not checked, docs/write_check.md)
+    if not canary.attention_check.on or not isinstance(runner.batch, ForwardBatch) or \
+            getattr(runner.graphs, "fused_now", False):
         return
     io, batch = session.builder.inputs, runner.batch
     masks = None if getattr(io, "use_block_table", False) else getattr(io, "attention_mask", None)
