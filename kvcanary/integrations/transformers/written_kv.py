@@ -44,6 +44,7 @@ def check_attention_meta(session) -> None:
     io, batch = session.builder.inputs, runner.batch
     masks = None if getattr(io, "use_block_table", False) else getattr(io, "attention_mask", None)
     width = int(getattr(io, "max_kv_read", 0)) + int(getattr(io, "num_q_tokens", 0))
+    cu = getattr(io, "cumulative_seqlens_k", None)
     for kind, group in TYPES:
         index = lay.full_group if group == "full" else lay.swa_group
         if index is None:
@@ -54,5 +55,5 @@ def check_attention_meta(session) -> None:
             # the widest slice the engine hands attention (its padded key count): a correct mask hides the rest
             mask = mask[..., :batch.num_tokens, :min(mask.shape[-1], width)]
             slots = io.read_index_storage[index, :mask.shape[-1]]
-        lens = getattr(io, "cumulative_seqlens_k", {}).get(kind)
+        lens = cu.get(kind) if isinstance(cu, dict) else None
         canary.attention_check.check(group, cu_seqlens_k=lens, mask=mask, key_slots=slots, batch=batch)
