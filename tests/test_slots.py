@@ -393,8 +393,7 @@ def test_transformers_slot_checks_in_captured_steps_report_what_eager_steps_repo
     from kvcanary.runtime.step.tables import StepTables
 
     # (the eager CPU path may skip the new tokens' read check where it holds by construction; compare like with like)
-    verify = StepTables.verify_new_reads
-    monkeypatch.setattr(StepTables, "verify_new_reads", lambda self, batch, shortcut=True: verify(self, batch, False))
+    monkeypatch.setattr(StepTables, "new_reads_shortcut", False)
     bug = globals()[planter]
     eager = run(llama, bug, backend="torch", step_graphs=False)
     made = stand_in_graphs(monkeypatch)

@@ -59,7 +59,7 @@ def test_the_steady_step_needs_the_cpu_eager_compiled_path():
     assert torch_run.runner.steady is None and not SteadyStep.applies(torch_run.runner)
 
 
-def hf_run(steady: bool, bug=None):
+def hf_run(steady: bool, bug=None, **kw):
     pytest.importorskip("transformers")
     from kvcanary.demo import build_tiny_model, run_workload
     from kvcanary.integrations.transformers import session as S
@@ -78,7 +78,7 @@ def hf_run(steady: bool, bug=None):
     S.Session.close = closing
     try:
         with tuned(steady_steps=steady):
-            r = run_workload(build_tiny_model("cpu"), bug=bug, max_new_tokens=14, num_return_sequences=1)
+            r = run_workload(build_tiny_model("cpu"), bug=bug, **{"max_new_tokens": 14, "num_return_sequences": 1, **kw})
     finally:
         S.Session.close = close
     return seen, r
@@ -92,3 +92,23 @@ def test_transformers_steady_steps_leave_what_eager_steps_leave(bug):
     assert r_on.tokens == r_off.tokens and r_on.stats == r_off.stats
     assert (len(on["out"][1]) > 0) == (bug is not None)
     assert on["steady"].taken > 0 and on["steady"].closed > 0 and off["steady"] is None
+
+
+def test_the_steady_step_honours_the_new_reads_shortcut_switch(monkeypatch):
+    # The CPU shortcut of the new tokens' read check skips its verify (runtime/step/tables.py): entries_checked
+    # counts only what a verify compared. Turned off (as the tests comparing captured steps with an eager run do),
+    # the steady step must run that verify as the full path does, or the routes count different entries (an eager
+    # numba run of prefill chunks once counted 2,548 against the captured Triton run's 2,646).
+    from kvcanary.runtime.step.tables import StepTables
+
+    g = torch.Generator().manual_seed(5)
+    kw = dict(prompts=[torch.randint(5, 200, (48,), generator=g).tolist() for _ in range(4)], max_new_tokens=4)
+    short, _ = hf_run(True, **kw)
+    monkeypatch.setattr(StepTables, "new_reads_shortcut", False)
+    on, r_on = hf_run(True, **kw)
+    off, r_off = hf_run(False, **kw)
+    same(on["out"], off["out"])
+    assert r_on.tokens == r_off.tokens and r_on.stats == r_off.stats
+    assert on["steady"].taken > 0 and off["steady"] is None
+    # (the switch changes the count: the shortcut had skipped verifies on both routes)
+    assert short["out"][3]["entries_checked"] < on["out"][3]["entries_checked"]

@@ -43,6 +43,11 @@ class StepTables:
     glue = None  # where the canary runs Triton (__init__): kernels.py's kernels for the read table and entries
     host_table = None  # where it runs numba: the host read table as one compiled loop (ops.read_table_ops)
     new_reads_match = None  # and the new tokens' read-check shortcut as another
+    # The CPU's shortcut of the new tokens' read check (verify_new_reads): where every read cell is its write
+    # cell the check holds by construction and its verify is skipped, so ``entries_checked`` counts fewer entries
+    # than a run that verifies them (a captured step, CUDA). Every CPU route (the full path and the numba steady
+    # step alike) honours this switch; tests comparing a captured route with an eager run turn it off.
+    new_reads_shortcut = True
 
     def __init__(self, canary, source):
         self.canary, self.source = canary, source
@@ -214,7 +219,7 @@ class StepTables:
         # (numba: one compiled pass; else numpy: the same cells, ops.read_table's host bodies, unvalidated)
         (self.host_table or numpy_read_table)(out, rows, v.prefix, v.extend, read, *limits)
 
-    def verify_new_reads(self, batch: ForwardBatch, shortcut: bool = True) -> None:
+    def verify_new_reads(self, batch: ForwardBatch, shortcut: bool | None = None) -> None:
         """HEAD-verify the slots the forward reads for its own new tokens, after the HEAD write.
 
         Full attention writes the new tokens, then reads positions [0, prefix + extend) through the
@@ -230,7 +235,9 @@ class StepTables:
         rtt = batch.req_to_token
         # Where every read cell is the write cell the check holds by construction (the HEAD write just
         # stored those records); on the CPU that comparison costs no sync and saves the verify (not
-        # inside a captured step: its outcome would be baked into the capture).
+        # inside a captured step: its outcome would be baked into the capture). None: ``new_reads_shortcut``.
+        if shortcut is None:
+            shortcut = self.new_reads_shortcut
         if shortcut and self.device.type == "cpu":
             v = getattr(batch, "host_views", None) or self._views(batch, io)
             match = self.new_reads_match
