@@ -431,6 +431,28 @@ def test_verify(backend, case):
         assert row[5] != row[6]  # stored vs expected prev hash
 
 
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_verify_never_reads_slot_0s_record(backend):
+    # Slot 0 is reserved (SPEC): when requests of one launch write it, which write lands last depends on the
+    # backend, so its record is unspecified (docs/ops.md, "Edge-case semantics"). No verify may read it: an
+    # entry naming slot 0 is skipped, a prev of 0 leaves the chain unchecked. Same ring and counters whatever
+    # slot 0 holds.
+    entries = [(0, 5, 9, 7), (5, 2, 0, -1), (3, 0, -1, 11), (0, 1, 0, -1)]
+    got = []
+    for garbage in (0, 0x1234_5678_9ABC_DEF, -1):
+        buf = _base_buffer(48)
+        buf.view(torch.int64)[0, :] = garbage
+        ring, counters, plan = poisoned_ring(8, DEVICE), allocate_counters(DEVICE), poisoned_plan(6, 1, DEVICE)
+        cols = list(zip(*entries))
+        ops.fill_entries(plan.entries, t(cols[0]), t(cols[1]), t(cols[2]), t(cols[3]))
+        plan.entries.enable.fill_(1)
+        ops.verify(buf=buf, entries=plan.entries, ring=ring, counters=counters, launch_tag=LaunchTag.SWEEP_K_FULL,
+                   backend=use_backend(backend))
+        got.append((int(ring.write_index[0]), counters.tolist()))
+    assert got[0] == (0, got[0][1]) and got[0][1][LaunchTag.SWEEP_K_FULL] == [1, len(entries)]
+    assert got[1] == got[0] and got[2] == got[0]
+
+
 @pytest.mark.skipif("triton" not in FAST_BACKENDS, reason="Triton is not installed")
 @pytest.mark.parametrize("lanes", [64, 2, 0], ids=["lanes64", "lanes2", "block"])
 @pytest.mark.parametrize("case", [c for c in WRITE_CASES if not WRITE_CASES[c].get("serial")], ids=str)
