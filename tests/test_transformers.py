@@ -388,6 +388,17 @@ def check_shared_block(names, vs):
     assert f"read by {len(readers)} requests in this forward" in first[0].block()
 
 
+# planted through the 5.18+ sector cache's allocators and IO (kvcanary/sim/hf_bugs.py): 5.17 has neither
+SECTOR_BUGS = ("write-k-only", "mask-reset-short", "sliding-v-into-k")
+
+
+def skip_on_517(bug):
+    from kvcanary.integrations.transformers.reach import has_block_pool
+
+    if bug in SECTOR_BUGS and not has_block_pool():
+        pytest.skip(f"{bug} is planted into transformers >= 5.18's sector cache")
+
+
 def check_write_kv(vs, tag, source):
     # the write stored other bytes than the layer computed: reported by the write check at the very forward (the
     # first), naming the slot, the layer's cache and the writer, before any read of the slot; the record checks alone
@@ -481,6 +492,7 @@ def check_write_into_predecessor(vs):
 
 @pytest.mark.parametrize("bug", sorted(hf_bugs.BUGS))
 def test_planted_bug_is_reported(llama, bug):
+    skip_on_517(bug)
     run = run_workload(llama, bug=bug)
     assert run.violations, f"{bug}: no violation"
     EXPECTED[bug](lambda rid: run.names.get(rid, ""), run.violations)
@@ -544,6 +556,7 @@ def test_engine_padded_inputs_and_warmup_are_clean(llama, engine_padding):
 def test_planted_bug_is_reported_over_padded_inputs_after_warmup(llama, engine_padding, bug):
     # the engine's warm-up runs fake requests first: a bug planted into one of them would vanish in the
     # cache reset after it, so every planted bug must still take effect on a real request, and be reported
+    skip_on_517(bug)
     if bug in WRITE_ONLY_BUGS:
         pytest.skip(WRITE_ONLY_BUGS[bug])
     planted = run_workload(llama, bug=bug, cb=PADDED)
@@ -578,6 +591,7 @@ def _first_difference(a: dict, b: dict) -> str:
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine's CUDA graphs need CUDA")
 @pytest.mark.parametrize("bug", sorted(hf_bugs.BUGS))
 def test_planted_bug_is_reported_with_engine_cuda_graphs(llama, bug):
+    skip_on_517(bug)
     if bug in WRITE_ONLY_BUGS:
         pytest.skip(WRITE_ONLY_BUGS[bug])
     run = run_workload(llama, bug=bug, cb=GRAPHS)
@@ -787,12 +801,14 @@ def test_long_decode(llama):
 
 # -- the write and attention-metadata checks (docs/write_check.md) --------------------------------------------
 def test_a_sliding_window_write_of_v_into_the_k_cache_is_reported(hybrid):
+    skip_on_517("sliding-v-into-k")
     run = run_workload(hybrid, bug="sliding-v-into-k", max_new_tokens=14)
     check_write_kv(run.violations, "TAIL_K_SWA", "K of layer 1 (swa group)")
 
 
 @pytest.mark.parametrize("bug", ["write-k-only", "mask-reset-short"])
 def test_without_the_write_and_attention_checks_the_bugs_go_unseen(llama, bug):
+    skip_on_517(bug)
     # the twin of the planted runs: the record checks alone certify the wrong bytes (TAIL hashes what the slot
     # holds) and never look at the mask, so nothing is reported; the checks' own counters say they were off
     run = run_workload(llama, bug=bug, write_check=False, attention_check=False)
