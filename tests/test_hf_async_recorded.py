@@ -25,7 +25,9 @@ pytestmark = [
 ]
 
 ASYNC = {"use_cuda_graph": False, "use_async_batching": True}
-RUN = dict(device="cpu", num_return_sequences=1, max_new_tokens=24, backend="triton")
+# 16 new tokens: 25 forwards (above the clean runs' `forwards > 20`; 24 tokens made 33), with the
+# per-turn and fused paths reached (STEADY_SIGHTINGS 2)
+RUN = dict(device="cpu", num_return_sequences=1, max_new_tokens=16, backend="triton")
 
 
 @pytest.fixture(scope="module")
