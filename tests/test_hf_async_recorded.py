@@ -42,14 +42,15 @@ def steady(monkeypatch):
     monkeypatch.setattr(graphs, "STEADY_SIGHTINGS", 2)  # (a short run reaches the per-turn and fused paths)
 
 
-def _recorded_run(llama, monkeypatch, memory=False, **options):
+def _recorded_run(llama, monkeypatch, memory=False, tokens=None, **options):
     """(the canary-less async run, the canary's run, the recording of the canary's run alone)"""
     from hf_async_model import recorded_async, restart
 
+    workload = RUN if tokens is None else {**RUN, "max_new_tokens": tokens}
     with recorded_async(monkeypatch, memory=memory) as rec:
-        base = run_workload(llama, canary=False, cb=ASYNC, **RUN)
+        base = run_workload(llama, canary=False, cb=ASYNC, **workload)
         restart(rec)  # (the canary's run alone from here)
-        run = run_workload(llama, cb=ASYNC, **RUN, **options)
+        run = run_workload(llama, cb=ASYNC, **workload, **options)
     return base, run, rec
 
 
@@ -142,7 +143,8 @@ def test_the_next_rewrite_of_a_storage_set_waits_for_the_canary_work_that_read_i
     from kvcanary.runtime.step import carry
 
     monkeypatch.setattr(carry.Carry, "done_event", lambda self: None)
-    _, run, rec = _recorded_run(llama, monkeypatch)
+    # (24 new tokens: with 16 the recording shows no rewrite racing the staging; measured, not derived)
+    _, run, rec = _recorded_run(llama, monkeypatch, tokens=24)
     assert run.violations == []  # (the CPU runs everything at once: only the recording sees the race)
     races = {(a.op, b.op, r[0]) for a, b, r in rec.races()}
     assert races == {("stage", "h2d", "inputs")}, races
