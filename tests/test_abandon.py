@@ -214,12 +214,12 @@ def sim_run(route: str, fail_at: int | None):
     calls = {"n": 0, "open": []}
     model_forward, engine_forward = e.model.forward, e.forward
 
-    def forward(*args):
+    def forward(*args, **kwargs):  # (the model's keywords: its write-check note)
         calls["n"] += 1
         if calls["n"] == fail_at:
             calls["open"].append(e.canary._open is not None)
             raise PlantedFailure("the engine's forward failed")
-        model_forward(*args)
+        model_forward(*args, **kwargs)
 
     def retrying(works):
         try:

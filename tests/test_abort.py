@@ -154,8 +154,8 @@ class OracleEngine(SimEngine):
         self._works = []
         model_forward = self.model.forward
 
-        def forward(*args):
-            model_forward(*args)
+        def forward(*args, **kwargs):  # (the model's keywords: its write-check note)
+            model_forward(*args, **kwargs)
             self._check_reads()
 
         self.model.forward = forward
