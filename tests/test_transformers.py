@@ -162,14 +162,16 @@ def test_stats_keep_their_keys_from_attach_on(llama):
     gen = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1)
     cbc = ContinuousBatchingConfig(block_size=4, num_blocks=64, max_batch_tokens=16, use_async_batching=False,
                                    use_cuda_graph=False)
-    seen = [handle.stats()]
-    assert seen[0]["sessions"] == 0 and seen[0]["forwards"] == 0 and seen[0]["prefix_hits"] == 0
-    for prompts in (demo_prompts(512)[:2], demo_prompts(512)[:3]):
-        llama.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc)
-        seen.append(handle.stats())
-    # (a session's own keys, the handle's two besides: none missing from the zero totals)
-    assert set(handle.sessions[-1].stats()) | {"sessions", "hooked_forwards"} == set(seen[0])
-    handle.detach()
+    try:  # (detached whatever fails: the model is shared with the tests after this one)
+        seen = [handle.stats()]
+        assert seen[0]["sessions"] == 0 and seen[0]["forwards"] == 0 and seen[0]["prefix_hits"] == 0
+        for prompts in (demo_prompts(512)[:2], demo_prompts(512)[:3]):
+            llama.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc)
+            seen.append(handle.stats())
+        # (a session's own keys, the handle's two besides: none missing from the zero totals)
+        assert set(handle.sessions[-1].stats()) | {"sessions", "hooked_forwards"} == set(seen[0])
+    finally:
+        handle.detach()
     seen.append(handle.stats())
     assert [list(s) for s in seen] == [list(seen[0])] * 4
     assert [s["sessions"] for s in seen] == [0, 1, 2, 2] and seen[-1]["forwards"] == handle.forwards > 0

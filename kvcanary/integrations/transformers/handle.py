@@ -124,8 +124,8 @@ def _zero_stats() -> dict:
     return {
         **dict.fromkeys(("step", "forwards", "tokens_protected", "entries_checked"), 0), "launches": {},
         **dict.fromkeys(("sweeps", "violations", "idempotent_rewrites", "aborted_requests"), 0), "aborts_by_reason": {},
-        **dict.fromkeys(("abort_unattributed", "abort_handler_errors", "poisoned_slots", "allocator_checks",
-                         "allocator_violations"), 0),
+        **dict.fromkeys(("abort_unattributed", "abort_handler_errors", "poisoned_slots", "write_check_notes",
+                         "attention_checks", "allocator_checks", "allocator_violations"), 0),
         **dict.fromkeys(EVENTS, 0), "requests": 0}
 
 
