@@ -228,7 +228,7 @@ class Session:
         self.files.write_stats(self.stats())
 
     def report(self, finish_tp: bool = True) -> dict:
-        """Drain everything and return this session's rows and stats (``kvcanary_report``; JSON-safe)."""
+        """Drain everything and return the rows and stats of this canary session (``kvcanary_report``; JSON-safe)."""
         self.canary.flush()
         if finish_tp and self.consistency is not None and not self.closed:
             self._divergences(self.consistency.finish())
