@@ -14,7 +14,10 @@ attend column ``K_r + j`` exactly when ``j <= i + kept_r`` (causal) and, with a 
   or -inf, or a bool mask, True = attend): over the batch's live query rows and the mask's columns, a real request
   whose rows differ anywhere pushes one row for its first such query (then column):
   ``[tag, key slot (-1 without key_slots or past them), query position, mask allows (1/0), read index allows
-  (1/0), request, column, ATTENTION_MASK]``.
+  (1/0), request, column, ATTENTION_MASK]``. ``batch_keys_only``: only the columns before the batch's last key
+  (the sum of its real requests' key lengths) are compared, for a caller whose mask slice is wider than the keys
+  the engine hands attention (a recorded step's slice, whose width is a bucket: the columns past the keys may hold
+  stale values attention never reads).
 
 Two implementations agree on the ring's rows: ``reference_check_attention`` (scalar loops, the oracle) and
 ``torch_check_attention`` (tensor ops, any device, no host read off the CPU: capturable). No kernel of its own:
@@ -50,7 +53,8 @@ def _layout(rows, prefix, extend, window: int):
 
 
 def reference_check_attention(*, req_pool_indices, prefix_lens, extend_lens, positions, request_ids, window,
-                              cu_seqlens_k, mask, key_slots, launch_tag, ring, host_reads=None) -> None:
+                              cu_seqlens_k, mask, key_slots, launch_tag, ring, host_reads=None,
+                              batch_keys_only: bool = False) -> None:
     rows, prefix, extend = req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()
     ids = request_ids.tolist() if request_ids is not None else rows
     lay = _layout(rows, prefix, extend, window)
@@ -68,6 +72,7 @@ def reference_check_attention(*, req_pool_indices, prefix_lens, extend_lens, pos
     allowed = allowed_of(mask).tolist()
     slots = key_slots.tolist() if key_slots is not None else []
     pos = positions.tolist()
+    cols = sum(length for _, _, length, _ in lay) if batch_keys_only else None
     k0 = q0 = 0
     for r, (real, kept, length, nq) in enumerate(lay):
         found = None
@@ -75,7 +80,7 @@ def reference_check_attention(*, req_pool_indices, prefix_lens, extend_lens, pos
             t = q0 + i
             if t >= len(allowed):
                 break
-            for c in range(len(allowed[t])):
+            for c in range(len(allowed[t]) if cols is None else min(cols, len(allowed[t]))):
                 j = c - k0
                 want = 0 <= j < length and j <= i + kept and (not window or j > i + kept - (window + 1))
                 if allowed[t][c] != want:
@@ -91,7 +96,8 @@ def reference_check_attention(*, req_pool_indices, prefix_lens, extend_lens, pos
 
 
 def torch_check_attention(*, req_pool_indices, prefix_lens, extend_lens, positions, request_ids, window,
-                          cu_seqlens_k, mask, key_slots, launch_tag, ring, host_reads=None) -> None:
+                          cu_seqlens_k, mask, key_slots, launch_tag, ring, host_reads=None,
+                          batch_keys_only: bool = False) -> None:
     dev = req_pool_indices.device
     host = _host_reads(dev) if host_reads is None else host_reads
     bs = req_pool_indices.shape[0]
@@ -123,13 +129,16 @@ def torch_check_attention(*, req_pool_indices, prefix_lens, extend_lens, positio
     r = torch.searchsorted(q_start[1:].contiguous(), t, right=True).clamp(max=bs - 1)  # each query row's request
     live = t < q_start[bs]
     i = t - q_start[r]
-    j = torch.arange(K, device=dev)[None, :] - k_start[r][:, None]  # [T, K]
+    col = torch.arange(K, device=dev)
+    j = col[None, :] - k_start[r][:, None]  # [T, K]
     lim = (i + kept[r])[:, None]
     want = (j >= 0) & (j < length[r][:, None]) & (j <= lim)
     if window:
         want &= j > lim - (window + 1)
     allowed = allowed_of(mask)
     mism = (allowed != want) & live[:, None]
+    if batch_keys_only:  # (the bound on the device: a recorded step replays it for each step's batch)
+        mism &= col[None, :] < k_start[bs]
     tok_bad = mism.any(1)
     first_c = mism.to(torch.int8).argmax(1)  # each query row's first differing column
     none = T

@@ -53,13 +53,13 @@ class RealKvSource:
         """uint8 [rows, page_size * num_bytes_per_token] view of the pages (no copy)."""
         t = self.tensor
         itemsize = t.element_size()
+        size, stride = (t.shape[0], self.page_size * self.num_bytes_per_token), (self.row_stride_bytes, 1)
+        if t.stride(-1) == 1:
+            # view ops only: a recorded step (a CUDA graph, or the CPU stand-in replaying each op into the tensor
+            # it returned at capture) sees the same view, where a fresh tensor re-pointed by ``set_`` is not one
+            return torch.as_strided(t.view(torch.uint8), size, stride, t.storage_offset() * itemsize)
         flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-        flat.set_(
-            t.untyped_storage(),
-            t.storage_offset() * itemsize,
-            (t.shape[0], self.page_size * self.num_bytes_per_token),
-            (self.row_stride_bytes, 1),
-        )
+        flat.set_(t.untyped_storage(), t.storage_offset() * itemsize, size, stride)
         return flat
 
 

@@ -9,7 +9,9 @@ attend another request's keys (or hides its own) while every verified slot is ri
 ``AttentionCheck.check`` (``Canary.check_attention``) compares, for the open forward, the engine's cumulative
 key lengths and mask of one group with the layout the batch's prefix and new-token counts imply
 (``ops/attention_ops.py``): ``key_length`` and ``attention_mask`` rows, one per request at most, pushed into
-the ring on the canary's side stream (tensor ops, no host read off the CPU).
+the ring on the canary's side stream (tensor ops, no host read off the CPU). Those ops read the engine's buffers by
+address, so a runner that records a step's work (``runtime/step``: the captured and fused steps) records this check
+with it (``recorded``), and each replay checks that step's metadata (``note_recorded`` counts it).
 """
 
 from __future__ import annotations
@@ -46,6 +48,26 @@ class AttentionCheck:
         if batch is None:
             raise RuntimeError(f"kv-canary: check_attention must run while a forward is open (between "
                                f"before_forward and after_forward), got none open at step {c.step}")
+        if self._compare(self.impl, group, batch, cu_seqlens_k, mask, key_slots, False):
+            self.checks += 1
+
+    def recorded(self, batch: ForwardBatch, *, cu_seqlens_k=None, mask=None, key_slots=None,
+                 batch_keys_only: bool = False) -> bool:
+        """``check`` of the full-attention group, issued inside a step's recorded work (the step runner's
+        captured and fused steps, ``StepRunner.record_attention``), which replays it each step: counted per step
+        by ``note_recorded``, not here. ``batch_keys_only``: ``mask`` is wider than the keys the engine hands
+        attention (its width a bucket), and only its columns before the batch's last key are compared. Returns
+        whether anything was compared. (Tensor ops whatever the backend: the reference's host loops cannot be
+        recorded, and both give the same rows.)"""
+        return self.on and self._compare(torch_check_attention, "full", batch, cu_seqlens_k, mask, key_slots,
+                                         batch_keys_only)
+
+    def note_recorded(self) -> None:
+        """A step whose recorded work holds this check ran (stats: it compared that step's metadata)."""
+        self.checks += 1
+
+    def _compare(self, impl, group: str, batch, cu_seqlens_k, mask, key_slots, batch_keys_only: bool) -> bool:
+        c = self.c
         g = c._group(group)
         if mask is not None:
             if mask.dim() < 2 or any(d != 1 for d in mask.shape[:-2]):
@@ -53,15 +75,15 @@ class AttentionCheck:
                                  f"dimensions of 1, got shape {tuple(mask.shape)}")
             mask = mask.reshape(mask.shape[-2], mask.shape[-1])[:batch.num_tokens]
         if cu_seqlens_k is None and mask is None:
-            return
+            return False
         with c.launcher.side():
             c.launcher.streams.note("attention_check", reads=("engine_inputs",), atomic=("ring",))
-            self.impl(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
+            impl(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
                       extend_lens=batch.extend_lens, positions=batch.positions, request_ids=batch.request_ids,
                       window=g.window, cu_seqlens_k=cu_seqlens_k, mask=mask, key_slots=key_slots,
                       launch_tag=g.tag("head", "k"), ring=c.ring,
-                      host_reads=c.device.type == "cpu" and c.launcher.host_ops)
-        self.checks += 1
+                      host_reads=c.device.type == "cpu" and c.launcher.host_ops, batch_keys_only=batch_keys_only)
+        return True
 
     def attribution(self, row: list[int], step: int) -> dict:
         """What a report adds to an ``attention_mask`` / ``key_length`` row: the reading request (and position)."""

@@ -14,7 +14,10 @@ A source hands the runner three things per forward:
   ``HostStep.unpack`` reads it back: the layout lives here alone;
 - the **device inputs** (``StepInputs``: ``source.inputs``): the tensors the forward reads its input ids,
   positions, write slots and read slots from, with their true sizes, and the stream the forward runs on;
-- the **KV storages**: given once, as the canary's ``PoolSpec``.
+- the **KV storages**: given once, as the canary's ``PoolSpec``;
+- optionally the **attention metadata** (``AttentionInputs``: ``source.attention_inputs(io)``): the key lengths
+  and mask the full-attention kernel gets, as static buffers with this step's mask width, which a recorded step's
+  attention-metadata check reads by address (``runtime/attention_check.py``).
 
 The runner reads the inputs' storages by address and never writes them: an engine that captures its forward
 in a CUDA graph keeps them static, so the runner's captured step reads the same memory each replay (and
@@ -30,7 +33,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-__all__ = ["EngineSource", "HostLayout", "HostParts", "HostStep", "StepInputs", "StepOptions", "TokenCells"]
+__all__ = ["AttentionInputs", "EngineSource", "HostLayout", "HostParts", "HostStep", "StepInputs", "StepOptions",
+           "TokenCells"]
 
 
 class HostLayout(NamedTuple):
@@ -188,6 +192,16 @@ class StepInputs(Protocol):
     compute_stream: object  # the CUDA stream the forward runs on (None: the current stream; the CPU)
 
 
+class AttentionInputs(NamedTuple):
+    """The attention metadata the engine hands the full-attention group's kernel for one step
+    (``EngineSource.attention_inputs``). The tensors are static buffers of the step's input storage set (the same
+    tensor every step the set serves: a recorded step reads them by address); ``width`` is this step's."""
+
+    cu_seqlens_k: torch.Tensor | None  # [>= bs + 1] cumulative key lengths per request (None: none handed over)
+    mask: torch.Tensor | None  # [..., >= T, >= width] the SDPA / eager mask buffer, leading dims 1 (None: no mask)
+    width: int  # the mask's columns attention gets this step (its rows: the step's tokens)
+
+
 class EngineSource(Protocol):
     """An engine's side of the step runner (``runtime.step.StepRunner``)."""
 
@@ -209,6 +223,11 @@ class EngineSource(Protocol):
     def host_part(self, copy: bool = True, padded: bool = False) -> HostStep: ...
 
     def finish(self, batch, h: HostStep, arange) -> None: ...  # an eager step's extras (oracle, window table)
+
+    # optional: the attention metadata of a step of inputs ``io`` (None: none to check; the block-table path). With
+    # it, the captured and fused steps check it in their recording (runtime/attention_check.py); without it,
+    # only the engine's own calls to ``Canary.check_attention`` on eager steps do
+    def attention_inputs(self, io) -> AttentionInputs | None: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -278,7 +278,12 @@ class DispatchGraph:
         # the storages the capture made (first met as a result, not as an argument): the graph's own; every
         # other tensor is held by address, as a CUDA graph holds it
         seen, owned = set(), set()
-        for _, args, kw, out in self.calls:
+        for fn, args, kw, out in self.calls:
+            if fn is torch.ops.aten.lift_fresh.default:
+                # a host constant made into a tensor for one op (``x[:1] = 0``): baked into the graph, as a CUDA
+                # graph bakes a fill's value into its kernel
+                owned.update(t.untyped_storage()._cdata for t in tensors_in(args))
+                continue
             seen.update(t.untyped_storage()._cdata for t in tensors_in((args, kw)))
             owned.update(c for c in (t.untyped_storage()._cdata for t in tensors_in(out)) if c not in seen)
         self.calls = [(fn, _hold(args, owned), _hold(kw, owned), _hold(out, owned))

@@ -17,6 +17,7 @@ from operator import add, attrgetter, getitem, sub
 import numpy as np
 import torch
 
+from kvcanary.integrations.transformers.written_kv import attention_inputs
 from kvcanary.runtime.engine import HostLayout, HostStep, TokenCells
 from kvcanary.runtime.report import MISSING_TOKEN
 from kvcanary.runtime.step.carry import PairInputs, history_need
@@ -302,6 +303,12 @@ class BatchBuilder(TokenRows):
         """The engine's inputs and outputs of the step (``runtime.engine.StepInputs``; async: its pair's view)."""
         io = self.s.bp.inputs_and_outputs
         return io if self.pairs is None else self.pairs[io.current_pair]
+
+    def attention_inputs(self, io):
+        """The full-attention group's key lengths and mask as ``io`` hands them to attention
+        (``runtime.engine.AttentionInputs``; None on the block-table path): checked inside the captured and fused
+        steps' recorded work."""
+        return attention_inputs(io)
 
     def finish(self, batch, h: HostStep, arange) -> None:
         """An eager step's extras: the token oracle's expectations, the sliding-window group's table."""

@@ -4,13 +4,16 @@
 value_states, layer_idx, ...)`` inside the forward, before any allocator stores them (index-based update, the
 decode fast path whose kernel writes through the block table): the hook passes them on to
 ``canary.write_check.note_layer``. ``check_attention_meta``: before the forward, each attention type's per-request key
-lengths and SDPA / eager mask, as the engine's IO holds them, to ``canary.attention_check.check``.
+lengths and SDPA / eager mask, as the engine's IO holds them, to ``canary.attention_check.check`` on eager steps;
+``attention_inputs``: the full-attention group's static buffers and mask width (``BatchBuilder.attention_inputs``),
+which the step runner's captured and fused steps check inside their recorded work.
 """
 
 from __future__ import annotations
 
 from kvcanary.integrations.transformers.layout import layer_types
 from kvcanary.runtime.batch import ForwardBatch
+from kvcanary.runtime.engine import AttentionInputs
 
 TYPES = (("full_attention", "full"), ("sliding_attention", "swa"))
 
@@ -34,16 +37,33 @@ def hook_cache_update(patcher, session) -> None:
     patcher.set(cache, "update", update)
 
 
+def mask_width(io) -> int:
+    """The widest slice of the mask the engine hands attention this step (its padded key count: a correct mask
+    hides the columns past the batch's keys; columns past this one may hold stale values attention never reads)."""
+    return int(getattr(io, "max_kv_read", 0)) + int(getattr(io, "num_q_tokens", 0))
+
+
+def attention_inputs(io) -> AttentionInputs | None:
+    """The full-attention group's key lengths and mask buffers of ``io`` and this step's mask width (None on the
+    block-table path: no mask, never recorded)."""
+    if getattr(io, "use_block_table", False):
+        return None
+    masks, cu = getattr(io, "attention_mask", None), getattr(io, "cumulative_seqlens_k", None)
+    mask = masks.get("full_attention") if isinstance(masks, dict) else None
+    lens = cu.get("full_attention") if isinstance(cu, dict) else None
+    return AttentionInputs(lens, mask, mask_width(io))
+
+
 def check_attention_meta(session) -> None:
     canary, runner, lay = session.canary, session.runner, session.layout
-    # (a captured step's batch is assembled only when a report reads it, a fused step's filled when its graph
-    # replays after the forward: both are not checked, docs/write_check.md)
-    if not canary.attention_check.on or not isinstance(runner.batch, ForwardBatch) or \
-            getattr(runner.graphs, "fused_now", False):
+    # The captured and fused steps (the graphs route, CUDA's default) check the full-attention group's key lengths
+    # and mask inside their recorded work (StepRunner.record_attention), from the same buffers: only the eager
+    # steps are checked here, every group (a sliding-window model's steps are all eager). docs/write_check.md
+    if not canary.attention_check.on or runner.attention_recorded or not isinstance(runner.batch, ForwardBatch):
         return
     io, batch = session.builder.inputs, runner.batch
     masks = None if getattr(io, "use_block_table", False) else getattr(io, "attention_mask", None)
-    width = int(getattr(io, "max_kv_read", 0)) + int(getattr(io, "num_q_tokens", 0))
+    width = mask_width(io)
     cu = getattr(io, "cumulative_seqlens_k", None)
     for kind, group in TYPES:
         index = lay.full_group if group == "full" else lay.swa_group
@@ -52,7 +72,6 @@ def check_attention_meta(session) -> None:
         mask = masks.get(kind) if isinstance(masks, dict) else None
         slots = None
         if mask is not None:
-            # the widest slice the engine hands attention (its padded key count): a correct mask hides the rest
             mask = mask[..., :batch.num_tokens, :min(mask.shape[-1], width)]
             slots = io.read_index_storage[index, :mask.shape[-1]]
         lens = cu.get(kind) if isinstance(cu, dict) else None

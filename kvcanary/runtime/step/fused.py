@@ -6,7 +6,8 @@ before, one new token each, a shape seen often) the two replays of the unfused p
 forward, then TAIL and the step's snapshot after it), their stream hand-overs and the runtime's
 per-step bookkeeping around each become one replay behind the forward, on the canary's side stream: the
 staged values' copy, the read table, HEAD verify and write, the reserved-slot checks, the new tokens' read
-check, TAIL verify and write, the non-finite KV check, and the snapshot copy into its slot. HEAD then runs
+check, the attention-metadata check (against the engine's static mask and key-length buffers), TAIL verify and
+write, the non-finite KV check, and the snapshot copy into its slot. HEAD then runs
 after the forward instead of beside it (a few small kernels at decode); TAIL reads what the forward wrote, as
 before. The engine's streams wait for it
 only where they next touch KV or the inputs (``join``: the next step, fork copies, offloads, restores,
@@ -211,7 +212,7 @@ class FusedSteps:
 
         def body():
             with launcher.kept_here():  # the runtime's side sections stay on the capturing stream
-                g._body(e, h)  # staged values' copy, read table, HEAD, the new tokens' read check
+                g._body(e, h)  # staged values' copy, read table, HEAD, the new tokens' read and attention checks
                 # TAIL verify and write, the device step, the non-finite KV check (as every unfused step runs them)
                 self.s.canary.device_after(e.batch)
                 if slot is not None:
@@ -261,19 +262,21 @@ class FusedSteps:
 
 class Run:
     """A run of steady steps of one shape (``StepGraphs.before``): what a repeat must match (batch size, token
-    cells, a read-table width that rounds to the run's, the read index's flavour, the engine's input storages)
+    cells, a read-table width that rounds to the run's, the read index's flavour, the attention mask's columns, the
+    engine's input storages)
     and each (staging turn, snapshot slot) pair's plan and graph, found by the turn buffer's address and the
     slot's index: a repeat builds no keys and looks nothing up in the kept graphs."""
 
-    __slots__ = ("bs", "cells", "lo", "hi", "no_read", "ptrs", "pairs")
+    __slots__ = ("bs", "cells", "lo", "hi", "no_read", "ptrs", "mask", "pairs")
 
-    def __init__(self, h, lo: int, hi: int, no_read: bool, ptrs: tuple):
+    def __init__(self, h, lo: int, hi: int, no_read: bool, ptrs: tuple, mask: int = 0):
         self.bs, self.cells, self.lo, self.hi = h.bs, h.cells, lo, hi
-        self.no_read, self.ptrs = no_read, ptrs
+        self.no_read, self.ptrs, self.mask = no_read, ptrs, mask
         self.pairs: dict = {}
 
     def matches(self, h, key) -> bool:
         """Step ``h`` of key ``key`` (``plans.StepKey``) has the run's shape (its width in (lo, hi]; the read
-        index lists every slot it reads)."""
+        index lists every slot it reads; its attention check compares the run's mask columns)."""
         return (h.T == h.bs == self.bs and h.cells == self.cells and self.lo < h.width <= self.hi
-                and key.storages is self.ptrs and key.no_read == self.no_read and key.full_read)
+                and key.storages is self.ptrs and key.no_read == self.no_read and key.full_read
+                and key.mask == self.mask)

@@ -24,7 +24,9 @@ again in the H200 prefill benchmark): their graph, one per shape, reads a static
 values, and the monitor gets the turn's values and a copy of the read table.
 
 The key is everything the captured calls depend on: batch size, new tokens, token cells, the read
-table's width rounded up (cells past a request's length are never read), and the data pointers of
+table's width rounded up (cells past a request's length are never read), the attention mask's columns the
+attention-metadata check compares (``StepRunner.mask_cols``: the check is recorded with the step and
+replayed against the engine's static mask and key-length buffers), and the data pointers of
 the staged buffer (the turn's, or the static copy) and the engine's tensors. Anything else — a
 read index shorter than the batch (an engine bug), the flash block-table path, a sliding-window
 group, the token oracle, fault injection — runs eagerly.
@@ -175,7 +177,7 @@ class StepGraphs:
         lo = 0 if width <= WIDTH_STEP else 1 << ((width - 1).bit_length() - 1)
         if not (table_width(lo + 1, cap, WIDTH_STEP) == width == table_width(h.width, cap, WIDTH_STEP)):
             lo = h.width - 1  # (past the cap, or anything unusual: this width alone)
-        return Run(h, lo, width, key.no_read, key.storages)
+        return Run(h, lo, width, key.no_read, key.storages, key.mask)
 
     def _inline(self, e: Plan):
         """A captured steady decode step replayed on the hook's own stream, which the engine prepared the
@@ -305,3 +307,6 @@ class StepGraphs:
         s.tables.fill_read_table(batch, h, captured=True)
         s.canary.device_before(batch)
         s.tables.verify_new_reads(batch, shortcut=False)
+        # the attention metadata against the batch, from the engine's static buffers (after the new tokens' read
+        # check, as an eager step's hook runs it)
+        s.record_attention(batch, h)

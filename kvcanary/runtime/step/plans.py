@@ -12,7 +12,8 @@ close). A step whose buffers and shape match one taken before need not resolve i
 - **One key** (``StepKey``), computed once per step by the runner from the source's host part (``HostStep``)
   and inputs: the step's shape (requests, new tokens, token cells, the read table's width rounded up to the
   runner's bucket, whether the forward reads cached KV, whether the read index lists every slot read, the
-  block-table path) and the addresses of the buffers a recording reads (the engine's four input storages,
+  block-table path, the attention mask's columns the step's attention-metadata check compares) and the addresses of
+  the buffers a recording reads (the engine's four input storages,
   ``Storages``; the staged host part). Every cache of the runner is keyed by it (or by it with one address
   replaced: a static copy of the staged values, a snapshot slot).
 - **One cache** (``Plans``): per key a ``Plan`` (the batch its steps share, its recording once made, what the
@@ -54,16 +55,22 @@ class StepKey(NamedTuple):
     no_read: bool  # the forward reads no cached KV (fresh prefills only)
     full_read: bool  # the read index lists every slot the step reads (a shorter one is an engine bug)
     block: bool  # the block-table decode path (never recorded)
+    # the attention mask's columns a recorded step's attention-metadata check compares (``StepRunner.mask_cols``):
+    # 0 none, n > 0 exactly n (the width the engine hands attention), -n a bucket of n past the step's own keys,
+    # whose columns past the batch's keys are not compared
+    mask: int
     storages: tuple  # the engine's input storages' addresses (``Storages``: one tuple object per storage set)
     packed: int  # the staged host part's address (the staging turn's buffer)
 
     @classmethod
-    def of(cls, h, storages: tuple, packed: int, group: int, width_step: int, max_context: int) -> StepKey:
+    def of(cls, h, storages: tuple, packed: int, group: int, width_step: int, max_context: int,
+           mask: int = 0) -> StepKey:
         """The key of host part ``h`` (``runtime.engine.HostStep``) whose inputs have ``storages`` and whose
-        staged buffer is at ``packed`` (``Staging.last_ptr``: known without a tensor call)."""
+        staged buffer is at ``packed`` (``Staging.last_ptr``: known without a tensor call); ``mask``: the mask
+        columns its attention-metadata check compares (the key's ``mask``)."""
         io = h.io
         return cls(h.bs, h.T, h.cells, table_width(h.width, max_context, width_step), io.max_kv_read == 0,
-                   io.true_read_sizes[group] >= h.total, io.use_block_table, storages, packed)
+                   io.true_read_sizes[group] >= h.total, io.use_block_table, mask, storages, packed)
 
     @property
     def shape(self) -> tuple:

@@ -34,7 +34,7 @@ from kvcanary.runtime.engine import StepOptions
 from kvcanary.runtime.graphs import CudaGraphs
 from kvcanary.runtime.step.carry import Carry
 from kvcanary.runtime.step.graphs import WIDTH_STEP, StepGraphs
-from kvcanary.runtime.step.plans import StepKey, Storages
+from kvcanary.runtime.step.plans import StepKey, Storages, table_width
 from kvcanary.runtime.step.staging import Staging
 from kvcanary.runtime.step.steady import SteadyStaging, SteadyStep
 from kvcanary.runtime.step.tables import CPU_WIDTH_STEP, StepTables
@@ -78,6 +78,13 @@ class StepRunner:
         self.stage.on_alloc = canary.launcher.hand_over  # (the side stream reads the staging buffers)
         self.stage.sized_for(canary.max_batch, canary.max_tokens)
         self.fused = None if self.graphs is None else self.graphs.fused
+        # the attention-metadata check in the captured and fused steps' recorded work (``record_attention``), where
+        # it is on and the source hands its metadata over (``EngineSource.attention_inputs``); eager steps leave
+        # it to the engine's own call
+        self.attention = (self.graphs is not None and canary.attention_check.on
+                          and callable(getattr(source, "attention_inputs", None)))
+        self.attention_now = None  # this step's (AttentionInputs, mask columns: StepKey.mask), for its recording
+        self.attention_recorded = False  # this step's attention check is in its recorded work (the graphs route)
         self.carry = Carry(self) if self.carries else None
         # the CPU's steady decode steps from a bound plan (steady.py; None: every step takes the eager path)
         self.steady = SteadyStep(self) if SteadyStep.applies(self) else None
@@ -141,9 +148,14 @@ class StepRunner:
             h = self.source.host_part(copy=False, padded=True)
             c.padding_tokens = h.pad
             self.tables.check_read_length(h)
-            self.batch = graphs.before(h, self.key_of(h), self.engine_stream)
+            key = self.key_of(h, recorded=True)
+            self.attention_recorded = self.attention
+            self.batch = graphs.before(h, key, self.engine_stream)
+            if self.attention_now is not None:  # (its recorded work compared the step's metadata)
+                c.attention_check.note_recorded()
         else:
             c.padding_tokens = 0
+            self.attention_recorded = False
             steady = self.steady
             with self.engine_stream():
                 h = self.source.host_part()
@@ -162,10 +174,48 @@ class StepRunner:
                 c.check_reads_now()
         return self.batch
 
-    def key_of(self, h) -> StepKey:
-        """The step's key (``plans.StepKey``), computed once per step: every cache of the runner is keyed by it."""
+    def key_of(self, h, recorded: bool = False) -> StepKey:
+        """The step's key (``plans.StepKey``), computed once per step: every cache of the runner is keyed by it.
+        ``recorded``: the step takes the graphs route, whose recorded work checks the attention metadata (the key
+        holds the mask columns it compares: ``mask_cols``)."""
+        mask = self.mask_cols(h) if recorded and self.attention else 0
         return StepKey.of(h, self.storages.of(h.io), self.stage.last_ptr, self.group, self.width_step,
-                          self.canary.max_context)
+                          self.canary.max_context, mask)
+
+    def mask_cols(self, h) -> int:
+        """The mask columns the recorded attention check of step ``h`` compares (``StepKey.mask``), its metadata
+        kept for ``record_attention`` (``attention_now``; None: nothing to compare). Where the engine hands
+        attention exactly the step's keys (no padding of its own), the width grows with every decode step: the
+        key holds its bucket instead (``-n``: a slice of ``n`` columns, those past the batch's keys not compared,
+        a bound the recording computes from the staged values), so the recording serves many steps; a padded
+        width (the engine's own CUDA graphs pad to intervals) recurs as it is (``n``)."""
+        a = self.source.attention_inputs(h.io)
+        if a is None or (a.mask is None and a.cu_seqlens_k is None):
+            self.attention_now = None
+            return 0
+        cols = 0
+        if a.mask is not None:
+            have = a.mask.shape[-1]
+            width = min(a.width, have)
+            cols = -table_width(width, have, self.width_step) if width == h.total and width else width
+        self.attention_now = (a, cols)
+        return cols
+
+    def record_attention(self, batch, h) -> bool:
+        """The attention-metadata check of step ``h`` (its batch ``batch``) as part of its recorded work
+        (``graphs.StepGraphs._body``): tensor ops over the engine's static buffers, so each replay compares
+        that step's key lengths and mask. Returns whether the recording holds it."""
+        now = self.attention_now
+        if now is None:
+            return False
+        a, cols = now
+        mask = slots = None
+        if cols:
+            n = abs(cols)
+            mask = a.mask[..., :min(batch.num_tokens, a.mask.shape[-2]), :n]
+            slots = h.io.read_index_storage[self.group, :n]
+        return self.canary.attention_check.recorded(batch, cu_seqlens_k=a.cu_seqlens_k, mask=mask, key_slots=slots,
+                                                    batch_keys_only=cols < 0)
 
     def after(self) -> None:
         """The step's after-forward work (TAIL, the step's close), on the path its before work took."""
@@ -182,6 +232,7 @@ class StepRunner:
         whose canary work waits for the forward: nothing to do) and the runner's per-step state dropped, so the
         next step starts as any other."""
         self.late, self.batch, self.ready = False, None, None
+        self.attention_recorded = False
         if self.graphs is not None:
             self.graphs.inline = self.graphs.fused_now = False
         if self.steady is not None:
