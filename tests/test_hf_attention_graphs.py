@@ -24,7 +24,6 @@ from kvcanary.runtime.step.graphs import StepGraphs  # noqa: E402
 from kvcanary.runtime.step.tables import StepTables  # noqa: E402
 
 logging.getLogger("kvcanary").setLevel(logging.ERROR)
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in (the GPU test: test_gpu_*)")
 
 FULL = "full_attention"
 
@@ -85,18 +84,22 @@ def plant(monkeypatch, fault: str, when):
 
 
 def routes(monkeypatch):
-    """The canary steps each recorded route ran (``{"multi": [...], "per_turn": [...], "fused": [...]}``): a
-    multi-token step replayed from its graph, a per-turn graph replayed inline, a fused step replayed."""
-    seen = {"multi": [], "per_turn": [], "fused": []}
+    """The canary steps each recorded route ran (``{"multi": [...], "per_turn": [...], "fused": [...],
+    "replayed": [...]}``): a multi-token step replayed from its graph, a per-turn graph replayed inline, a fused
+    step replayed (captured at its first sighting), any step replayed from a graph of the unfused route."""
+    seen = {"multi": [], "per_turn": [], "fused": [], "replayed": []}
     run, inline, launch = StepGraphs._run, StepGraphs._inline, FusedSteps._launch
 
     def counting_run(self, e, sightings, h):
-        if e.graph is not None and h.T > h.bs:
-            seen["multi"].append(self.s.canary.step)
+        if e.graph is not None:
+            seen["replayed"].append(self.s.canary.step)
+            if h.T > h.bs:
+                seen["multi"].append(self.s.canary.step)
         return run(self, e, sightings, h)
 
     def counting_inline(self, e):
         seen["per_turn"].append(self.s.canary.step)
+        seen["replayed"].append(self.s.canary.step)
         return inline(self, e)
 
     def counting_launch(self, e, f, slot, obs):
@@ -220,3 +223,48 @@ def test_a_wider_padded_mask_is_keyed_by_its_width_and_the_columns_past_the_keys
     assert seen["fused"] and keys and all(k > 0 for k in keys)  # (exact widths: the engine's padded ones)
     got = rows(rec)
     assert got == rows(eager) and got and {r[3] for r in got} == {("attention_mask",)}
+
+
+def _planted_mask_bug(monkeypatch, model, graph_type, **options):
+    """The planted bug ``mask-reset-short`` (kvcanary/sim/hf_bugs.py) eager and on the recorded routes (every
+    decode shape fused at once; ``graph_type``: the graphs, None for CUDA's own): both runs' attention reports and
+    the recorded route's steps."""
+    monkeypatch.setattr(StepTables, "new_reads_shortcut", False)
+    monkeypatch.setattr(step_graphs, "STEADY_SIGHTINGS", 0)
+    kw = dict(bug="mask-reset-short", **options)
+    eager = run_workload(model, step_graphs=False, **kw)
+    seen = routes(monkeypatch)
+    orig = hf_session.Session._step_runner
+    monkeypatch.setattr(hf_session.Session, "_step_runner", lambda self, _=None: orig(self, graph_type))
+    try:
+        rec = run_workload(model, **kw)
+    finally:
+        monkeypatch.setattr(hf_session.Session, "_step_runner", orig)
+    return eager, rec, seen
+
+
+def _assert_reported_on_a_recorded_step(eager, rec, seen):
+    got = rows(rec)
+    assert got and got == rows(eager)
+    assert {r[3] for r in got} == {("attention_mask",)}
+    recorded = {s + 1 for s in seen["fused"] + seen["replayed"]}  # (a report names the step that ran)
+    assert {r[0] for r in got} & recorded, (got, seen)
+
+
+def test_the_planted_mask_bug_is_reported_on_a_recorded_step(llama, monkeypatch):
+    # the SDPA mask reset over too few columns (a stale cell shows a query another request's key): the recorded
+    # route reports it as the eager route does, at a step it replayed
+    eager, rec, seen = _planted_mask_bug(monkeypatch, llama, DispatchGraph, backend="torch")
+    _assert_reported_on_a_recorded_step(eager, rec, seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the real CUDA-graph route needs CUDA")
+def test_gpu_the_planted_mask_bug_is_reported_on_the_cuda_graph_route(monkeypatch):
+    # CUDA's default routes (step graphs, late hooks, fused steady decode steps: real CUDA graphs; the default
+    # backend) with the planted mask bug: the report the eager route gives, at a step a CUDA graph replayed
+    model = build_tiny_model("cuda")
+    eager, rec, seen = _planted_mask_bug(monkeypatch, model, None)
+    assert seen["fused"] or seen["replayed"]
+    _assert_reported_on_a_recorded_step(eager, rec, seen)
+    assert rec.tokens == eager.tokens

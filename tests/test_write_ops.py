@@ -214,3 +214,26 @@ def test_a_mask_that_hides_a_requests_own_key_is_named():
     rows = _attention_rows(reference_check_attention, {**args, "mask": mask})
     assert rows == _attention_rows(torch_check_attention, {**args, "mask": mask})
     assert rows[0] == 1 and rows[1][0][3:5] == (0, 1) and rows[1][0][6] == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batch_keys_only_compares_the_columns_before_the_batchs_last_key(seed):
+    # a recorded step's mask slice is a bucket wider than the keys the engine hands attention: with
+    # batch_keys_only the columns past the batch's keys (stale cells attention never reads) are not compared, the
+    # columns before them as without it; the two implementations agree
+    pytest.importorskip("transformers")
+    rng = random.Random(seed)
+    args, cu_q, cu_k = _attention_case(rng, 0)
+    keys = cu_k[-1]
+    bucket = torch.full((args["mask"].shape[0], keys + 5), torch.finfo(torch.float32).min)
+    bucket[:, :args["mask"].shape[1]] = args["mask"]
+    bucket[:, keys:] = 0  # stale cells past the keys: every query would see them
+    wide = {**args, "mask": bucket, "key_slots": None}
+    assert _attention_rows(reference_check_attention, wide)[0] > 0  # (compared, they are reported)
+    for fn in (reference_check_attention, torch_check_attention):
+        assert _attention_rows(fn, {**wide, "batch_keys_only": True}) == (0, [])
+    r = rng.randrange(len(cu_q) - 1)
+    bucket[cu_q[r], cu_k[r]] = torch.finfo(torch.float32).min  # the request's first query loses its first key
+    want = _attention_rows(reference_check_attention, {**wide, "batch_keys_only": True})
+    assert want == _attention_rows(torch_check_attention, {**wide, "batch_keys_only": True})
+    assert want[0] == 1 and want[1][0][5] == int(args["request_ids"][r]) and want[1][0][6] == cu_k[r]
