@@ -6,6 +6,7 @@ On the CPU the stand-in graph ``DispatchGraph`` takes the captured and fused rou
 tensor ops into the same tensors, host values baked in); the torch backend keeps the runs to seconds. A fault is
 planted into the engine's metadata after transformers built it (``prepare_batch_tensors``), on the steps of one
 kind: a query shown the batch's last key (another request's), or the first request's key length one too long.
+The last test (marked ``gpu``) takes CUDA's real graph route with the planted bug ``mask-reset-short``.
 """
 
 import logging
@@ -52,8 +53,8 @@ def _io_class():
 
 def plant(monkeypatch, fault: str, when):
     """After transformers builds each step's inputs, ``fault`` ("mask" or "length") on the steps ``when(io, nreq)``
-    names (``nreq``: the step's requests). Returns the list of planted steps' indices (counting prepared steps;
-    ``clear()`` starts a new run's list and count)."""
+    names (``nreq``: the step's requests). Returns the planted steps as (index counting prepared steps: the
+    canary's step, the first request's engine id) (``clear()`` starts a new run's list and count)."""
     io_cls = _io_class()
     orig = io_cls.prepare_batch_tensors
     count = [0]
@@ -77,7 +78,7 @@ def plant(monkeypatch, fault: str, when):
             self.attention_mask[FULL][0, 0, 0, total - 1] = 0  # (the first request's first query sees it)
         else:
             cu[1:nreq + 1] += 1  # the first request's key length one too long (the others' starts follow)
-        planted.append(count[0])
+        planted.append((count[0], requests_in_batch[0].state.request_id))
 
     monkeypatch.setattr(io_cls, "prepare_batch_tensors", prepare)
     return planted
@@ -172,8 +173,14 @@ def test_recorded_steps_check_the_attention_metadata_as_eager_steps_do(llama, mo
     # the faults the recorded route itself reported (the step it ran is the step the report names)
     on_route = {r[0] for r in got} & {s + 1 for s in seen[route]}
     assert on_route, (got, seen[route])
-    # each report names a request of the batch: the first request (its query or key length), or the one after it
-    assert all(r[1] is not None and r[1] > 0 for r in got)
+    # each report names a reading request of the faulted step's batch: a mask fault the first request (its first
+    # query sees the key), a key-length fault the first request (its length) and those after it (their starts)
+    first = dict(planted)
+    assert all(r[0] in first for r in got)
+    if fault == "mask":
+        assert all(rec.names[r[1]] == first[r[0]] for r in got)
+    else:
+        assert {rec.names[r[1]] for r in got} > set(first.values())
 
 
 def test_the_recorded_check_stays_off_with_the_attention_check_off(llama, monkeypatch):
@@ -267,4 +274,3 @@ def test_gpu_the_planted_mask_bug_is_reported_on_the_cuda_graph_route(monkeypatc
     eager, rec, seen = _planted_mask_bug(monkeypatch, model, None)
     assert seen["fused"] or seen["replayed"]
     _assert_reported_on_a_recorded_step(eager, rec, seen)
-    assert rec.tokens == eager.tokens
