@@ -82,3 +82,51 @@ def test_mode_abort_needs_the_scheduler_in_the_worker_process(world, backend):
     with pytest.raises(ValueError, match="KV_CANARY_VLLM_ALLOCATOR_INTERVAL on vLLM needs the worker"):
         _check_abort(runner, "KV_CANARY_VLLM_ALLOCATOR_INTERVAL")
     _check_abort(SimpleNamespace(parallel_config=SimpleNamespace(world_size=1, distributed_executor_backend="uni")))
+
+
+def test_a_forward_that_raises_is_abandoned_and_its_unwritten_kv_is_reported(model_dir, prompts):
+    """vLLM's model raises inside a guarded forward: the error reaches the caller unchanged and the canary's
+    forward is abandoned (nothing stays open). vLLM's scheduler still counts the failed forward's tokens as
+    computed, so the engine's next forward reads KV that was never written: the canary (not stuck on a forward
+    left open, which would raise "a second before_forward") reports those reads, naming their readers."""
+    from kvcanary import KvCanaryViolationError
+    from kvcanary.integrations.vllm.session import session_of
+
+    with engine.guarded(True, KV_CANARY_MODE="raise"):
+        llm = engine.start(model_dir, num_blocks=32)
+        try:
+            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+            session = session_of(runner)
+            model = runner.model
+            calls = []
+
+            def failing(*args, **kwargs):
+                calls.append(1)
+                raise RuntimeError("planted engine failure")
+
+            model.forward = failing
+            try:
+                with pytest.raises(RuntimeError, match="planted engine failure"):
+                    engine.generate(llm, prompts[:2], max_tokens=3)
+            finally:
+                del model.forward
+            assert len(calls) == 1 and session.events["abandoned_forwards"] == 1
+            assert session.canary._open is None and not session.in_step and not session.rows
+            failed = {session.names.name(n) for n in range(1, len(session.names) + 1)}
+            assert len(failed) == 2
+            forwards = session.canary.step
+            with pytest.raises(KvCanaryViolationError):
+                engine.generate(llm, prompts[2:4], max_tokens=3)
+            assert session.canary.step > forwards and session.rows
+            # the failed requests' own unwritten KV, and the blocks of the 40-token system prompt the new ones share
+            # with them (vLLM cached those blocks when it scheduled the failed forward): whichever forward reads
+            # first raises, naming its readers
+            readers = {r["reader"] for r in session.rows} - {None}
+            assert readers and readers <= failed | set(session.names._numbers)
+            # each row a read of a never-written slot (an empty record), or the chain-position assert of a write
+            # that follows the unwritten tokens
+            assert all(("verify_token" in r["reasons"] and r["stored_token"] == 0) or r["reasons"] == ["write_position"]
+                       for r in session.rows)
+            assert any("verify_token" in r["reasons"] for r in session.rows)
+        finally:
+            engine.stop(llm)

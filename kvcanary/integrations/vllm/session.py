@@ -70,7 +70,7 @@ class Session:
         self.dropped_rows = 0
         self.events = {"prefix_hits": 0, "prefix_hit_tokens": 0, "resumed_after_preemption": 0, "preempted": 0,
                        "finished": 0, "block_copies": 0, "chunked_prefill_chunks": 0, "steps": 0,
-                       "split_forwards": 0, "aborted": 0}
+                       "split_forwards": 0, "aborted": 0, "abandoned_forwards": 0}
         self.in_step = False
         self.closed = False
         self._step_forwards = 0
@@ -157,7 +157,14 @@ class Session:
         parts = waves(batch, self.layout.block_size)
         first = batch if len(parts) == 1 else subset(batch, parts[0])
         self.canary.before_forward(first)
-        out = forward(runner, *args, **kwargs)
+        try:
+            out = forward(runner, *args, **kwargs)
+        except BaseException:
+            # the engine's failure, not the canary's: the forward is abandoned (its unwritten KV stays unwritten
+            # for the canary), so a later forward of this worker starts as any other (runtime/abandon.py)
+            self.canary.abandon_forward()
+            self.events["abandoned_forwards"] += 1
+            raise
         self.canary.after_forward(first)
         for idx in parts[1:]:
             # reads of blocks an earlier wave wrote in this forward: checked now that their records are written
