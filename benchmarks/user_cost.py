@@ -9,7 +9,8 @@ in rounds (the arm order rotates each round so drift in the host or the GPU fall
 - ``sync``: CUDA graphs and async batching off, no canary; ``canary``: the same with ``attach(model)``;
 - ``graphs``: CUDA graphs on, async batching off, no canary; ``canary_graphs``: the same with ``attach(model)``;
   ``canary_graphs_noslots``: with the slot checks off too (``reserved_check``, ``nonfinite_check``: docs/slots.md);
-  ``canary_graphs_poison``: with the debug ``poison_on_free`` on.
+  ``canary_graphs_poison``: with the debug ``poison_on_free`` on; ``canary_fast_nochecks``: ``canary_fast`` with the
+  write and attention-metadata checks off (``write_check``, ``attention_check``: docs/write_check.md), their cost's twin.
 
 Each call is timed whole (the engine's set-up and graph captures included: that is what a user's call costs).
 Reported per workload: tokens/s per arm (median over rounds), the canary arms' ratios with their spread over
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvcanary.bench.workload import VOCAB, build_model  # noqa: E402
 
 ARMS = ("fast", "sync", "canary", "graphs", "canary_graphs")
-EXTRA_ARMS = ("canary_graphs_noslots", "canary_graphs_poison", "canary_fast")
+EXTRA_ARMS = ("canary_graphs_noslots", "canary_graphs_poison", "canary_fast", "canary_fast_nochecks")
 CANARY_GRAPH_ARMS = ("canary_graphs",) + EXTRA_ARMS  # (graphs on, the canary attached)
 BLOCK = 32
 # batch 1 at longer prompts: the prompt length changes the canary's share (its read checks grow with the context)
@@ -163,7 +164,7 @@ def run_arm(model, arm: str, prompts, new_tokens, timers: bool = False) -> dict:
     from transformers import GenerationConfig
     from kvcanary.integrations.transformers.reach import cb_config
 
-    fast = arm in ("fast", "canary_fast")
+    fast = arm in ("fast", "canary_fast", "canary_fast_nochecks")
     graphs = fast or arm in ("graphs",) + CANARY_GRAPH_ARMS
     longest = max(len(p) + n for p, n in zip(prompts, new_tokens))
     blocks = len(prompts) * (longest // BLOCK + 2) + 16
@@ -176,7 +177,8 @@ def run_arm(model, arm: str, prompts, new_tokens, timers: bool = False) -> dict:
         from kvcanary.integrations.transformers import attach
 
         fields = {"canary_graphs_noslots": dict(reserved_check=False, nonfinite_check=False),
-                  "canary_graphs_poison": dict(poison_on_free=True)}.get(arm)
+                  "canary_graphs_poison": dict(poison_on_free=True),
+                  "canary_fast_nochecks": dict(write_check=False, attention_check=False)}.get(arm)
         from kvcanary.integrations.transformers.handle import tuned
 
         with tuned(**{**TUNING, **({"timing": True} if timers else {})}):
@@ -358,6 +360,8 @@ def main(argv=None) -> int:
             "graphs_over_fast": spread([g / f for g, f in zip(tps["graphs"], tps["fast"])]),
             "canary_graphs_noslots_over_fast": spread([c / f for c, f in zip(tps["canary_graphs_noslots"], tps["fast"])]),
             "canary_fast_over_fast": spread([c / f for c, f in zip(tps["canary_fast"], tps["fast"])]),
+            # the write and attention-metadata checks' share: the canary with them over the canary without them
+            "canary_fast_over_nochecks": spread([c / n for c, n in zip(tps["canary_fast"], tps["canary_fast_nochecks"])]),
             # per round, the faster canary configuration over the engine's fastest one (graphs+async or none)
             "best_canary_over_best": spread([max(cf, c) / max(f, s) for cf, c, f, s in zip(
                 tps["canary_fast"], tps["canary"], tps["fast"], tps["sync"])]) if {"canary_fast", "canary", "fast", "sync"} <= set(arms) else None,
@@ -392,6 +396,10 @@ def main(argv=None) -> int:
                   f"[{w['canary_fast_over_fast']['min']:.3f}, {w['canary_fast_over_fast']['max']:.3f}]; identical to "
                   f"fast {w['tokens_identical_canary_fast_vs_fast']}; violations {w['violations']}",
                   file=sys.stderr, flush=True)
+        if runs["canary_fast_nochecks"]:
+            v = w["canary_fast_over_nochecks"]
+            print(f"[{name}] canary_fast over canary_fast_nochecks (the write and attention checks' share): "
+                  f"{v['median']:.3f}x [{v['min']:.3f}, {v['max']:.3f}]", file=sys.stderr, flush=True)
         print(f"[{name}] tok/s fast {w['tokens_per_s']['fast']['median']:.0f}, sync "
               f"{w['tokens_per_s']['sync']['median']:.0f}, canary {w['tokens_per_s']['canary']['median']:.0f}; "
               f"canary/fast {w['canary_over_fast']['median']:.3f}x; canary+graphs/fast "
