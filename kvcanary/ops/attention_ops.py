@@ -19,12 +19,16 @@ attend column ``K_r + j`` exactly when ``j <= i + kept_r`` (causal) and, with a 
   the engine hands attention (a recorded step's slice, whose width is a bucket: the columns past the keys may hold
   stale values attention never reads).
 
-Two implementations agree on the ring's rows: ``reference_check_attention`` (scalar loops, the oracle) and
-``torch_check_attention`` (tensor ops, any device, no host read off the CPU: capturable). No kernel of its own:
-the mask is as large as the one the engine built, and comparing it is a few tensor ops.
+Three implementations agree on the ring's rows: ``reference_check_attention`` (scalar loops, the oracle),
+``torch_check_attention`` (tensor ops, any device, no host read off the CPU: capturable) and
+``kvcanary.ops.triton_attention.check_attention`` (three capturable launches, the CUDA path: as tensor ops the pass
+is some 60-80 small launches, each a node of a recorded step's work that the engine's next forward waits for).
+``attention_impl`` picks one for a backend name.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -33,6 +37,14 @@ from kvcanary.ops.reference import _push_violation
 from kvcanary.ops.torch_ops import _host_reads, _push
 
 MASK_BAD, LENGTH_BAD = int(FailReason.ATTENTION_MASK), int(FailReason.KEY_LENGTH)
+
+
+def attention_impl(backend: str):
+    """The pass of a resolved backend name: the Triton kernels' for "triton", the scalar reference's for
+    "reference", tensor ops otherwise (numba has no kernel of its own for it)."""
+    if backend == "triton":
+        return importlib.import_module("kvcanary.ops.triton_attention").check_attention
+    return reference_check_attention if backend == "reference" else torch_check_attention
 
 
 def allowed_of(mask: torch.Tensor) -> torch.Tensor:

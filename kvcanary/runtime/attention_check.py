@@ -9,14 +9,15 @@ attend another request's keys (or hides its own) while every verified slot is ri
 ``AttentionCheck.check`` (``Canary.check_attention``) compares, for the open forward, the engine's cumulative
 key lengths and mask of one group with the layout the batch's prefix and new-token counts imply
 (``ops/attention_ops.py``): ``key_length`` and ``attention_mask`` rows, one per request at most, pushed into
-the ring on the canary's side stream (tensor ops, no host read off the CPU). Those ops read the engine's buffers by
-address, so a runner that records a step's work (``runtime/step``: the captured and fused steps) records this check
+the ring on the canary's side stream (the Triton backend: three kernel launches, ``ops/triton_attention.py``; else
+tensor ops; no host read off the CPU either way). Those launches read the engine's buffers by address, so a runner that records a step's work (``runtime/step``: the captured and fused steps) records this check
 with it (``recorded``), and each replay checks that step's metadata (``note_recorded`` counts it).
 """
 
 from __future__ import annotations
 
-from kvcanary.ops.attention_ops import reference_check_attention, torch_check_attention
+from kvcanary.ops.api import resolve_backend
+from kvcanary.ops.attention_ops import attention_impl, reference_check_attention, torch_check_attention
 from kvcanary.runtime.batch import ForwardBatch
 
 
@@ -27,7 +28,11 @@ class AttentionCheck:
     def __init__(self, canary):
         self.c = canary
         self.on = bool(canary.config.attention_check) and canary.enabled
-        self.impl = reference_check_attention if canary.config.backend == "reference" else torch_check_attention
+        # the backend's pass: Triton's kernels (the CUDA default), the scalar reference, else tensor ops
+        self.impl = attention_impl(resolve_backend(canary.config.backend, canary.device))
+        # a step's recorded work takes the same pass, except the reference's host loops (no recording holds them):
+        # its tensor-op twin gives the same rows
+        self.recorded_impl = torch_check_attention if self.impl is reference_check_attention else self.impl
         self.checks = 0  # stats: calls that compared something
 
     def check(self, group: str = "full", *, cu_seqlens_k=None, mask=None, key_slots=None,
@@ -57,9 +62,9 @@ class AttentionCheck:
         captured and fused steps, ``StepRunner.record_attention``), which replays it each step: counted per step
         by ``note_recorded``, not here. ``batch_keys_only``: ``mask`` is wider than the keys the engine hands
         attention (its width a bucket), and only its columns before the batch's last key are compared. Returns
-        whether anything was compared. (Tensor ops whatever the backend: the reference's host loops cannot be
-        recorded, and both give the same rows.)"""
-        return self.on and self._compare(torch_check_attention, "full", batch, cu_seqlens_k, mask, key_slots,
+        whether anything was compared. (The backend's pass, the reference's tensor-op twin for the reference
+        backend: its host loops cannot be recorded, and both give the same rows.)"""
+        return self.on and self._compare(self.recorded_impl, "full", batch, cu_seqlens_k, mask, key_slots,
                                          batch_keys_only)
 
     def note_recorded(self) -> None:
