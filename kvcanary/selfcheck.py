@@ -12,10 +12,10 @@ import os
 import torch
 
 from kvcanary import ops
-from kvcanary.format import CHAIN_HEAD, LaunchTag, RealKvMode, splitmix64, to_unsigned
+from kvcanary.format import CHAIN_HEAD, FailReason, LaunchTag, RealKvMode, splitmix64, to_unsigned
 
 
-OPS = ("scatter", "plan", "write", "accept_rewrites", "verify", "fingerprint", "read_table")
+OPS = ("scatter", "plan", "write", "accept_rewrites", "verify", "fingerprint", "read_table", "attention")
 
 
 def skipped_backends(device: torch.device) -> dict[str, str]:
@@ -97,9 +97,30 @@ def _run(backend: str, ex: dict) -> dict:
     ops.read_table(read_out, rows, t([4, 5]), t([1, 1]), flat, clamp_max=flat.numel() - 1, limit=9, fill=-1,
                    backend=backend)
     rows_found = sorted(map(tuple, ring.rows[:int(ring.write_index[0])].tolist()))
+    attention = _attention(backend, device)
     return {"scatter": table.cpu(), "plan": [x.cpu() for x in (plan.entries.slot, plan.entries.prev,
                                                                plan.entries.expected_token, plan.write_offsets)],
-            "write": buf.cpu(), "accept_rewrites": accepted, "verify": rows_found, "read_table": read_out.cpu(), "counters": counters.cpu(), "fingerprint": fp.cpu()}
+            "write": buf.cpu(), "accept_rewrites": accepted, "verify": rows_found, "read_table": read_out.cpu(), "counters": counters.cpu(), "fingerprint": fp.cpu(),
+            "attention": attention}
+
+
+def _attention(backend: str, device: torch.device) -> list:
+    """The attention-metadata pass (``ops/attention_ops.py``) over two requests' metadata with two planted faults:
+    request 2's key length one too long, and its first query's mask row showing request 1's key 0. Its ring rows."""
+    from kvcanary.ops.attention_ops import attention_impl
+
+    t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    # request 1: prefix 2, 2 new tokens (keys 0-3); request 2: prefix 1, 1 new token (keys 4-5)
+    allowed = torch.zeros(3, 6, dtype=torch.bool)
+    allowed[0, :3], allowed[1, :4], allowed[2, 4:6] = True, True, True
+    allowed[2, 0] = True
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16).to(device)
+    ring = ops.ViolationRing.allocate(8, device)
+    attention_impl(backend)(req_pool_indices=t([1, 2]), prefix_lens=t([2, 1]), extend_lens=t([2, 1]),
+                            positions=t([2, 3, 1]), request_ids=t([100, 200]), window=0,
+                            cu_seqlens_k=t([0, 4, 7], torch.int32), mask=mask, key_slots=t([4, 5, 6, 7, 12, 13]),
+                            launch_tag=int(LaunchTag.HEAD_K_FULL), ring=ring)
+    return sorted(map(tuple, ring.rows[:int(ring.write_index[0])].tolist()))
 
 
 def _same(a, b) -> bool:
@@ -125,10 +146,13 @@ def run_selfcheck(device: str | torch.device = "cpu") -> dict:
             rows.append({"op": op, "backend": backend, "matches_reference": _same(res[op], ref[op])})
     found = [{"slot": r[1], "position": r[2], "reason": r[7], "expected_aux": hex(to_unsigned(r[6]))}
              for r in ref["verify"]]
+    attention = [{"request": r[5], "reason": r[7]} for r in ref["attention"]]
     ok = (vectors and all(r["matches_reference"] for r in rows) and len(found) == 1 and found[0]["slot"] == 9
-          and ref["accept_rewrites"][1] == 1)
+          and ref["accept_rewrites"][1] == 1 and sorted(a["reason"] for a in attention) == sorted(
+              [int(FailReason.KEY_LENGTH), int(FailReason.ATTENTION_MASK)]))
     return {"device": str(device), "vectors": vectors, "rows": rows, "planted_found": found,
-            "rewrites_accepted": ref["accept_rewrites"][1], "skipped": skipped, "ok": ok}
+            "rewrites_accepted": ref["accept_rewrites"][1], "attention_found": attention, "skipped": skipped,
+            "ok": ok}
 
 
 def format_selfcheck(result: dict) -> str:
@@ -140,6 +164,8 @@ def format_selfcheck(result: dict) -> str:
                  + ", ".join(f"slot {f['slot']} pos {f['position']} reason {f['reason']}"
                              for f in result["planted_found"]))
     lines.append(f"rewrite with the same record -> {result['rewrites_accepted']} accepted (of 2 rewritten slots)")
+    lines.append(f"planted key length and mask cell -> {len(result['attention_found'])} row(s): "
+                 + ", ".join(f"request {a['request']} reason {a['reason']}" for a in result["attention_found"]))
     for backend, why in result["skipped"].items():
         lines.append(f"skipped {backend}: {why}")
     lines.append("self-check " + ("passed" if result["ok"] else "FAILED"))

@@ -12,7 +12,7 @@ def test_selfcheck_passes_and_reports_every_op_on_every_backend():
     assert result["ok"], format_selfcheck(result)
     backends = usable_backends(DEVICE)
     assert sorted((r["op"], r["backend"]) for r in result["rows"]) == sorted((o, b) for o in OPS for b in backends)
-    assert {"read_table", "accept_rewrites"} <= set(OPS)
+    assert {"read_table", "accept_rewrites", "attention"} <= set(OPS)
     assert result["planted_found"][0]["reason"] == 1 | 32  # chain + token
     assert result["rewrites_accepted"] == 1  # the same record's rewrite, not the changed one
     assert "self-check passed" in format_selfcheck(result)
