@@ -100,8 +100,8 @@ def _run(backend: str, ex: dict) -> dict:
     attention = _attention(backend, device)
     return {"scatter": table.cpu(), "plan": [x.cpu() for x in (plan.entries.slot, plan.entries.prev,
                                                                plan.entries.expected_token, plan.write_offsets)],
-            "write": buf.cpu(), "accept_rewrites": accepted, "verify": rows_found, "read_table": read_out.cpu(), "counters": counters.cpu(), "fingerprint": fp.cpu(),
-            "attention": attention}
+            "write": buf.cpu(), "accept_rewrites": accepted, "verify": rows_found, "read_table": read_out.cpu(),
+            "counters": counters.cpu(), "fingerprint": fp.cpu(), "attention": attention}
 
 
 def _attention(backend: str, device: torch.device) -> list:

@@ -99,7 +99,7 @@ def test_metadata_a_correct_engine_builds_is_clean(dtype, window):
 
 @pytest.mark.parametrize("dtype", MASK_DTYPES, ids=str)
 def test_a_mask_that_shows_another_requests_key_is_named_at_its_first_cell(dtype):
-    args, cu_q, cu_k = _case(**TWO, dtype=dtype)
+    args, cu_q, _ = _case(**TWO, dtype=dtype)
     _set(args["mask"], cu_q[1], 1, True)  # request 2's query sees request 1's key 1
     _set(args["mask"], cu_q[1], 0, True)  # ... and its key 0, the first cell of the row
     tag = args["launch_tag"]
@@ -107,7 +107,7 @@ def test_a_mask_that_shows_another_requests_key_is_named_at_its_first_cell(dtype
 
 
 def test_a_mask_that_hides_an_own_key_is_named_at_its_first_row():
-    args, cu_q, cu_k = _case(**TWO, dtype=torch.bfloat16)
+    args, _, _ = _case(**TWO, dtype=torch.bfloat16)
     _set(args["mask"], 1, 4, False, hidden=float("-inf"))  # request 1's second query loses its own newest key
     _set(args["mask"], 0, 2, False)  # and its first query its key 2: that row comes first
     tag = args["launch_tag"]
@@ -115,7 +115,7 @@ def test_a_mask_that_hides_an_own_key_is_named_at_its_first_row():
 
 
 def test_a_key_length_off_by_one_and_a_wrong_start_are_named():
-    args, _, cu_k = _case([1, 2, 3], [3, 2, 0], [2, 1, 1], dtype=torch.bool)
+    args, _, _ = _case([1, 2, 3], [3, 2, 0], [2, 1, 1], dtype=torch.bool)
     args["mask"] = None
     cu = args["cu_seqlens_k"]
     cu[2] += 1  # request 2 one key longer, request 3 starting one late (and one shorter)
@@ -127,14 +127,14 @@ def test_a_key_length_off_by_one_and_a_wrong_start_are_named():
 
 
 def test_sliding_window_keys_past_the_window_are_mismatches():
-    args, cu_q, cu_k = _case([1, 2], [6, 1], [3, 2], window=3, dtype=torch.float16)
+    args, cu_q, _ = _case([1, 2], [6, 1], [3, 2], window=3, dtype=torch.float16)
     assert _agree(args) == (0, [])
     _set(args["mask"], cu_q[0] + 2, 0, True)  # the last query sees its oldest kept key: out of the window
     assert _agree(args) == (1, [(args["launch_tag"], 1000, 8, 1, 0, 100, 0, MASK)])
 
 
 def test_padding_requests_have_no_keys_and_are_not_checked():
-    args, cu_q, cu_k = _case([0, 1, 0, 2, 0], [5, 2, 0, 1, 0], [1, 2, 1, 1, 1], dtype=torch.bool)
+    args, _, _ = _case([0, 1, 0, 2, 0], [5, 2, 0, 1, 0], [1, 2, 1, 1, 1], dtype=torch.bool)
     assert _agree(args) == (0, [])
     args["cu_seqlens_k"] = torch.tensor([0, 0, 4, 4, 6, 6], dtype=torch.int32)  # (the pads' own lengths: 0)
     assert _agree(args) == (0, [])
@@ -155,7 +155,7 @@ def test_batch_keys_only_leaves_stale_columns_past_the_batchs_keys():
 
 
 def test_a_full_ring_keeps_the_first_rows_and_counts_the_rest():
-    args, cu_q, cu_k = _case([1, 2, 3], [1, 1, 1], [1, 1, 1], dtype=torch.bool)
+    args, _, _ = _case([1, 2, 3], [1, 1, 1], [1, 1, 1], dtype=torch.bool)
     args["cu_seqlens_k"][1:] += 1  # three key-length rows
     _set(args["mask"], 0, 3, True)  # and three mask rows
     _set(args["mask"], 1, 0, True)

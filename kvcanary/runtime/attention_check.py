@@ -10,8 +10,9 @@ attend another request's keys (or hides its own) while every verified slot is ri
 key lengths and mask of one group with the layout the batch's prefix and new-token counts imply
 (``ops/attention_ops.py``): ``key_length`` and ``attention_mask`` rows, one per request at most, pushed into
 the ring on the canary's side stream (the Triton backend: three kernel launches, ``ops/triton_attention.py``; else
-tensor ops; no host read off the CPU either way). Those launches read the engine's buffers by address, so a runner that records a step's work (``runtime/step``: the captured and fused steps) records this check
-with it (``recorded``), and each replay checks that step's metadata (``note_recorded`` counts it).
+tensor ops; no host read off the CPU either way). Those launches read the engine's buffers by address, so a runner
+that records a step's work (``runtime/step``: the captured and fused steps) records this check with it
+(``recorded``), and each replay checks that step's metadata (``note_recorded`` counts it).
 """
 
 from __future__ import annotations
