@@ -204,3 +204,33 @@ def _random_case(rng: random.Random) -> dict:
 def test_random_cases_leave_the_same_ring(seed):
     rng = random.Random(seed)
     _agree(_random_case(rng), capacity=rng.choice([1, 3, 16]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_pass_replays_from_a_cuda_graph_with_each_replays_metadata(impl):
+    # captured once over static buffers (no host read: a read would fail the capture), each replay compares the
+    # metadata the buffers hold then, with the reference's rows
+    args, cu_q, cu_k = _case(**TWO, dtype=torch.bfloat16, extra_cols=3)
+    static = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    static["batch_keys_only"] = True
+    ring = ViolationRing.allocate(8, DEVICE)
+    attention_impl(impl)(**static, ring=ring)  # (warm-up: compiles the kernels)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention_impl(impl)(**static, ring=ring)
+    # none; another request's key, a future key (one row each); a stale column past the keys (not compared)
+    faults = [(None, None, 0), (cu_q[1], 1, 1), (0, cu_k[1] - 1, 1), (1, cu_k[-1], 0)]
+    for t, c, rows in faults:
+        mask = args["mask"].clone()
+        if t is not None:
+            _set(mask, t, c, True)
+        static["mask"].copy_(mask.to(DEVICE))
+        ring.reset()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = _ring("reference", {**args, "mask": mask, "batch_keys_only": True}, 8)
+        assert want[0] == rows
+        n = min(int(ring.write_index[0]), 8)
+        assert (int(ring.write_index[0]), sorted(map(tuple, ring.rows[:n].tolist()))) == want
