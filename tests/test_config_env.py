@@ -18,6 +18,8 @@ from kvcanary import CanaryConfig
     ("INJECT", "kv", "KV_CANARY_INJECT must be comma-separated key=value pairs with keys ['table', 'kv', 'cached', "
                      "'after', 'swap', 'seed', 'warmup', 'group'] (e.g. 'kv=0.05,seed=3'), got 'kv'"),
     ("VALUE_CHECK", "maybe", "KV_CANARY_VALUE_CHECK must be one of ('auto', 'always', 'off'), got 'maybe'"),
+    ("WRITE_CHECK_LAYERS", "every", "KV_CANARY_WRITE_CHECK_LAYERS must be one of ('fingerprinted', 'all'), got "
+                                    "'every'"),
 ])
 def test_bad_variable_is_named(var, raw, message):
     with pytest.raises(ValueError) as info:
@@ -35,6 +37,11 @@ def test_choices_ignore_case(raw, mode):
     assert CanaryConfig.from_env({"KV_CANARY_MODE": raw}).mode == mode
 
 
+def test_write_check_layers_from_the_environment():
+    assert CanaryConfig.from_env({"KV_CANARY_WRITE_CHECK_LAYERS": "All"}).write_check_layers == "all"
+    assert CanaryConfig.from_env({}).write_check_layers == "fingerprinted"
+
+
 def test_booleans_ignore_case():
     assert CanaryConfig.from_env({"KV_CANARY_CHECK_V": "TRUE"}).check_v is True
     assert CanaryConfig.from_env({"KV_CANARY_CHECK_V": "Off"}).check_v is False
@@ -49,10 +56,10 @@ def test_unknown_variables_warn_and_known_others_do_not():
         CanaryConfig.from_env({"KV_CANARY_TRITON_FAST_LAUNCH": "0", "OTHER": "1"})
 
 
-def test_nineteen_variables_and_fields_set_only_in_code_warn():
+def test_twenty_variables_and_fields_set_only_in_code_warn():
     from kvcanary.runtime.config import VARIABLES, env_table
 
-    assert len(VARIABLES) == 19 and [row[0] for row in env_table()] == list(VARIABLES)
+    assert len(VARIABLES) == 20 and [row[0] for row in env_table()] == list(VARIABLES)
     # a field without a variable (set in code) is not read from the environment: the variable warns
     with pytest.warns(UserWarning, match=r"unknown environment variables \['KV_CANARY_RECORD_STRIDE'\]"):
         cfg = CanaryConfig.from_env({"KV_CANARY_RECORD_STRIDE": "64"})

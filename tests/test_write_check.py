@@ -15,15 +15,17 @@ SLOTS, HEADS, DIM = 32, 2, 4
 
 
 class Engine:
-    """Two layers of K/V rows ``[slot, heads, dim]``; the canary fingerprints layer 0's K and layer 1's V."""
+    """``layers`` layers (two by default) of K/V rows ``[slot, heads, dim]``; the canary fingerprints layer 0's K
+    and the last layer's V."""
 
-    def __init__(self, **config):
-        self.keys = [torch.zeros(SLOTS, HEADS, DIM) for _ in range(2)]
-        self.values = [torch.zeros(SLOTS, HEADS, DIM) for _ in range(2)]
+    def __init__(self, layers=2, **config):
+        self.num_layers = layers
+        self.keys = [torch.zeros(SLOTS, HEADS, DIM) for _ in range(layers)]
+        self.values = [torch.zeros(SLOTS, HEADS, DIM) for _ in range(layers)]
         k_src, v_src = layer_sources(self.keys, self.values, check_v=False)
         self.canary = Canary(PoolSpec(SLOTS, k_src, v_src), CanaryConfig(mode="log", **config), max_batch=2,
                              max_tokens=8, max_context=16, num_rows=3)
-        self.canary.write_check.name_layers([("full", [0, 1], self.keys, self.values)])
+        self.canary.write_check.name_layers([("full", list(range(layers)), self.keys, self.values)])
         self.table = torch.zeros(3, 16, dtype=torch.int64)
 
     def forward(self, prefix, tokens, slots, skip_v=(), mask=None):
@@ -36,7 +38,7 @@ class Engine:
         c.before_forward(batch)
         if mask is not None:
             c.attention_check.check(cu_seqlens_k=torch.tensor([0, prefix + n]), mask=mask)
-        for layer in range(2):
+        for layer in range(self.num_layers):
             k, v = torch.randn(n, HEADS, DIM), torch.randn(n, HEADS, DIM)
             c.write_check.note_layer(layer, k, v)  # (what the layer computed, handed to its cache update)
             loc = torch.tensor(slots)
@@ -67,6 +69,29 @@ def test_a_write_that_skips_v_is_reported_at_its_forward_with_layer_and_slot():
 def test_a_layer_the_canary_does_not_fingerprint_is_not_compared():
     e = Engine()
     assert e.forward(0, [11, 12], [5, 6], skip_v=(0,)) == []  # (layer 0's V is no real-KV source)
+
+
+def test_every_layer_with_write_check_layers_all():
+    # a V write skipped in a middle layer only: no fingerprinted layer, so missed by default
+    e = Engine(layers=5)
+    e.forward(0, [11, 12], [5, 6])
+    assert e.forward(2, [13], [7], skip_v=(2,)) == [] and len(e.canary.write_check.sources) == 2
+    e = Engine(layers=5, write_check_layers="all")
+    assert len(e.canary.write_check.sources) == 10  # (2 fingerprinted + the other 8 caches)
+    assert e.forward(0, [11, 12], [5, 6]) == [] and e.canary.stats()["write_check_notes"] == 10
+    vs = e.forward(2, [13, 14], [7, 8], skip_v=(2,))
+    assert [(v.step, v.slot, v.position, v.layer, v.source, v.reasons) for v in vs] == [
+        (2, 7, 2, 2, "V of layer 2 (full group)", ("write_kv",)), (2, 8, 3, 2, "V of layer 2 (full group)",
+                                                                    ("write_kv",))]
+    assert vs[0].launch_tag == "TAIL_V_FULL" and "K without V" in vs[0].block()
+    assert e.forward(4, [15], [9]) == []  # (the next forward writes every layer again)
+
+
+def test_write_check_layers_all_refuses_a_layer_laid_out_unlike_its_group():
+    e = Engine(layers=3, write_check_layers="all")
+    with pytest.raises(ValueError, match="layer 1's K rows in group 'full' laid out like"):
+        e.canary.write_check.name_layers([("full", [0, 1, 2], [e.keys[0], torch.zeros(SLOTS, DIM, HEADS),
+                                                                e.keys[2]], e.values)])
 
 
 def test_off_the_write_check_sees_nothing():

@@ -1,6 +1,6 @@
 """Canary configuration: a frozen dataclass, overridable from ``KV_CANARY_*`` environment variables.
 
-Nineteen variables in all (``VARIABLES``): the thirteen fields of ``ENV_FIELDS``, each its upper-case name
+Twenty variables in all (``VARIABLES``): the fourteen fields of ``ENV_FIELDS``, each its upper-case name
 behind ``KV_CANARY_``; ``KV_CANARY_INJECT``, the fault-injection fields as one ``key=value,...`` spec;
 ``KV_CANARY_TRITON_FAST_LAUNCH``, read by the Triton launcher; and the vLLM integration's four
 (``KV_CANARY_VLLM``, ``KV_CANARY_VLLM_REPORT_DIR``, ``KV_CANARY_VLLM_TP_INTERVAL``,
@@ -21,13 +21,14 @@ from kvcanary.ops.validate import parse_bool
 MODES = ("none", "log", "raise", "abort")
 REAL_KV_MODES = ("none", "partial", "all")
 VALUE_CHECKS = ("auto", "always", "off")
+WRITE_CHECK_LAYERS = ("fingerprinted", "all")
 ENV_PREFIX = "KV_CANARY_"
 INJECT_PROBS = ("inject_table_prob", "inject_kv_prob", "inject_cached_prob", "inject_after_prob", "inject_swap_prob")
 # The fields a deployment sets without touching code. The rest (the checks one would only switch off to
 # debug the canary, capacities, the launch-path toggles) are set in code: fewer variables to misspell.
 ENV_FIELDS = ("mode", "backend", "check_v", "real_kv", "value_check", "sweep_interval", "ring_capacity",
               "plan_capacity", "health_interval", "stats_interval", "report_blocks", "check_before_forward",
-              "write_check")
+              "write_check", "write_check_layers")
 INJECT_VARIABLE = ENV_PREFIX + "INJECT"
 # KV_CANARY_INJECT's keys: the inject_* field each sets (probabilities, seed, warm-up steps, address space)
 INJECT_KEYS = {"table": "inject_table_prob", "kv": "inject_kv_prob", "cached": "inject_cached_prob",
@@ -99,7 +100,8 @@ class CanaryConfig:
         nonfinite_check: report NaN/Inf in the KV a forward wrote (floating real-KV sources, at TAIL).
         poison_on_free: debug: ``Canary.poison_slots`` fills freed slots' KV with a NaN pattern, so a read of a freed slot fails its real-KV check.
         check_before_forward: read what HEAD found before the engine's forward runs (a device sync per forward on CUDA), so a bad read is reported, in mode "raise" raised, before the forward can fail on it.
-        write_check: compare the KV bytes each written slot holds after the forward with the KV the layer computed for its token (every fingerprinted layer, K and V, where the engine hands the computed K/V over; docs/write_check.md); off: no hash at the cache update, no TAIL pass.
+        write_check: compare the KV bytes each written slot holds after the forward with the KV the layer computed for its token (the layers of ``write_check_layers``, K and V, where the engine hands the computed K/V over; docs/write_check.md); off: no hash at the cache update, no TAIL pass.
+        write_check_layers: which layers the write check compares: "fingerprinted" (the real-KV hash's layers: by default the first layer's K and the last layer's V) | "all" (every attention layer's K and V the engine names; costs a row hash per layer at each cache update, docs/write_check.md "Cost").
         attention_check: compare the attention metadata the engine hands its kernel (per-request key lengths, the attention mask) with the read index the canary verified (docs/write_check.md).
         allocator_check_interval: check the allocator invariants (docs/allocator.md) every N steps where the engine gives a snapshot (``Canary.watch_allocator``); 0 = off.
     """
@@ -137,6 +139,7 @@ class CanaryConfig:
     poison_on_free: bool = False
     allocator_check_interval: int = 0
     write_check: bool = True
+    write_check_layers: str = "fingerprinted"
     attention_check: bool = True
 
     def __post_init__(self) -> None:
@@ -145,6 +148,7 @@ class CanaryConfig:
         _choice("mode", self.mode, MODES)
         _choice("real_kv", self.real_kv, REAL_KV_MODES)
         _choice("value_check", self.value_check, VALUE_CHECKS)
+        _choice("write_check_layers", self.write_check_layers, WRITE_CHECK_LAYERS)
         _choice("inject_group", self.inject_group, ("full", "swa"))
         from kvcanary.ops.api import BACKENDS
 

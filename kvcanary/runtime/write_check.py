@@ -45,18 +45,39 @@ class WriteCheck:
     def __init__(self, canary):
         self.c = canary
         self.on = bool(canary.config.write_check) and canary.enabled
-        # every real-KV source, group by group (each group's sources contiguous: one TAIL pass per group)
+        # "all": every layer ``name_layers`` names gets sources of its own besides the fingerprinted ones
+        self.all_layers = canary.config.write_check_layers == "all"
+        self.ops = write_impl(resolve_backend(canary.config.backend, canary.device))
+        self.pending = False  # host: a note since the last TAIL pass (the CPU skips a pass with nothing noted)
+        self.notes = 0  # stats: sources noted so far
+        self.by_layer: dict[int, list] = {}  # engine layer -> [(source, kind, K and V share one row)]
+        self.skipped = False  # a layer's rows did not fit its source once (warned)
+        self._build([[] for _ in canary.groups])
+
+    def _build(self, extra: list[list[tuple[RealKvSource, int, str]]]) -> None:
+        """The sources, group by group (each group's contiguous: one TAIL pass per group): the real-KV sources of
+        the pool (the fingerprinted layers), then ``extra[group]`` ((source, layer, kind): the other layers' K and
+        V with ``write_check_layers="all"``), and the buffers sized by them."""
+        canary = self.c
         self.sources: list[RealKvSource] = []
         self.spans: list[tuple[int, int]] = []  # per group: its sources' [lo, hi)
         self.where: list[tuple[str, str]] = []  # per source: (group, the record buffer whose hash covers it)
-        tags = []
-        for g in canary.groups:
+        layer_of, kind_of, tags = [], [], []
+        for g, more in zip(canary.groups, extra):
             lo = len(self.sources)
             for kv in KINDS:
                 for src in g.sources[kv]:
                     self.sources.append(src)
                     self.where.append((g.name, kv))
                     tags.append(g.tag("tail", kv))
+                    layer_of.append(-1)
+                    kind_of.append(None)
+            for src, layer, kind in more:  # (no record covers these: the row's KIND is the cache's kind)
+                self.sources.append(src)
+                self.where.append((g.name, kind))
+                tags.append(g.tag("tail", kind))
+                layer_of.append(layer)
+                kind_of.append(kind)
             self.spans.append((lo, len(self.sources)))
         self.index = {id(src): s for s, src in enumerate(self.sources)}
         self.group_of_tag = {g.tag("tail", kv): i for i, g in enumerate(canary.groups) for kv in KINDS}
@@ -64,25 +85,24 @@ class WriteCheck:
         self.expected = torch.zeros(n, canary.max_tokens if self.on else 1, dtype=torch.int64, device=dev)
         self.noted = torch.zeros(n, dtype=torch.int32, device=dev)
         self.tags = torch.tensor(tags or [0], dtype=torch.int64, device=dev)
-        self.layers = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.layer_of = [-1] * n  # host copies of ``layers`` and of each source's kind ("k" / "v" / None)
-        self.kind_of: list[str | None] = [None] * n
-        self.ops = write_impl(resolve_backend(canary.config.backend, dev))
-        self.pending = False  # host: a note since the last TAIL pass (the CPU skips a pass with nothing noted)
-        self.notes = 0  # stats: sources noted so far
-        self.by_layer: dict[int, list] = {}  # engine layer -> [(source, kind, K and V share one row)]
-        self.skipped = False  # a layer's rows did not fit its source once (warned)
+        self.layers = torch.tensor(layer_of or [-1], dtype=torch.int64, device=dev)
+        self.layer_of = layer_of or [-1]  # host copies of ``layers`` and of each source's kind ("k" / "v" / None)
+        self.kind_of: list[str | None] = kind_of or [None]
 
     # -- naming layers ------------------------------------------------------------------------------
     def name_layers(self, groups) -> dict[int, list]:
-        """Which of the pool's sources hold each engine layer's K and V: ``groups`` is ``[(group, layers, keys,
-        values)]`` with ``keys[i]`` / ``values[i]`` the tensors of layer ``layers[i]``'s cache rows as the
-        sources were built over them (matched by their first byte, within the group: one tensor may serve
-        several groups, their slots telling them apart). A layer whose K and V are one tensor (an MLA latent
-        row) is noted as its K then V bytes side by side. Returns ``{layer: [(source, kind, joined)]}``."""
+        """Which sources hold each engine layer's K and V: ``groups`` is ``[(group, layers, keys, values)]`` with
+        ``keys[i]`` / ``values[i]`` the tensors of layer ``layers[i]``'s cache rows (every attention layer of the
+        group), as the pool's sources were built over them (matched by their first byte, within the group: one
+        tensor may serve several groups, their slots telling them apart). A layer whose K and V are one tensor
+        (an MLA latent row) is noted as its K then V bytes side by side. With ``write_check_layers="all"`` each
+        layer no pool source covers gets a source of its own, laid out like the group's fingerprinted layers
+        (``_layer_source``). Call it once, before the first forward (the buffers are sized here). Returns
+        ``{layer: [(source, kind, joined)]}``."""
         self.by_layer = {}
         if not self.on:
             return self.by_layer
+        extra: list[list] = [[] for _ in self.c.groups]
         for name, layers, keys, values in groups:
             if len(layers) != len(keys) or len(layers) != len(values):
                 raise ValueError(f"kv-canary: name_kv_layers wants one K and one V tensor per layer, got "
@@ -93,10 +113,31 @@ class WriteCheck:
                 joined = k.data_ptr() == v.data_ptr()
                 at.setdefault(k.data_ptr(), (int(layer), "k", joined))  # (joined: the first name wins)
                 at.setdefault(v.data_ptr(), (int(layer), "v", joined))
+            named = {}  # first byte -> (the named tensor, the pool source over it)
             for src in (*g.sources["k"], *g.sources["v"]):
                 hit = at.get(src.tensor.data_ptr())
                 if hit is not None:
                     self.by_layer.setdefault(hit[0], []).append((src, hit[1], hit[2]))
+                    named[src.tensor.data_ptr()] = src
+            if not self.all_layers:
+                continue
+            rows = {t.data_ptr(): t for pair in zip(keys, values) for t in pair}
+            template = next(((rows[p], src) for p, src in named.items()), None)
+            for layer, k, v in zip(layers, keys, values):
+                joined = k.data_ptr() == v.data_ptr()
+                for kind, t in ((("k", k),) if joined else (("k", k), ("v", v))):
+                    if t.data_ptr() in named:
+                        continue
+                    if template is None:
+                        raise ValueError(f"kv-canary: write_check_layers='all' lays each layer's source out like a "
+                                         f"real-KV source of its group, got group {name!r} with none of its layers "
+                                         f"a pool source (PoolSpec / SwaSpec k_sources, v_sources)")
+                    src = _layer_source(t, *template, f"layer {layer}'s {kind.upper()} rows in group {name!r}")
+                    named[t.data_ptr()] = src
+                    extra[self.c.groups.index(g)].append((src, int(layer), kind))
+                    self.by_layer.setdefault(int(layer), []).append((src, kind, joined))
+        if any(extra):
+            self._build(extra)
         return self.by_layer
 
     def note_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -220,6 +261,28 @@ class WriteCheck:
 
     def stats(self) -> dict:
         return {"write_check_notes": self.notes}
+
+
+def _layer_source(rows: torch.Tensor, named: torch.Tensor, template: RealKvSource, what: str) -> RealKvSource:
+    """A source over ``rows`` (another layer's cache rows) laid out as ``template`` lies over ``named`` (the rows of
+    a fingerprinted layer of the same group): same dtype, row layout and strides; any number of rows (a layer's
+    rows may be a view running to the end of one shared tensor). View ops only: a recorded step sees the source."""
+    t = template.tensor
+    if (rows.dtype != named.dtype or rows.shape[1:] != named.shape[1:] or rows.stride() != named.stride()
+            or t.shape[0] != named.shape[0] or rows.device != named.device):
+        raise ValueError(f"kv-canary: write_check_layers='all' wants {what} laid out like the group's fingerprinted "
+                         f"layer's rows ({named.dtype}, rows {tuple(named.shape[1:])}, strides {named.stride()}, "
+                         f"{named.device}), got {rows.dtype}, rows {tuple(rows.shape[1:])}, strides {rows.stride()}, "
+                         f"{rows.device}")
+    offset = rows.storage_offset() * rows.element_size()
+    size, stride = (rows.shape[0], *t.shape[1:]), t.stride()
+    if rows.element_size() == t.element_size():
+        view = torch.as_strided(rows.view(t.dtype), size, stride, offset // t.element_size())
+    else:  # (a view of another element size: re-pointed at the storage)
+        view = torch.empty(0, dtype=t.dtype, device=rows.device).set_(rows.untyped_storage(),
+                                                                      offset // t.element_size(), size, stride)
+    return RealKvSource(view, page_size=template.page_size, num_bytes_per_token=template.num_bytes_per_token,
+                        read_bytes=template.read_bytes)
 
 
 def check_attribution(canary, row: list[int], step: int) -> dict:

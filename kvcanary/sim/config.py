@@ -33,7 +33,7 @@ class SimConfig:
         max_output: cap on a request's output tokens (workloads draw 1-32).
         max_steps: forward steps before the run stops.
         vocab: vocabulary size of the token oracle.
-        num_layers: full-attention layers whose K bytes are real-KV sources.
+        num_layers: full-attention layers (up to four of them real-KV sources: ``MockModel.fingerprinted``).
         graph_sizes: padded batch sizes of decode/verify forwards ("CUDA graphs").
         sweep_interval: prefix-cache sweep every N steps.
         bug: name of the planted bug (``kvcanary.sim.bugs.BUGS``), None for a clean run.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.format import oracle_token
+from kvcanary.format import MAX_REAL_KV_SOURCES, oracle_token
 from kvcanary.ops.types import RealKvSource
 
 WORDS = 4  # int64 words per token and layer: 32 bytes
@@ -67,11 +67,18 @@ class MockModel:
         return RealKvSource(t.view(torch.float64), page_size=page_size, num_bytes_per_token=WORDS * 8,
                             read_bytes=WORDS * 8)
 
+    def fingerprinted(self) -> list[int]:
+        """The layers whose K and V are the pool's real-KV sources: every layer up to four (the format's most
+        sources per buffer), past that the first, the last and two evenly spaced between (the write check covers
+        the others with ``write_check_layers="all"``)."""
+        n = len(self.k)
+        return list(range(n)) if n <= MAX_REAL_KV_SOURCES else sorted({round(i * (n - 1) / 3) for i in range(4)})
+
     def k_sources(self) -> tuple[RealKvSource, ...]:
-        return tuple(self._source(t, self.page_size) for t in self.k)
+        return tuple(self._source(self.k[j], self.page_size) for j in self.fingerprinted())
 
     def v_sources(self) -> tuple[RealKvSource, ...]:
-        return tuple(self._source(t, self.page_size) for t in self.v)
+        return tuple(self._source(self.v[j], self.page_size) for j in self.fingerprinted())
 
     def swa_sources(self) -> tuple[tuple[RealKvSource, ...], tuple[RealKvSource, ...]]:
         if self.swa_k is None:
