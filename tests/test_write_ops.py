@@ -237,3 +237,45 @@ def test_batch_keys_only_compares_the_columns_before_the_batchs_last_key(seed):
     want = _attention_rows(reference_check_attention, {**wide, "batch_keys_only": True})
     assert want == _attention_rows(torch_check_attention, {**wide, "batch_keys_only": True})
     assert want[0] == 1 and want[1][0][5] == int(args["request_ids"][r]) and want[1][0][6] == cu_k[r]
+
+
+def _all_layers_case(rng: random.Random, layers: int = 6, page: int = 2):
+    """``write_check_layers="all"``'s sources: every layer's K and V rows as views running to the end of one shared
+    tensor (transformers' sector cache: a block spans every layer's K and V pages, slot = block * stride +
+    offset), the first layer's K the fingerprinted template the others are laid out by (``_layer_source``)."""
+    from kvcanary.runtime.batch import row_sources
+    from kvcanary.runtime.write_check import _layer_source
+
+    stride, blocks = 2 * layers * page, 6
+    flat = torch.randn(blocks * stride, 2, 8).to(torch.float16).to(DEVICE)
+    views = [flat[j * page:] for j in range(2 * layers)]  # (layer i: K = views[2i], V = views[2i + 1])
+    template = row_sources(views[0])[0]
+    sources = [template] + [_layer_source(t, views[0], template, "test") for t in views[1:]]
+    slots = [b * stride + o for b in range(blocks) for o in range(page)]
+    n = rng.randint(8, len(slots))
+    loc = rng.sample(slots[1:], n - 1) + [0]  # (a padding token last)
+    comp = torch.randn(2 * layers, n, 2, 8).to(torch.float16).to(DEVICE)
+    for j, view in enumerate(views):
+        for t, s in enumerate(loc):
+            if s < view.shape[0] and rng.random() > 0.08 * (j >= 2):  # (some writes past the template skipped)
+                view[s] = comp[(j + (rng.random() < 0.05)) % (2 * layers), t]  # (a few land in the next cache)
+    expected = torch.zeros(2 * layers, n + 1, dtype=torch.int64, device=DEVICE)
+    for j in range(2 * layers):
+        write_impl("reference").hash_rows(words=as_words(comp[j]), out=expected[j])
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    return dict(out_cache_loc=t(loc), write_offsets=t([0, n - 1]), num_requests=1, positions=t(list(range(n))),
+                input_ids=t([rng.randrange(500) for _ in range(n)]), writer_ids=t([7]), num_slots=blocks * stride,
+                sources=sources, expected=expected,
+                noted=torch.tensor([int(rng.random() < 0.9) for _ in sources], dtype=torch.int32, device=DEVICE),
+                tags=t([2 + j % 2 for j in range(2 * layers)]), layers=t([j // 2 for j in range(2 * layers)]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("seed", range(3))
+def test_check_writes_over_every_layers_sources_agrees_with_the_reference(impl, seed):
+    args = _all_layers_case(random.Random(seed))
+    want, got = ViolationRing.allocate(256, DEVICE), ViolationRing.allocate(256, DEVICE)
+    write_impl("reference").check_writes(**args, ring=want)
+    write_impl(impl).check_writes(**args, ring=got)
+    assert _rows(got) == _rows(want) and int(want.write_index[0]) > 0
+    assert {r[4] for r in _rows(want)[1]} - {0, 1}  # (sources past the fingerprinted ones found faults)
