@@ -5,7 +5,8 @@ cache write that stored the wrong bytes is never seen: a write-only path that wr
 copies V into the K cache, a write that lands short. Every later read then "matches" the wrong bytes.
 
 ``WriteCheck`` closes that hole for every real-KV source of the pool (the fingerprinted layers, K and V, both
-groups; docs/write_check.md):
+groups), and with ``CanaryConfig.write_check_layers="all"`` for every attention layer the engine names, through
+sources of its own over the other layers' cache rows (the records do not change; docs/write_check.md):
 
 - inside the forward, where the engine hands a layer's computed K and V to its cache update, the engine (or
   its adapter) calls ``canary.write_check.note_layer(layer, k, v)`` (after naming each layer's cache rows
