@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+import triton_interpreter
+
 
 def _triton_usable() -> bool:
     try:
@@ -64,6 +66,9 @@ def _zero_new_kv_pools() -> None:
 
 
 def pytest_configure(config):
+    # under TRITON_INTERPRET=1: the interpreter's language patching once per launch, not at every device function
+    # call (a third of an interpreted launch's time; tests/triton_interpreter.py says why the kernels run the same)
+    triton_interpreter.install()
     if HAS_CUDA:
         _zero_new_kv_pools()
     if os.environ.get("KVCANARY_TEST_WRITE_LANES") == "0" and HAS_TRITON:
