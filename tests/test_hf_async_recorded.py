@@ -185,9 +185,12 @@ def test_the_engines_reset_of_its_inputs_is_ordered_before_the_next_loops_copies
     assert ("write_index_storage", "copy_.default@h2d") in listed, rec.memory.races()
 
 
-@pytest.mark.parametrize("plant", [None, "fence-not-waited", "slot-read-unwaited"])
+# planted: both host-side shortcuts at once (the fence's wait dropped, a slot read as if known complete). Dropping
+# waits only removes orderings, so a run ordered with both dropped is ordered with either alone: one run stands for
+# the two plants (each was a run of its own, the same assertions).
+@pytest.mark.parametrize("planted", [False, True], ids=["ordered", "fence-not-waited-and-slot-read-unwaited"])
 def test_the_observers_slot_events_are_ordered_and_the_engines_sync_covers_their_shortcuts(llama, monkeypatch,
-                                                                                          steady, plant):
+                                                                                          steady, planted):
     # The step's close as on CUDA (hf_async_model._cuda_observer): snapshot slots in pinned memory, each read by
     # the host once its event is known complete; a fused step's slot event also stands for its staging turn's copy
     # (SlotFence: the turn's next refill waits for it). A clean run is ordered per storage. The two host-side
@@ -198,16 +201,16 @@ def test_the_observers_slot_events_are_ordered_and_the_engines_sync_covers_their
     from kvcanary.runtime import observer as observer_mod
     from kvcanary.runtime.step import staging as staging_mod
 
-    fenced = []
+    fenced, waits, unwaited = [], [], []
     orig_copied = staging_mod.Staging.copied
     monkeypatch.setattr(staging_mod.Staging, "copied",
                         lambda self, fence=None: (fenced.append(fence is not None), orig_copied(self, fence))[1])
-    if plant == "fence-not-waited":
-        monkeypatch.setattr(observer_mod.SlotFence, "wait", lambda self: None)
-    elif plant == "slot-read-unwaited":
+    if planted:
+        monkeypatch.setattr(observer_mod.SlotFence, "wait", lambda self: waits.append(1))
         orig_finish = observer_mod.HostObserver._finish
 
         def finish(self, slot, landed=False):
+            unwaited.append(1)
             slot.known = slot.records
             return orig_finish(self, slot, landed)
 
@@ -215,4 +218,5 @@ def test_the_observers_slot_events_are_ordered_and_the_engines_sync_covers_their
     base, run, rec = _recorded_run(llama, monkeypatch, memory=True)
     assert run.violations == [] and run.tokens == base.tokens
     assert any(fenced), "no fused step closed into a snapshot slot"
+    assert not planted or (waits and unwaited), "a planted shortcut's code did not run"
     assert rec.races() == [] and rec.memory.races() == [], (rec.races()[:3], rec.memory.races()[:3])
