@@ -24,7 +24,7 @@ INTERPRETED = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET"
 FAST = "numba" if numba_available() else "torch"  # (the plain hooks' and the eager path's backend)
 
 # paged, prefix hits, no CUDA-graph padding of the sim's own (a graph per batch size): a steady decode batch of four
-CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=32, max_steps=60,
+CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=20, max_steps=40,
            graph_sizes=(1, 2, 3, 4))
 
 
