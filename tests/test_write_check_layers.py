@@ -78,12 +78,23 @@ def test_hf_a_clean_run_with_all_reports_nothing_and_notes_every_layer(llama4):
     assert run.stats["write_check_notes"] == LAYERS * base.stats["write_check_notes"] > 0
 
 
-SIM = dict(num_layers=8, num_requests=6, max_steps=24, max_output=6, seed=3)  # (layers 0, 2, 5, 7 fingerprinted)
+# (layers 0, 2, 5, 7 fingerprinted); a steady decode batch of four (the recorded paths replay its steps)
+SIM = dict(num_layers=8, seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=16,
+           max_steps=40, graph_sizes=(1, 2, 3, 4))
 
 
-def run_sim(layers: str, plant_at: int | None):
+def device_bounds(monkeypatch) -> None:
+    """The torch backend as on an accelerator (work sized by static bounds, no host read): what the CPU stand-in
+    graphs of the step runner's recorded paths can record, in seconds (tests/test_hf_attention_graphs.py)."""
+    from kvcanary.ops import attention_ops, slot_ops, torch_ops, write_ops
+
+    for module in (torch_ops, write_ops, slot_ops, attention_ops):
+        monkeypatch.setattr(module, "_host_reads", lambda device: False)
+
+
+def run_sim(layers: str, plant_at: int | None, steps: str | None = None):
     cfg = SimConfig(**SIM)
-    eng = SimEngine(cfg, default_canary_config(cfg).replace(write_check_layers=layers))
+    eng = SimEngine(cfg, default_canary_config(cfg).replace(write_check_layers=layers), steps=steps)
     model, orig, fired = eng.model, eng.model.forward, []
     assert 4 not in model.fingerprinted()
 
@@ -92,7 +103,7 @@ def run_sim(layers: str, plant_at: int | None):
         before = v.clone()
         orig(out_cache_loc, input_ids, positions, swa_loc, note)
         if plant_at is not None and eng.step_no >= plant_at and not fired:
-            fired.append(out_cache_loc.clone())
+            fired.append((eng.step_no, out_cache_loc.clone()))
             v.copy_(before)  # (layer 4's V write never happened)
 
     model.forward = forward
@@ -100,17 +111,24 @@ def run_sim(layers: str, plant_at: int | None):
     return eng, result, fired
 
 
-def test_sim_a_middle_layers_skipped_v_write_is_missed_by_default_and_reported_with_all():
-    _, result, fired = run_sim("fingerprinted", 3)
+@pytest.mark.parametrize("steps", [None, "captured"])  # (the plain hooks; the step runner's replayed graphs)
+def test_sim_a_middle_layers_skipped_v_write_is_missed_by_default_and_reported_with_all(steps, monkeypatch):
+    if steps:
+        device_bounds(monkeypatch)
+    _, result, fired = run_sim("fingerprinted", 12, steps)  # (a decode step of the steady batch: replayed)
     assert fired and result.violations == 0
-    eng, result, fired = run_sim("all", 3)
+    eng, result, fired = run_sim("all", 12, steps)
     vs = eng.canary.violations
-    written = {s for s in fired[0].tolist() if s > 0}
+    step, loc = fired[0]
+    written = {s for s in loc.tolist() if s > 0}
     assert vs and {(v.reasons, v.layer, v.source) for v in vs} == {(("write_kv",), 4, "V of layer 4 (full group)")}
-    assert {v.slot for v in vs} <= written and len({v.step for v in vs}) == 1
+    assert {v.slot for v in vs} <= written and {v.step for v in vs} == {step}  # (reported at the forward)
 
 
-def test_sim_a_clean_run_with_all_reports_nothing():
-    eng, result, _ = run_sim("all", None)
+@pytest.mark.parametrize("steps", [None, "captured"])
+def test_sim_a_clean_run_with_all_reports_nothing(steps, monkeypatch):
+    if steps:
+        device_bounds(monkeypatch)
+    eng, result, _ = run_sim("all", None, steps)
     assert result.violations == 0 and result.finished > 0
     assert len(eng.canary.write_check.sources) == 16  # (8 fingerprinted: layers 0, 2, 5, 7, K and V; 8 more)
