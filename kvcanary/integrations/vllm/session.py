@@ -74,6 +74,7 @@ class Session:
         self.in_step = False
         self.closed = False
         self._step_forwards = 0
+        self._running_only = False  # this step schedules running requests only (begin_step)
         self._stats_at = 0.0
         self.canary = self._build_canary()
         lay = self.layout
@@ -141,6 +142,9 @@ class Session:
 
             self.canary.copy_records(torch.from_numpy(src), torch.from_numpy(dst))
             self.events["block_copies"] += len(copies)
+        # a step of running requests only (none new, none resumed): in its decode-only forwards no request may read
+        # a block another writes (guard_forward)
+        self._running_only = not so.scheduled_new_reqs and not getattr(cached, "resumed_req_ids", None)
         self.in_step, self._step_forwards = True, 0
         self._expect_forward = so.total_num_scheduled_tokens > 0
 
@@ -154,7 +158,14 @@ class Session:
                                f"{None if positions is None else tuple(positions.shape)}")
         batch, req_ids = self.builder.build(runner, input_ids, positions)
         self._count_chunks(runner, batch)
-        parts = waves(batch, self.layout.block_size)
+        if self._running_only and batch.num_tokens == batch.batch_size:
+            # Decode only, every request scheduled before: a block one of them writes now is its own partial tail
+            # block, which no other request's table can hold (vLLM shares full blocks only, hit when a request is
+            # scheduled first). One wave, without the split's per-forward search; a table that does hold another's
+            # tail block (an engine bug) fails the verify either way: the slot's record is the writer's token.
+            parts = [list(range(batch.batch_size))]
+        else:
+            parts = waves(batch, self.layout.block_size)
         first = batch if len(parts) == 1 else subset(batch, parts[0])
         self.canary.before_forward(first)
         try:
