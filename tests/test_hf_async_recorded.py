@@ -58,20 +58,29 @@ def _recorded_run(llama, monkeypatch, memory=False, tokens=None, **options):
 def test_a_clean_async_run_is_clean_and_ordered(llama, monkeypatch, steady, fused):
     from kvcanary.runtime.step.fused import FusedSteps
 
-    replays = []
+    from kvcanary.runtime.step import staging as staging_mod
+
+    replays, fenced = [], []
     orig = FusedSteps._replay
     monkeypatch.setattr(FusedSteps, "_replay", lambda self, *a: (replays.append(1), orig(self, *a))[1])
+    orig_copied = staging_mod.Staging.copied
+    monkeypatch.setattr(staging_mod.Staging, "copied",
+                        lambda self, fence=None: (fenced.append(fence is not None), orig_copied(self, fence))[1])
     # (with the allocator's reuse of freed memory: a tensor used on another stream than the one it was made on)
     base, run, rec = _recorded_run(llama, monkeypatch, memory=True, fused_steps=fused)
     assert run.violations == [], run.report
     assert run.tokens == base.tokens and run.stats["forwards"] > 20
     assert bool(replays) == fused  # (the path under test ran)
+    # the step's close as on CUDA (hf_async_model._cuda_observer): a fused step closes into a snapshot slot, whose
+    # event also stands for its staging turn's copy (SlotFence); ordered per storage (below)
+    assert any(fenced) == fused, "a fused step's close into a snapshot slot"
     ops = {a.op.split(":")[0] for a in rec.log}
     assert {"h2d", "engine_forward", "d2h", "stage_copy", "stage", "head", "tail", "reserved_check", "use"} <= ops, ops
     assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
     assert rec.memory is None or rec.memory.races() == []  # (every storage's accesses, named or not)
 
 
+@pytest.mark.slow  # (a heavy extra: the engine's CUDA-graph run below pads its inputs and warms up as this one does)
 def test_a_clean_async_run_over_the_engines_padded_inputs_is_clean_and_ordered(llama, monkeypatch, steady):
     # the engine pads its inputs for its CUDA graphs (padding tokens at position 0 writing its trash slot) and
     # warms both input pairs up with fake requests first; the canary reads no padding lane as a live token
@@ -93,9 +102,21 @@ def test_a_clean_async_run_with_the_engines_cuda_graphs_is_clean_and_ordered(lla
     from transformers.generation.continuous_batching import model_runner
 
     cb = {"use_cuda_graph": True, "use_async_batching": True}
+    pads, warmups = [], []
+    orig_pad, orig_warm = model_runner.ModelRunner.maybe_pad_inputs, model_runner.ModelRunner.run_one_warmup
     with recorded_async(monkeypatch, memory=True, engine_graphs=True) as rec:
         base = run_workload(llama, canary=False, cb=cb, **RUN)
         restart(rec)
+        # the engine pads its inputs for its graphs (padding tokens at position 0 writing its trash slot) and warms
+        # both input pairs up with fake requests first; the canary reads no padding lane as a live token
+        def pad(self, num_q_tokens, max_kv_read, use_decode_fast_path):
+            out = orig_pad(self, num_q_tokens, max_kv_read, use_decode_fast_path)
+            pads.append(((num_q_tokens, max_kv_read), out))
+            return out
+
+        monkeypatch.setattr(model_runner.ModelRunner, "maybe_pad_inputs", pad)
+        monkeypatch.setattr(model_runner.ModelRunner, "run_one_warmup",
+                            lambda self, *a, **k: (warmups.append(1), orig_warm(self, *a, **k))[1])
         made, replays, make = [], [], model_runner.create_accelerator_graph
 
         def create():
@@ -110,6 +131,7 @@ def test_a_clean_async_run_with_the_engines_cuda_graphs_is_clean_and_ordered(lla
     assert run.violations == [], run.report
     assert run.tokens == base.tokens and run.stats["forwards"] > 20
     assert made and len(replays) > len(made)  # (the engine's graphs were captured and replayed)
+    assert warmups and any(out[0] > got[0] for got, out in pads), pads[:4]  # (the engine padded)
     assert rec.races() == [], [(a.op, a.stream, b.op, b.stream, r) for a, b, r in rec.races()[:5]]
     assert rec.memory is None or rec.memory.races() == []  # (every storage's accesses, named or not)
 
@@ -152,12 +174,14 @@ def test_the_next_rewrite_of_a_storage_set_waits_for_the_canary_work_that_read_i
 
 # One planted bug of each class the async carry-over could hide (Triton's interpreter: each run takes a while; every
 # bug is planted without async in tests/test_transformers.py): a free, a read index, a history, the prefix key, a
-# fork copy, a KV flip, a write into the trash.
-ASYNC_BUGS = ["double-free", "new-token-read-index", "contiguous-read-index", "history-short", "prefix-key-collision",
-              "skip-fork-copy", "flip-kv", "never-written"]
+# fork copy, a KV flip, a write into the trash. In the default run, those whose engine work async batching moves:
+# a free at the update, the new token's read cell (its id carried over), the history one step behind, the fork copy
+# at the update; the others are heavy extras (-m slow): their checks run the same kernels on the same fast paths.
+ASYNC_BUGS = ["double-free", "new-token-read-index", "history-short", "skip-fork-copy"]
+ASYNC_BUGS_SLOW = ["contiguous-read-index", "prefix-key-collision", "flip-kv", "never-written"]
 
 
-@pytest.mark.parametrize("bug", ASYNC_BUGS)
+@pytest.mark.parametrize("bug", ASYNC_BUGS + [pytest.param(b, marks=pytest.mark.slow) for b in ASYNC_BUGS_SLOW])
 def test_planted_bugs_are_reported_under_async_with_the_fast_paths(llama, monkeypatch, steady, bug):
     # the engine's async IO, the canary's step graphs and fused steps: a planted bug is reported as without them
     # (tests/test_transformers.py), and the run's accesses stay ordered
@@ -185,10 +209,12 @@ def test_the_engines_reset_of_its_inputs_is_ordered_before_the_next_loops_copies
     assert ("write_index_storage", "copy_.default@h2d") in listed, rec.memory.races()
 
 
-# planted: both host-side shortcuts at once (the fence's wait dropped, a slot read as if known complete). Dropping
+# Planted: both host-side shortcuts at once (the fence's wait dropped, a slot read as if known complete). Dropping
 # waits only removes orderings, so a run ordered with both dropped is ordered with either alone: one run stands for
-# the two plants (each was a run of its own, the same assertions).
-@pytest.mark.parametrize("planted", [False, True], ids=["ordered", "fence-not-waited-and-slot-read-unwaited"])
+# the two plants (each was a run of its own, the same assertions). The clean run of the same configuration (the
+# default: fused steps) is test_a_clean_async_run_is_clean_and_ordered[fused], with the same checks.
+@pytest.mark.parametrize("planted", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["ordered", "fence-not-waited-and-slot-read-unwaited"])
 def test_the_observers_slot_events_are_ordered_and_the_engines_sync_covers_their_shortcuts(llama, monkeypatch,
                                                                                           steady, planted):
     # The step's close as on CUDA (hf_async_model._cuda_observer): snapshot slots in pinned memory, each read by
