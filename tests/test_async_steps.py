@@ -84,7 +84,12 @@ def test_carried_steps_run_clean_and_store_the_sampled_tokens(steady, steps):
         assert len(sets) == 2
 
 
-@pytest.mark.parametrize("steps", PATHS)
+# The planted variants: on the eager path (numba) and on the fused one under the interpreter, the replayed path's
+# representative (the captured one: a heavy extra, -m slow; its clean carried runs stay in the default run above)
+PLANTED_PATHS = ("eager", pytest.param("captured", marks=pytest.mark.slow), "fused")
+
+
+@pytest.mark.parametrize("steps", PLANTED_PATHS)
 def test_head_before_the_forward_reads_the_host_ids_and_is_reported(steady, steps, monkeypatch):
     # planted: the step's before work at the pre-forward point (the synchronous order): HEAD records the
     # host's placeholder ids (the previous position's token), not the carried ones
@@ -107,7 +112,7 @@ def test_graphs_keyed_without_the_storage_set_are_reported(steps, monkeypatch):
     assert e.canary.violations, steps
 
 
-@pytest.mark.parametrize("steps", PATHS)
+@pytest.mark.parametrize("steps", PLANTED_PATHS)
 def test_a_carried_cell_sent_at_prepare_time_is_reported_deferred_it_is_not(steady, steps, monkeypatch):
     # planted: the carried request's newest cell sent from the host when the step is prepared (it has no
     # token yet there: MISSING_TOKEN); the deferral (history_need) is the clean runs above
