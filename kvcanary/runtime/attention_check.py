@@ -85,10 +85,10 @@ class AttentionCheck:
         with c.launcher.side():
             c.launcher.streams.note("attention_check", reads=("engine_inputs",), atomic=("ring",))
             impl(req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
-                      extend_lens=batch.extend_lens, positions=batch.positions, request_ids=batch.request_ids,
-                      window=g.window, cu_seqlens_k=cu_seqlens_k, mask=mask, key_slots=key_slots,
-                      launch_tag=g.tag("head", "k"), ring=c.ring,
-                      host_reads=c.device.type == "cpu" and c.launcher.host_ops, batch_keys_only=batch_keys_only)
+                 extend_lens=batch.extend_lens, positions=batch.positions, request_ids=batch.request_ids,
+                 window=g.window, cu_seqlens_k=cu_seqlens_k, mask=mask, key_slots=key_slots,
+                 launch_tag=g.tag("head", "k"), ring=c.ring,
+                 host_reads=c.device.type == "cpu" and c.launcher.host_ops, batch_keys_only=batch_keys_only)
         return True
 
     def attribution(self, row: list[int], step: int) -> dict:

@@ -403,33 +403,34 @@ def _one_forward(state, write_index) -> bool:
     return False
 
 
-def write_k_only(bp, lay, state) -> None:
-    a = _sector_allocator(lay, "full_attention", "write-k-only")
+def _write_only_store(lay, state, group: str, name: str, store) -> None:
+    """Replace group ``group``'s write-only path (a forward that reads no cached KV) in the one forward the bug
+    fires in: ``store(k_cache, v_cache, write_index, key_states, value_states)`` writes in place of the engine."""
+    a = _sector_allocator(lay, group, name)
     orig = a.update
 
     def update(key_states, value_states, layer_idx, read_index, write_index):
         if read_index.numel() == 0 and _one_forward(state, write_index):
-            k_cache, _ = a._kv_token_views[layer_idx]
-            k_cache.index_copy_(0, write_index, key_states)
-            return key_states, value_states  # (V never written)
-        return orig(key_states, value_states, layer_idx, read_index, write_index)
-
-    a.update = update
-
-
-def sliding_v_into_k(bp, lay, state) -> None:
-    a = _sector_allocator(lay, "sliding_attention", "sliding-v-into-k")
-    orig = a.update
-
-    def update(key_states, value_states, layer_idx, read_index, write_index):
-        if read_index.numel() == 0 and _one_forward(state, write_index):
-            k_cache, v_cache = a._kv_token_views[layer_idx]
-            k_cache.index_copy_(0, write_index, value_states)  # (V where K belongs)
-            v_cache.index_copy_(0, write_index, value_states)
+            store(*a._kv_token_views[layer_idx], write_index, key_states, value_states)
             return key_states, value_states
         return orig(key_states, value_states, layer_idx, read_index, write_index)
 
     a.update = update
+
+
+def write_k_only(bp, lay, state) -> None:
+    def store(k_cache, v_cache, write_index, k, v):
+        k_cache.index_copy_(0, write_index, k)  # (V never written)
+
+    _write_only_store(lay, state, "full_attention", "write-k-only", store)
+
+
+def sliding_v_into_k(bp, lay, state) -> None:
+    def store(k_cache, v_cache, write_index, k, v):
+        k_cache.index_copy_(0, write_index, v)  # (V where K belongs)
+        v_cache.index_copy_(0, write_index, v)
+
+    _write_only_store(lay, state, "sliding_attention", "sliding-v-into-k", store)
 
 
 def mask_reset_short(bp, lay, state) -> None:

@@ -43,15 +43,19 @@ def mask_width(io) -> int:
     return int(getattr(io, "max_kv_read", 0)) + int(getattr(io, "num_q_tokens", 0))
 
 
+def _metadata(io, kind: str):
+    """(key lengths, mask buffer) of attention type ``kind`` as ``io`` holds them (no mask on the block-table path)."""
+    masks = None if getattr(io, "use_block_table", False) else getattr(io, "attention_mask", None)
+    cu = getattr(io, "cumulative_seqlens_k", None)
+    return (cu.get(kind) if isinstance(cu, dict) else None), (masks.get(kind) if isinstance(masks, dict) else None)
+
+
 def attention_inputs(io) -> AttentionInputs | None:
     """The full-attention group's key lengths and mask buffers of ``io`` and this step's mask width (None on the
     block-table path: no mask, never recorded)."""
     if getattr(io, "use_block_table", False):
         return None
-    masks, cu = getattr(io, "attention_mask", None), getattr(io, "cumulative_seqlens_k", None)
-    mask = masks.get("full_attention") if isinstance(masks, dict) else None
-    lens = cu.get("full_attention") if isinstance(cu, dict) else None
-    return AttentionInputs(lens, mask, mask_width(io))
+    return AttentionInputs(*_metadata(io, "full_attention"), mask_width(io))
 
 
 def check_attention_meta(session) -> None:
@@ -62,17 +66,14 @@ def check_attention_meta(session) -> None:
     if not canary.attention_check.on or runner.attention_recorded or not isinstance(runner.batch, ForwardBatch):
         return
     io, batch = session.builder.inputs, runner.batch
-    masks = None if getattr(io, "use_block_table", False) else getattr(io, "attention_mask", None)
     width = mask_width(io)
-    cu = getattr(io, "cumulative_seqlens_k", None)
     for kind, group in TYPES:
         index = lay.full_group if group == "full" else lay.swa_group
         if index is None:
             continue
-        mask = masks.get(kind) if isinstance(masks, dict) else None
+        lens, mask = _metadata(io, kind)
         slots = None
         if mask is not None:
             mask = mask[..., :batch.num_tokens, :min(mask.shape[-1], width)]
             slots = io.read_index_storage[index, :mask.shape[-1]]
-        lens = cu.get(kind) if isinstance(cu, dict) else None
         canary.attention_check.check(group, cu_seqlens_k=lens, mask=mask, key_slots=slots, batch=batch)
