@@ -20,6 +20,8 @@ BUGS = {
                               "position's slot (the block table still gives the right one)"),
     "stale-block": ("C", "a request's second block-table entry keeps the id of a block freed and reused by another "
                          "request (a stale block table row)"),
+    "v-write-dropped": ("B", "the CPU backend's cache write stores each token's K and leaves its V as it was (a "
+                             "write path that never writes V): every later read of that V reads stale bytes"),
 }
 
 
@@ -68,6 +70,22 @@ def apply_bug(bug: str):
 
         bt.BlockTable.commit_block_table = commit_block_table
         return lambda: setattr(bt.BlockTable, "commit_block_table", orig)
+    if bug == "v-write-dropped":
+        from vllm import _custom_ops as ops
+
+        store = ops.cpu_attn_reshape_and_cache
+
+        def cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs):
+            # value_cache [blocks, heads, block_size, head_size]: the written slots' V rows as they were before
+            bs = value_cache.shape[2]
+            slots = slot_mapping[slot_mapping >= 0]
+            blocks, offsets = slots // bs, slots % bs
+            before = value_cache[blocks, :, offsets].clone()
+            store(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs)
+            value_cache[blocks, :, offsets] = before
+
+        ops.cpu_attn_reshape_and_cache = cpu_attn_reshape_and_cache
+        return lambda: setattr(ops, "cpu_attn_reshape_and_cache", store)
     raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {bug!r}")
 
 

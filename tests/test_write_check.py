@@ -87,6 +87,48 @@ def test_every_layer_with_write_check_layers_all():
     assert e.forward(4, [15], [9]) == []  # (the next forward writes every layer again)
 
 
+@pytest.mark.parametrize("skip", [None, 1, 2])
+def test_one_model_forward_checked_as_two_canary_forwards_hands_each_its_own_notes(skip):
+    """vLLM's waves: one model forward of two requests (tokens 0-1 request 1's, 2-3 request 2's) whose notes are
+    taken in the model's token order, checked as a canary forward per request (request 2's first). ``restore``
+    gives each its own tokens' notes: clean, nothing; token ``skip``'s V not stored, that slot alone, in the
+    canary forward of its request."""
+    e = Engine()
+    c = e.canary
+    slots = [5, 6, 9, 10]
+    e.table[1, :2] = torch.tensor(slots[:2])
+    e.table[2, :2] = torch.tensor(slots[2:])
+    k, v = torch.randn(4, HEADS, DIM), torch.randn(4, HEADS, DIM)
+
+    def part(r, tok):
+        return ForwardBatch(torch.tensor([r]), torch.tensor([0]), torch.tensor([2]), torch.tensor([20 + r] * 2),
+                            torch.arange(2), torch.tensor([slots[t] for t in tok]), e.table)
+
+    waves = [(2, [2, 3]), (1, [0, 1])]
+    c.before_forward(part(*waves[0]))
+    for layer in range(2):  # the model forward: every token's K and V, noted, then stored
+        c.write_check.note_layer(layer, k, v)
+        e.keys[layer][torch.tensor(slots)] = k
+        e.values[layer][torch.tensor(slots)] = v
+        if skip is not None:
+            e.values[layer][slots[skip]] = 0.0
+    saved = c.write_check.save()
+    found = []
+    for i, (r, tok) in enumerate(waves):
+        if i:
+            c.before_forward(part(r, tok))
+        c.write_check.restore(saved, torch.tensor(tok))
+        c.after_forward(part(r, tok))
+        rows = c.flush()[sum(map(len, found)):]  # (flush returns every row so far)
+        found.append([(v.slot, v.writer_request, v.reasons) for v in rows])
+    if skip is None:
+        assert found == [[], []]
+    else:
+        want = [(slots[skip], None, ("write_kv",))]
+        assert found == ([[], want] if skip < 2 else [want, []])
+    assert c.write_check.save() is None  # (nothing noted since the last comparison)
+
+
 def test_write_check_layers_all_refuses_a_layer_laid_out_unlike_its_group():
     e = Engine(layers=3, write_check_layers="all")
     with pytest.raises(ValueError, match="layer 1's K rows in group 'full' laid out like"):

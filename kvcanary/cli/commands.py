@@ -72,7 +72,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu; --engine vllm: cpu only)")
     p.add_argument("--bug", default=None,
                    help=f"engine bug planted in the second run (transformers: {', '.join(sorted(BUGS))}; default "
-                        "early-free. vllm: slot-off-by-one (default), stale-block)")
+                        "early-free. vllm: slot-off-by-one (default), stale-block, v-write-dropped)")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="local Hugging Face model directory (loaded with local_files_only=True) instead of the "
                         "built-in tiny model")

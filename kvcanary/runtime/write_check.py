@@ -203,6 +203,27 @@ class WriteCheck:
         self.pending = True
         self.notes += 1
 
+    def save(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This forward's notes (expected hashes and flags; None: nothing noted), for ``restore``: an engine that
+        checks one model forward as several canary forwards (vLLM's waves) hands each the notes of its tokens."""
+        if not self.on or not self.pending:
+            return None
+        return self.expected.clone(), self.noted.clone()
+
+    def restore(self, saved: tuple[torch.Tensor, torch.Tensor] | None, tokens: torch.Tensor) -> None:
+        """Make the notes ``saved`` took of the model forward's tokens ``tokens`` (int64 indices into its rows, in the
+        coming canary forward's token order) this canary forward's notes; ``saved`` None: nothing."""
+        if saved is None:
+            return
+        expected, noted = saved
+        n = int(tokens.numel())
+        if n > self.expected.shape[1]:
+            raise ValueError(f"kv-canary: write_check.restore takes at most max_tokens = {self.expected.shape[1]} "
+                             f"tokens, got {n}")
+        self.expected[:, :n] = expected[:, tokens.to(expected.device)]
+        self.noted.copy_(noted)
+        self.pending = True
+
     # -- TAIL ---------------------------------------------------------------------------------------
     def after(self) -> None:
         """Compare the forward's written slots with what was noted (after the launcher's TAIL, on its stream)."""

@@ -56,6 +56,9 @@ def test_clean_run_with_preemption_prefix_hits_and_chunks_reports_nothing_and_ke
     assert stats["prefix_hits"] >= 5 and stats["chunked_prefill_chunks"] > 0
     assert stats["tokens_protected"] >= sum(len(p) for p in prompts)
     assert stats["allocator_checks"] >= stats["steps"] and stats["allocator_violations"] == 0
+    # the write check compared every forward's writes (each fingerprinted head's V at its layer's cache write),
+    # forwards split into waves included, and found nothing
+    assert stats["write_check_notes"] >= 2 * stats["forwards"] and stats["split_forwards"] > 0
     assert list(guarded.values()) == list(without.values())
 
 
@@ -85,6 +88,27 @@ def test_a_stale_block_table_entry_is_reported(tight, prompts):
     # a request read another request's block through its stale entry: the chain or the position breaks there
     readers = {r["reader"] for r in fresh if {"verify_chain_hash", "verify_position"} & set(r["reasons"])}
     assert readers and all(rid.split("-")[0] in outputs for rid in readers)
+
+
+def test_a_cache_write_that_never_stores_v_is_reported_at_the_forward_that_made_it(tight, prompts):
+    """vLLM's CPU cache write stores K and leaves V as it was: the records and the real-KV hash (taken after the
+    forward, of whatever the slot holds) would certify the stale V; the write check compares each written slot with
+    the V the layer handed to its cache write, and names the layer, the slot and the writer."""
+    session = session_of(_runner(tight))
+    lay = session.layout
+    before = len(collect(tight).violations)
+    with plant("v-write-dropped"):
+        outputs = _fresh(tight, prompts=prompts[:4], max_tokens=6)
+    fresh = collect(tight).violations[before:]
+    writes = [r for r in fresh if r["reasons"] == ["write_kv"]]
+    assert writes
+    # the fingerprinted layers (first and last) and their V, each written slot a row, every writer this run's
+    assert {r["layer"] for r in writes} <= {0, len(lay.layer_names) - 1}
+    assert all(r["source"].startswith(f"V of layer {r['layer']}") for r in writes)
+    assert all(r["writer"].split("-")[0] in outputs and r["reader"] == r["writer"] for r in writes)
+    assert len({r["slot"] for r in writes}) == len(writes)
+    first = min(r["step"] for r in writes)  # the first forward of the run: each of its prompt tokens' slots
+    assert len([r for r in writes if r["step"] == first]) >= min(len(p) for p in prompts[:4])
 
 
 def test_the_allocator_check_sees_an_early_free_in_vllms_block_pool(tight, prompts):

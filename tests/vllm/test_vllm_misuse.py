@@ -13,6 +13,7 @@ from kvcanary.integrations.vllm.settings import Settings
     ({"KV_CANARY_INJECT": "kv=0.1"}, "KV_CANARY_INJECT must be unset on vLLM"),
     ({"KV_CANARY_VLLM_TP_INTERVAL": "-2"}, "KV_CANARY_VLLM_TP_INTERVAL must be an integer >= 0, got '-2'"),
     ({"KV_CANARY_VLLM_TP_INTERVAL": "often"}, "KV_CANARY_VLLM_TP_INTERVAL must be an integer >= 0, got 'often'"),
+    ({"KV_CANARY_WRITE_CHECK_LAYERS": "all"}, "KV_CANARY_WRITE_CHECK_LAYERS must be 'fingerprinted' on vLLM, got 'all'"),
 ])
 def test_bad_settings_are_refused(env, message):
     with pytest.raises(ValueError, match="^kv-canary: " + message.replace("(", r"\(").replace(")", r"\)")):

@@ -12,6 +12,7 @@ The modules, each one part of the canary around one vLLM forward:
 - ``batch``: one forward's ``ForwardBatch`` from vLLM's attention metadata, slot mapping and input batch;
 - ``session``: one canary per model runner (per process and TP rank), the per-step hooks, the TP exchange;
 - ``report``: rows naming vLLM's request ids, the report directory, ``collect(llm)`` and ``read_reports(dir)``;
+- ``written_kv``: the write check's hooks at each fingerprinted layer's cache write (the K / V it computed);
 - ``allocator``: vLLM's block pool as the allocator check reads it (one worker, ``KV_CANARY_VLLM_ALLOCATOR_INTERVAL``);
 - ``engine``: a tiny engine for tests, the demo and benchmarks (random-weight model, ``LLM`` arguments, hooks on/off).
 

@@ -184,8 +184,7 @@ def waves(batch: ForwardBatch, block_size: int) -> list[list[int]]:
 def subset(batch: ForwardBatch, idx: list[int]) -> ForwardBatch:
     """The forward batch of the requests ``idx`` only (their rows, lengths, tokens, slots and histories)."""
     t = torch.tensor(idx, dtype=torch.int64)
-    starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
-    tok = torch.cat([torch.arange(int(starts[i]), int(starts[i] + batch.extend_lens[i])) for i in idx])
+    tok = subset_tokens(batch, idx)
     h = batch.token_history
     hist = torch.cat([h.flat[int(h.offsets[i]):int(h.offsets[i + 1])] for i in idx])
     lens = (h.offsets[1:] - h.offsets[:-1])[t]
@@ -197,6 +196,12 @@ def subset(batch: ForwardBatch, idx: list[int]) -> ForwardBatch:
                         request_ids=batch.request_ids[t], token_history=TokenHistory(hist, offsets),
                         expected_input_ids=pick(batch.expected_input_ids),
                         expected_positions=pick(batch.expected_positions), mode=batch.mode)
+
+
+def subset_tokens(batch: ForwardBatch, idx: list[int]) -> torch.Tensor:
+    """The forward's token indices of the requests ``idx``, in ``subset(batch, idx)``'s token order."""
+    starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+    return torch.cat([torch.arange(int(starts[i]), int(starts[i] + batch.extend_lens[i])) for i in idx])
 
 
 def _expected_positions(prefix: torch.Tensor, extend: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,9 @@ import numpy as np
 
 from kvcanary.runtime import Canary, PoolSpec
 
+from kvcanary.integrations.vllm import written_kv
 from kvcanary.integrations.vllm.allocator import BlockPoolView
-from kvcanary.integrations.vllm.batch import BatchBuilder, subset, waves
+from kvcanary.integrations.vllm.batch import BatchBuilder, subset, subset_tokens, waves
 from kvcanary.integrations.vllm.layout import KvLayout, check_engine
 from kvcanary.integrations.vllm.report import ReportFiles, RequestNames, describe, violation_row
 from kvcanary.integrations.vllm.settings import Settings
@@ -99,7 +100,8 @@ class Session:
             # every request of a forward re-verifies its whole context; shared prefixes make that more than the
             # pool's slots, but rarely twice as many (an overflow skips one verify, and warns with the count)
             config = config.replace(plan_capacity=min(max_batch * max_context, 2 * lay.num_slots + max_tokens))
-        k_sources, v_sources = lay.real_kv_sources(config.check_v)
+        k_picks, v_picks = lay.real_kv_picks(config.check_v)
+        k_sources, v_sources = (tuple(lay.head_source(*p) for p in picks) for picks in (k_picks, v_picks))
         pool = PoolSpec(lay.num_slots, k_sources, v_sources, reserved_slots=lay.reserved_slots())
         if config.mode == "abort":
             _check_abort(r, "KV_CANARY_MODE=abort")
@@ -115,6 +117,8 @@ class Session:
         # No forward before this one wrote request KV through the guarded path (warm-up runs are unguarded and
         # write no request's blocks): arm the chain-position assert now.
         canary.mark_ready()
+        # the write check: each fingerprinted head's computed K / V, noted at its layer's cache write
+        self.written = written_kv.install(r, lay, canary, list(zip(k_picks + v_picks, k_sources + v_sources)))
         return canary
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -168,7 +172,10 @@ class Session:
             parts = waves(batch, self.layout.block_size)
         first = batch if len(parts) == 1 else subset(batch, parts[0])
         self.canary.before_forward(first)
+        written = self.written
         try:
+            if written is not None:
+                written.live = True
             out = forward(runner, *args, **kwargs)
         except BaseException:
             # the engine's failure, not the canary's: the forward is abandoned (its unwritten KV stays unwritten
@@ -176,11 +183,19 @@ class Session:
             self.canary.abandon_forward()
             self.events["abandoned_forwards"] += 1
             raise
+        finally:
+            if written is not None:
+                written.live = False
+        # the write check's notes are in the model forward's token order: each wave gets its own tokens' notes
+        wc = self.canary.write_check
+        notes = wc.save() if len(parts) > 1 else None
+        wc.restore(notes, subset_tokens(batch, parts[0]) if notes is not None else None)
         self.canary.after_forward(first)
         for idx in parts[1:]:
             # reads of blocks an earlier wave wrote in this forward: checked now that their records are written
             later = subset(batch, idx)
             self.canary.before_forward(later)
+            wc.restore(notes, subset_tokens(batch, idx) if notes is not None else None)
             self.canary.after_forward(later)
         self.events["split_forwards"] += len(parts) > 1
         self._step_forwards += 1
@@ -263,6 +278,8 @@ class Session:
             log.error("kv_canary: the last drain at vLLM's shutdown raised %r", e)
         finally:
             self.closed = True
+            if self.written is not None:
+                self.written.uninstall()
             self._write_stats(force=True)
 
     def _count_chunks(self, runner, batch) -> None:

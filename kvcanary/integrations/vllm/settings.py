@@ -42,6 +42,10 @@ class Settings:
             raise ValueError("kv-canary: KV_CANARY_INJECT must be unset on vLLM, got "
                              f"{environ.get('KV_CANARY_INJECT')!r} (fault injection is not wired into the vLLM integration: "
                              "planted bugs in vLLM's own code test it, docs/vllm.md)")
+        if config.write_check_layers != "fingerprinted":
+            raise ValueError("kv-canary: KV_CANARY_WRITE_CHECK_LAYERS must be 'fingerprinted' on vLLM, got "
+                             f"{config.write_check_layers!r} (the vLLM integration checks the writes of the heads the "
+                             "real-KV hash covers: docs/vllm.md)")
         report_dir = environ.get(REPORT_DIR_VARIABLE) or None
         if report_dir is not None:
             try:
