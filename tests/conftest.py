@@ -96,6 +96,23 @@ def fast_backend(request) -> str:
     return request.param
 
 
+def set_device_bounds(monkeypatch) -> None:
+    """The torch backend as it runs on an accelerator: work sized by static bounds, counts left on the device (on
+    the CPU it reads counts on the host, which no recorded step can hold), until the test ends. The CPU stand-in
+    graphs then record the torch ops, and a recorded route's run takes seconds where the Triton interpreter's took
+    minutes; the records are the same (tests/test_ops_*)."""
+    from kvcanary.ops import attention_ops, slot_ops, torch_ops, write_ops
+
+    for module in (torch_ops, write_ops, slot_ops, attention_ops):
+        monkeypatch.setattr(module, "_host_reads", lambda device: False)
+
+
+@pytest.fixture
+def device_bounds(monkeypatch):
+    """``set_device_bounds`` for the whole test, eager runs included."""
+    set_device_bounds(monkeypatch)
+
+
 def lag_before(monkeypatch, owner, name: str, stream_of=None, cycles: int = 5_000_000) -> None:
     """Make a GPU stream lag (a sleep kernel of ``cycles`` clock cycles, a few milliseconds on the H200) before
     each call of ``owner.name``: on the current stream, or on ``stream_of(self)`` where given. The async tests

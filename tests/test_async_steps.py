@@ -2,8 +2,9 @@
 carrying source (``SimEngine(steps=..., carry=True)``: two input storage sets, the ids carried over inside the
 forward, the host's ids and token history one step behind), through the eager, captured and fused paths on
 the CPU stand-in graph. Planted variants (test-only monkeypatches) show what each part of the design guards.
-The captured and fused paths replay Triton launches (on the CPU under Triton's interpreter); the eager path runs
-the compiled CPU backend (numba, else torch), whose records are Triton's bit for bit, in seconds."""
+The captured and fused paths replay the torch backend's device ops (as on an accelerator: no host read), one
+representative case Triton's launches (on the CPU under Triton's interpreter); the eager path runs the compiled CPU
+backend (numba, else torch). Every backend's records are the others' bit for bit (tests/test_ops_*)."""
 
 import pytest
 import torch
@@ -18,10 +19,12 @@ from kvcanary.sim.engine import SimEngine, default_canary_config
 
 from kvcanary.ops.api import numba_available
 
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
-                                reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1")
-FAST = "numba" if numba_available() else "torch"  # (the eager path's backend)
+# the recorded paths run the torch backend as on an accelerator (tests/conftest.py ``device_bounds``), the eager path
+# the compiled CPU backend (numba, else torch); ``TRITON`` runs a representative case with Triton's launches
+pytestmark = pytest.mark.usefixtures("device_bounds")
+FAST = "numba" if numba_available() else "torch"
+TRITON = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                            reason="the CPU stand-in graphs record Triton launches under TRITON_INTERPRET=1")
 
 # a steady decode batch of four (as tests/test_step_runner.py), short
 CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=16, max_steps=30,
@@ -37,10 +40,10 @@ def steady(monkeypatch):
     monkeypatch.setattr(graphs, "STEADY_SIGHTINGS", 0)
 
 
-def engine(steps, carry=True, cfg=None, **canary):
+def engine(steps, carry=True, cfg=None, backend=None, **canary):
     cfg = SimConfig(**{**CFG, **(cfg or {})})
     # (no allocator check: a step it checks closes unfused, and the fused path is under test here)
-    backend = FAST if steps == "eager" else "triton"
+    backend = backend or (FAST if steps == "eager" else "torch")
     config = default_canary_config(cfg).replace(backend=backend, allocator_check_interval=0, **canary)
     return SimEngine(cfg, config, steps=steps, carry=carry)
 
@@ -64,15 +67,16 @@ def stored_tokens_match(e: SimEngine) -> list:
     return bad
 
 
-@pytest.mark.parametrize("steps", PATHS)
-def test_carried_steps_run_clean_and_store_the_sampled_tokens(steady, steps):
-    e = engine(steps)
+@pytest.mark.parametrize("steps, backend", [(p, None) for p in PATHS] + [
+    pytest.param("fused", "triton", marks=TRITON, id="fused-triton")])
+def test_carried_steps_run_clean_and_store_the_sampled_tokens(steady, steps, backend):
+    e = engine(steps, backend=backend)
     bad = stored_tokens_match(e)
     result = e.run()
     assert e.source.carries_done > 20  # (the forwards carried ids over: the path under test was taken)
     assert [v.block() for v in e.canary.violations] == [] and not bad
     # the same records as the synchronous source's run of the same path
-    sync = engine(steps, carry=False)
+    sync = engine(steps, carry=False, backend=backend)
     sync_result = sync.run()
     assert result.tokens_protected == sync_result.tokens_protected
     for key, buf in e.canary.groups[0].bufs.items():

@@ -5,7 +5,9 @@ that record every event and wait, beside the canary's own stream work, with the 
 fused steps) on the CPU stand-in of a CUDA graph and the step's host part staged as on CUDA (turn buffers
 refilled by copies). A clean run must report nothing, generate what the same
 async run without the canary generates, and leave no two conflicting accesses unordered; with a wait the design
-depends on dropped, the recording must name the access it left unordered."""
+depends on dropped, the recording must name the access it left unordered. The canary runs the torch backend as on
+an accelerator (``device_bounds``: no host read, so the stand-in graphs record its ops); one clean run takes
+Triton's launches (under ``TRITON_INTERPRET=1``)."""
 
 import pytest
 
@@ -20,14 +22,15 @@ from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version
 pytestmark = [
     pytest.mark.skipif(parse_version(transformers.__version__) < ASYNC_SINCE,
                        reason="async IO needs transformers >= 5.24"),
-    pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
-                       reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1"),
+    pytest.mark.usefixtures("device_bounds"),  # (tests/conftest.py: the torch backend's device path, recorded)
 ]
+TRITON = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                            reason="the CPU stand-in graphs record Triton launches under TRITON_INTERPRET=1")
 
 ASYNC = {"use_cuda_graph": False, "use_async_batching": True}
 # 16 new tokens: 25 forwards (above the clean runs' `forwards > 20`; 24 tokens made 33), with the
 # per-turn and fused paths reached (STEADY_SIGHTINGS 2)
-RUN = dict(device="cpu", num_return_sequences=1, max_new_tokens=16, backend="triton")
+RUN = dict(device="cpu", num_return_sequences=1, max_new_tokens=16, backend="torch")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,8 @@ def _recorded_run(llama, monkeypatch, memory=False, tokens=None, **options):
     """(the canary-less async run, the canary's run, the recording of the canary's run alone)"""
     from hf_async_model import recorded_async, restart
 
-    workload = RUN if tokens is None else {**RUN, "max_new_tokens": tokens}
+    workload = {**RUN, **({} if tokens is None else {"max_new_tokens": tokens}),
+                **({"backend": options.pop("backend")} if "backend" in options else {})}
     with recorded_async(monkeypatch, memory=memory) as rec:
         base = run_workload(llama, canary=False, cb=ASYNC, **workload)
         restart(rec)  # (the canary's run alone from here)
@@ -54,8 +58,10 @@ def _recorded_run(llama, monkeypatch, memory=False, tokens=None, **options):
     return base, run, rec
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_a_clean_async_run_is_clean_and_ordered(llama, monkeypatch, steady, fused):
+@pytest.mark.parametrize("fused, backend", [(True, "torch"), (False, "torch"),
+                                            pytest.param(True, "triton", marks=TRITON)],
+                         ids=["fused", "unfused", "fused-triton"])
+def test_a_clean_async_run_is_clean_and_ordered(llama, monkeypatch, steady, fused, backend):
     from kvcanary.runtime.step.fused import FusedSteps
 
     from kvcanary.runtime.step import staging as staging_mod
@@ -67,7 +73,7 @@ def test_a_clean_async_run_is_clean_and_ordered(llama, monkeypatch, steady, fuse
     monkeypatch.setattr(staging_mod.Staging, "copied",
                         lambda self, fence=None: (fenced.append(fence is not None), orig_copied(self, fence))[1])
     # (with the allocator's reuse of freed memory: a tensor used on another stream than the one it was made on)
-    base, run, rec = _recorded_run(llama, monkeypatch, memory=True, fused_steps=fused)
+    base, run, rec = _recorded_run(llama, monkeypatch, memory=True, fused_steps=fused, backend=backend)
     assert run.violations == [], run.report
     assert run.tokens == base.tokens and run.stats["forwards"] > 20
     assert bool(replays) == fused  # (the path under test ran)
@@ -188,7 +194,7 @@ def test_planted_bugs_are_reported_under_async_with_the_fast_paths(llama, monkey
     from hf_async_model import recorded_async
 
     with recorded_async(monkeypatch) as rec:
-        run = run_workload(llama, bug=bug, cb=ASYNC, device="cpu", backend="triton", max_new_tokens=6)
+        run = run_workload(llama, bug=bug, cb=ASYNC, device="cpu", backend=RUN["backend"], max_new_tokens=6)
     assert run.violations, f"{bug}: nothing reported under async batching"
     assert rec.races() == []
 

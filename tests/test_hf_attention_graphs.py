@@ -34,15 +34,7 @@ def llama():
     return build_tiny_model("cpu")
 
 
-@pytest.fixture(autouse=True)
-def device_bounds(monkeypatch):
-    """The torch backend as it runs on an accelerator: work sized by static bounds, counts left on the device (on
-    the CPU it reads counts on the host, which no graph can record), in the eager runs too: the Triton
-    interpreter's graphed runs take minutes, these seconds. The reports are the same either way (tests/test_ops_*)."""
-    from kvcanary.ops import attention_ops, slot_ops, torch_ops, write_ops
-
-    for module in (torch_ops, write_ops, slot_ops, attention_ops):
-        monkeypatch.setattr(module, "_host_reads", lambda device: False)
+pytestmark = pytest.mark.usefixtures("device_bounds")  # (tests/conftest.py: the torch backend's device path)
 
 
 def _io_class():

@@ -17,8 +17,8 @@ from conftest import DEVICE  # noqa: E402
 
 import test_hf_graphs as graphs  # noqa: E402
 
-# the tiny model fixture, the graphed run, and the skip without Triton's interpreter on the CPU
-llama, graphed_run, pytestmark = graphs.llama, graphs.graphed_run, graphs.pytestmark
+# the tiny model fixture and the graphed run (on the CPU: the torch backend's device path, graphs.GRAPHED_BACKEND)
+llama, graphed_run = graphs.llama, graphs.graphed_run
 
 
 def test_bucket_is_the_next_power_of_two_within_the_cap():

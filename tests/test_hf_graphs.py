@@ -2,7 +2,8 @@
 
 On CUDA the real ``torch.cuda.CUDAGraph`` runs; on the CPU ``DispatchGraph`` stands in for it: it
 records every op and Triton launch of the capture and replays them into the same tensors, with host
-values baked in as a CUDA graph bakes them. A captured step that read anything but static buffers
+values baked in as a CUDA graph bakes them (the CPU's graphed runs take the torch backend's device path, one
+case per test Triton's launches: ``GRAPHED_BACKEND``). A captured step that read anything but static buffers
 would then verify stale data, and its results would differ from the eager run's.
 """
 
@@ -19,12 +20,17 @@ from kvcanary.integrations.transformers import session as hf_session  # noqa: E4
 from kvcanary.runtime.step.graphs import StepGraphs  # noqa: E402
 from kvcanary.runtime.graphs import DispatchGraph  # noqa: E402
 
-from conftest import DEVICE  # noqa: E402
+from conftest import DEVICE, set_device_bounds  # noqa: E402
 
 DEV = str(DEVICE)
 logging.getLogger("kvcanary").setLevel(logging.ERROR)
-pytestmark = pytest.mark.skipif(DEV == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-                                reason="Triton on the CPU needs TRITON_INTERPRET=1")
+# a Triton case on the CPU: the interpreter
+TRITON = pytest.mark.skipif(DEV == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                            reason="Triton on the CPU needs TRITON_INTERPRET=1")
+# The graphed runs' backend: Triton on CUDA; on the CPU the torch backend as on an accelerator (no host read:
+# ``set_device_bounds``), whose recorded ops replay in seconds where the interpreter's launches take minutes. One
+# case of each test below takes Triton on the CPU too.
+GRAPHED_BACKEND = "triton" if DEV != "cpu" else "torch"
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +38,10 @@ def llama():
     return build_tiny_model(DEV)
 
 
-def graphed_run(model, monkeypatch, **kw):
+def graphed_run(model, monkeypatch, backend=GRAPHED_BACKEND, **kw):
     """run_workload with step graphs (the CPU stand-in on the CPU); returns the run and its StepGraphs."""
+    if backend == "torch" and DEV == "cpu":
+        set_device_bounds(monkeypatch)
     made = []
     orig = hf_session.Session._step_runner
 
@@ -45,7 +53,7 @@ def graphed_run(model, monkeypatch, **kw):
 
     monkeypatch.setattr(hf_session.Session, "_step_runner", step_runner)
     try:
-        run = run_workload(model, backend="triton", **kw)
+        run = run_workload(model, backend=backend, **kw)
     finally:
         monkeypatch.setattr(hf_session.Session, "_step_runner", orig)
     return run, made
@@ -64,10 +72,13 @@ STEADY = dict(max_new_tokens=16, num_return_sequences=1)
 # the eager ones, line for line: a false report on the fast path fails it too), and a clean run on the fused path,
 # the default's steady decode (a heavy extra, -m slow: the fused case's clean steps and the clean fused runs of
 # tests/test_hf_async_recorded.py and tests/test_hf_buckets.py hold it in the default run).
-@pytest.mark.parametrize("bug,steady,fused", [
-    ("new-token-read-index", 0, True), ("new-token-read-index", 0, False), ("new-token-read-index", None, True),
-    pytest.param(None, 0, True, marks=pytest.mark.slow)], ids=["fused", "graph-per-turn", "default", "fused-clean"])
-def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, steady, fused):
+@pytest.mark.parametrize("bug,steady,fused,backend", [
+    ("new-token-read-index", 0, True, GRAPHED_BACKEND), ("new-token-read-index", 0, False, GRAPHED_BACKEND),
+    ("new-token-read-index", None, True, GRAPHED_BACKEND),
+    pytest.param("new-token-read-index", 0, True, "triton", marks=TRITON),
+    pytest.param(None, 0, True, GRAPHED_BACKEND, marks=pytest.mark.slow)],
+    ids=["fused", "graph-per-turn", "default", "fused-triton", "fused-clean"])
+def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, steady, fused, backend):
     from kvcanary.runtime.step import graphs as hf_graph
     from kvcanary.runtime.step.tables import StepTables
     from kvcanary.runtime.step.fused import FusedSteps
@@ -112,7 +123,7 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
     # step always runs it: compare like with like
     monkeypatch.setattr(StepTables, "new_reads_shortcut", False)
     eager = run_workload(llama, backend=EAGER_BACKEND, bug=bug, step_graphs=False, **STEADY)
-    graphed, made = graphed_run(llama, monkeypatch, bug=bug, fused_steps=fused, **STEADY)
+    graphed, made = graphed_run(llama, monkeypatch, backend, bug=bug, fused_steps=fused, **STEADY)
     assert made and isinstance(made[0], StepGraphs)
     parts = made + [g.fused for g in made if g.fused is not None]
     assert sum(g.replays for g in parts) > 0 and sum(g.captures for g in parts) > 0
@@ -131,8 +142,10 @@ def test_captured_steps_report_what_eager_steps_report(llama, monkeypatch, bug, 
     assert (len(graphed.violations) > 0) == (bug is not None)
 
 
-@pytest.mark.parametrize("bug", [None, "wrong-block"])
-def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypatch, bug):
+@pytest.mark.parametrize("bug,backend", [(None, GRAPHED_BACKEND), ("wrong-block", GRAPHED_BACKEND),
+                                         pytest.param("wrong-block", "triton", marks=TRITON)],
+                         ids=["None", "wrong-block", "wrong-block-triton"])
+def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypatch, bug, backend):
     # prompts longer than the chunk: multi-token steps of one shape recur, are captured (one graph
     # reading a static copy of the staged values) and replayed
     from kvcanary.runtime.step.tables import StepTables
@@ -151,7 +164,7 @@ def test_captured_prefill_chunks_report_what_eager_chunks_report(llama, monkeypa
         replayed.append(was and h.T > h.bs)
 
     monkeypatch.setattr(StepGraphs, "_run", counting)
-    graphed, made = graphed_run(llama, monkeypatch, **kw)
+    graphed, made = graphed_run(llama, monkeypatch, backend, **kw)
     assert sum(replayed) >= 3  # multi-token steps replayed from their graph
     # the monitor's batches of those steps are assembled only when a report reads them
     reports = [r for g in made for r in g.reports.values()]

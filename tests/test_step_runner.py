@@ -2,12 +2,13 @@
 its eager, captured and fused paths (the CPU stand-in of a CUDA graph) report what the plain before/after
 hooks report, and leave the same canary records, on clean runs and with planted bugs.
 
-The captured and fused paths replay Triton launches, so on the CPU they run under Triton's interpreter
-(minutes); the plain hooks and the eager path they are compared with run the compiled CPU backend (numba,
-else torch), whose records and reports are Triton's bit for bit (tests/test_ops_cases.py): seconds. The
-eager path is checked against the plain hooks in every case, the replayed paths in a representative one. (Not
-``stale_table_tail`` across backends: where several tokens of one launch write the reserved slot 0, which write
-lands last, and so slot 0's record and the rows that report it, follows each backend's order of work.)"""
+The captured and fused paths replay the torch backend's device ops (as on an accelerator, no host read:
+tests/conftest.py ``set_device_bounds``), and in one representative case Triton's launches (on the CPU under
+Triton's interpreter: minutes); the plain hooks and the eager path they are compared with run the compiled CPU
+backend (numba, else torch), whose records and reports are Triton's and torch's bit for bit
+(tests/test_ops_cases.py): seconds. (Not ``stale_table_tail`` across backends: where several tokens of one launch
+write the reserved slot 0, which write lands last, and so slot 0's record and the rows that report it, follows
+each backend's order of work.)"""
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from kvcanary.sim.engine import SimEngine, default_canary_config
 
 from kvcanary.ops.api import numba_available
 
-# the replayed paths: the CPU stand-in graphs record Triton launches
+from conftest import set_device_bounds
+
+# the replayed paths' Triton case: the CPU stand-in graphs record Triton launches
 INTERPRETED = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
                                  reason="the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1")
 FAST = "numba" if numba_available() else "torch"  # (the plain hooks' and the eager path's backend)
@@ -44,7 +47,7 @@ def flip_live_kv(engine: SimEngine, at_step: int) -> None:
 
 def run(steps, bug=None, flip=False, backend=None):
     cfg = SimConfig(bug=bug, **CFG)
-    backend = backend or ("triton" if steps in ("captured", "fused") else FAST)
+    backend = backend or ("torch" if steps in ("captured", "fused") else FAST)
     # (no allocator check: a step it checks closes unfused, and the fused path is under test here)
     e = SimEngine(cfg, default_canary_config(cfg).replace(backend=backend, allocator_check_interval=0), steps=steps)
     if flip:
@@ -63,20 +66,25 @@ def steady(monkeypatch):
 
 
 CASES = ["clean", "flip-kv", "stale_table_tail"]
-# (the replayed paths under the interpreter: a planted bug, its steps before it clean steps)
-PATHS = [pytest.param(case, ("eager",), id=f"{case}-eager") for case in CASES] + [
-    pytest.param("flip-kv", ("eager", "captured", "fused"), id="flip-kv-replayed", marks=INTERPRETED)]
+REPLAYED = ("eager", "captured", "fused")
+# the replayed paths on the torch backend, clean and with a planted bug (its steps before it clean steps); under
+# the interpreter, the planted bug with Triton
+PATHS = [pytest.param(case, ("eager",), None, id=f"{case}-eager") for case in CASES] + [
+    pytest.param(case, REPLAYED, "torch", id=f"{case}-replayed") for case in ("clean", "flip-kv")] + [
+    pytest.param("flip-kv", REPLAYED, "triton", id="flip-kv-replayed-triton", marks=INTERPRETED)]
 
 
-@pytest.mark.parametrize("case,paths", PATHS)
-def test_the_runner_s_paths_report_what_the_plain_hooks_report(steady, case, paths):
+@pytest.mark.parametrize("case,paths,recorded", PATHS)
+def test_the_runner_s_paths_report_what_the_plain_hooks_report(steady, monkeypatch, case, paths, recorded):
+    if recorded == "torch":
+        set_device_bounds(monkeypatch)
     bug, flip = (case, False) if case not in ("clean", "flip-kv") else (None, case == "flip-kv")
     plain, plain_result, plain_records = run(None, bug, flip)
     want = [v.block() for v in plain.canary.violations]
     assert (len(want) > 0) == (case != "clean")  # (the planted bug is found; the clean run is clean)
     runner_want = None
     for steps in paths:
-        e, result, records = run(steps, bug, flip)
+        e, result, records = run(steps, bug, flip, backend=recorded if steps != "eager" else None)
         got = [v.block() for v in e.canary.violations]
         # The runner also checks the cells the forward reads for its own new tokens (the plain hooks check
         # the prefix only): stale zero cells add reserved-slot reads from the step of the first report on
@@ -132,12 +140,12 @@ def read_past_the_batch(engine: SimEngine, at_step: int) -> list:
     return seen
 
 
-@pytest.mark.parametrize("paths", [("eager",), pytest.param(("captured", "fused"), marks=INTERPRETED)],
-                         ids=["eager", "replayed"])
-def test_a_read_index_longer_than_the_batch_is_reported_on_every_path(steady, paths):
+@pytest.mark.parametrize("paths", [("eager",), ("captured", "fused")], ids=["eager", "replayed"])
+def test_a_read_index_longer_than_the_batch_is_reported_on_every_path(steady, monkeypatch, paths):
+    set_device_bounds(monkeypatch)  # (the replayed paths: the torch backend's device ops)
     for steps in paths:
         cfg = SimConfig(**CFG)
-        backend = "triton" if steps != "eager" else FAST
+        backend = "torch" if steps != "eager" else FAST
         e = SimEngine(cfg, default_canary_config(cfg).replace(backend=backend, allocator_check_interval=0),
                       steps=steps)
         seen = read_past_the_batch(e, 13)
