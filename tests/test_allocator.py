@@ -375,9 +375,9 @@ def test_transformers_fused_steps_leave_the_checked_steps_unfused(llama, monkeyp
     """With the adapter's step graphs (the CPU stand-in) and fused steady steps, a step whose close checks
     the allocator takes the unfused close: every other step is fused, each due step is checked, and the
     planted early free is still reported at its step."""
-    pytest.importorskip("triton")
-    if __import__("os").environ.get("TRITON_INTERPRET") != "1":  # (the model is on the CPU: the stand-in graphs)
-        pytest.skip("the CPU stand-in graphs record Triton launches: TRITON_INTERPRET=1")
+    from conftest import set_device_bounds
+
+    set_device_bounds(monkeypatch)  # (the CPU stand-in graphs record the torch backend's device ops)
     if refused_on_517(llama, allocator_check_interval=2):
         return
     from kvcanary.demo import run_workload
@@ -399,7 +399,7 @@ def test_transformers_fused_steps_leave_the_checked_steps_unfused(llama, monkeyp
     monkeypatch.setattr(FusedSteps, "step", counting)
     for bug in (None, "early-free-unread"):
         del fused[:]
-        run = run_workload(llama, backend="triton", bug=bug, max_new_tokens=12, num_return_sequences=1,
+        run = run_workload(llama, backend="torch", bug=bug, max_new_tokens=12, num_return_sequences=1,
                            allocator_check_interval=2)
         assert fused and all(s % 2 for s in fused)  # (fused steps close unchecked: odd steps only)
         assert run.stats["allocator_checks"] == run.stats["forwards"] // 2

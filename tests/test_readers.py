@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 
 import pytest
 import torch
@@ -16,6 +15,8 @@ from kvcanary import Canary, CanaryConfig, ForwardBatch, PoolSpec, RealKvSource,
 from kvcanary.sim.config import SimConfig
 from kvcanary.sim.engine import SimEngine, default_canary_config
 from kvcanary.sim.zoo import quiet_and_single_threaded
+
+from conftest import set_device_bounds
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +121,7 @@ def test_a_stale_entry_next_to_the_legitimate_owner_names_the_stale_reader_alone
 # -- the simulated engine: every reader of a corrupted shared slot, on every route ---------------------------
 CFG = dict(seed=38, page_size=4, num_slots=512, num_requests=4, max_running=4, max_output=32, max_steps=60,
            graph_sizes=(1, 2, 3, 4))
-ROUTES = ["hooks", "eager"] + (["captured", "fused"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+ROUTES = ["hooks", "eager", "captured", "fused"]  # (the recorded routes: the torch backend's device path)
 
 
 class SharedFlip(SimEngine):
@@ -131,8 +132,8 @@ class SharedFlip(SimEngine):
     def __init__(self, steps=None, mode="abort", at=6):
         cfg = SimConfig(**CFG)
         config = default_canary_config(cfg).replace(mode=mode, allocator_check_interval=0)
-        if steps in ("captured", "fused"):  # (the CPU stand-in graphs record Triton launches)
-            config = config.replace(backend="triton")
+        if steps in ("captured", "fused"):  # (the CPU stand-in graphs record its ops: set_device_bounds)
+            config = config.replace(backend="torch")
         super().__init__(cfg, config, **({} if steps is None else {"steps": steps}))
         self.at, self.mappers, self.flipped = at, set(), None
         self.read_wrong: dict[int, int] = {}
@@ -156,7 +157,8 @@ def readers_seen(e):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_sim_every_reader_of_a_corrupted_shared_slot_is_named_and_aborted_on_every_route(route):
+def test_sim_every_reader_of_a_corrupted_shared_slot_is_named_and_aborted_on_every_route(monkeypatch, route):
+    set_device_bounds(monkeypatch)
     e = SharedFlip(steps=None if route == "hooks" else route)
     result = e.run()
     vs = e.canary.violations
@@ -255,8 +257,9 @@ def test_transformers_forks_are_each_named_on_the_async_step_graphs_and_fused_st
 
     from kvcanary.integrations.transformers.layout import ASYNC_SINCE, parse_version
 
-    if parse_version(transformers.__version__) < ASYNC_SINCE or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("async IO needs transformers >= 5.24; the CPU stand-in graphs record Triton launches")
+    if parse_version(transformers.__version__) < ASYNC_SINCE:
+        pytest.skip("async IO needs transformers >= 5.24")
+    set_device_bounds(monkeypatch)  # (the stand-in graphs record the torch backend's device ops)
     from hf_async_model import recorded_async
 
     from kvcanary.demo import run_workload
@@ -271,7 +274,7 @@ def test_transformers_forks_are_each_named_on_the_async_step_graphs_and_fused_st
     undo = plant_with(llama, flip_shared_block(seen), "_test_readers_async_bug")
     try:
         with recorded_async(monkeypatch):
-            run = run_workload(llama, mode="abort", num_return_sequences=4, max_new_tokens=8, backend="triton",
+            run = run_workload(llama, mode="abort", num_return_sequences=4, max_new_tokens=8, backend="torch",
                                device="cpu", cb={"use_cuda_graph": False, "use_async_batching": True})
     finally:
         undo()
