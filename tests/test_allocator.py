@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, set_device_bounds
 from kvcanary import ops
 from kvcanary.ops.allocator_ops import ALLOCATOR_KIND, NO_HOLDER, AllocatorRule
 from kvcanary.ops.types import ViolationRing
@@ -375,8 +375,6 @@ def test_transformers_fused_steps_leave_the_checked_steps_unfused(llama, monkeyp
     """With the adapter's step graphs (the CPU stand-in) and fused steady steps, a step whose close checks
     the allocator takes the unfused close: every other step is fused, each due step is checked, and the
     planted early free is still reported at its step."""
-    from conftest import set_device_bounds
-
     set_device_bounds(monkeypatch)  # (the CPU stand-in graphs record the torch backend's device ops)
     if refused_on_517(llama, allocator_check_interval=2):
         return

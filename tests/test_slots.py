@@ -14,6 +14,8 @@ from kvcanary.sim import MATRIX
 from kvcanary.sim.engine import SimEngine, default_canary_config, run_sim
 from kvcanary.sim.zoo import run_verdict
 
+from conftest import set_device_bounds
+
 logging.getLogger("kvcanary").setLevel(logging.ERROR)
 
 
@@ -412,7 +414,6 @@ def test_transformers_nan_written_by_a_fused_step_is_reported(llama, monkeypatch
     """A fused steady decode step (its before and after work as one graph) runs the non-finite check too: a NaN
     written by such a step is reported as the eager step reports it (the fused graph once lacked the check). (The
     torch backend's device ops, recorded by the CPU stand-in graph; the captured test above takes Triton's.)"""
-    from conftest import set_device_bounds
     from kvcanary.runtime.step import graphs as step_graphs
     from kvcanary.runtime.step.fused import FusedSteps
 
