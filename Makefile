@@ -43,11 +43,21 @@ demo: $(STAMP)
 	$(BIN)/kvcanary demo
 
 # Two test processes by default (pytest-xdist; README, "Install": the suite's time on the 2-core dev CPU);
-# TEST_WORKERS=0 runs it in this process.
+# TEST_WORKERS=0 runs it in this process. The vLLM tests (one process, about one core busy) run beside the main run,
+# their output held until it ends, then shown: on two cores the pair takes less time than one after the other.
+# TEST_VLLM_BESIDE=0 runs them after it.
 TEST_WORKERS ?= 2
+TEST_VLLM_BESIDE ?= 1
 test: $(STAMP) $(VLLM_STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
-	$(MAKE) test-vllm
+	@if [ "$(TEST_VLLM_BESIDE)" = 1 ]; then \
+	  log=$$(mktemp); $(MAKE) --no-print-directory test-vllm > $$log 2>&1 & pid=$$!; \
+	  TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS); main=$$?; \
+	  wait $$pid; vllm=$$?; echo "--- vLLM's tests (tests/vllm, .venv-vllm):"; cat $$log; rm -f $$log; \
+	  test $$main = 0 -a $$vllm = 0; \
+	else \
+	  TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS) && \
+	  $(MAKE) --no-print-directory test-vllm; \
+	fi
 
 # The vLLM tests in one pytest process: their engines' cores run in it (tests/vllm/conftest.py).
 test-vllm: $(VLLM_STAMP)
