@@ -71,21 +71,13 @@ def apply_bug(bug: str):
         bt.BlockTable.commit_block_table = commit_block_table
         return lambda: setattr(bt.BlockTable, "commit_block_table", orig)
     if bug == "v-write-dropped":
-        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as impl
 
-        store = ops.cpu_attn_reshape_and_cache
+        from kvcanary.sim.vllm_planters import without_v
 
-        def cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs):
-            # value_cache [blocks, heads, block_size, head_size]: the written slots' V rows as they were before
-            bs = value_cache.shape[2]
-            slots = slot_mapping[slot_mapping >= 0]
-            blocks, offsets = slots // bs, slots % bs
-            before = value_cache[blocks, :, offsets].clone()
-            store(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs)
-            value_cache[blocks, :, offsets] = before
-
-        ops.cpu_attn_reshape_and_cache = cpu_attn_reshape_and_cache
-        return lambda: setattr(ops, "cpu_attn_reshape_and_cache", store)
+        store = impl.do_kv_cache_update
+        impl.do_kv_cache_update = without_v(store)
+        return lambda: setattr(impl, "do_kv_cache_update", store)
     raise ValueError(f"kv-canary: bug must be one of {sorted(BUGS)}, got {bug!r}")
 
 

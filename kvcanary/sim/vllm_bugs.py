@@ -51,6 +51,9 @@ BUGS: dict[str, tuple[str, str, str]] = {
                             "next chunk starts past a position nobody computes"),
     "zero-delivered-block": ("B", "model runner", "the runner's zeroing of new blocks runs over a block a prefix-cache "
                              "hit just delivered to a new request"),
+    "v-write-dropped": ("G", "attention backend / cache write", "one forward's cache writes store each token's K "
+                        "and leave its V as it was (a write path that never writes V): every later read of those "
+                        "slots reads stale V under records and a real-KV hash that match"),
     "tp-rank-slot-shift": ("E", "tensor-parallel ranks", "on one tensor-parallel rank only, a decode token's slot is "
                            "its successor's: that rank's shard of the KV lands in the wrong slot"),
 }
@@ -67,7 +70,8 @@ PUBLISHED: dict[str, str] = {
 }
 
 RUNNER_SIDE = ("stale-inflight-write", "slot-mapping-row-stride", "decode-write-prev-block", "row-count-not-reset",
-               "row-keeps-old-ids", "resumed-keeps-old-blocks", "zero-delivered-block", "tp-rank-slot-shift")
+               "row-keeps-old-ids", "resumed-keeps-old-blocks", "zero-delivered-block", "tp-rank-slot-shift",
+               "v-write-dropped")
 
 
 @dataclass

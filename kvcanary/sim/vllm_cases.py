@@ -81,6 +81,7 @@ def _cases(lora_dir: str | None) -> dict[str, Case]:
         "chunk-skips-a-token": Case(dict(max_num_batched_tokens=64), (Arrival("a", seq(150, 3, 1), 5),)),
         "zero-delivered-block": Case(
             {}, (Arrival("a", SYSTEM + seq(10, 3, 1), 20), Arrival("b", SYSTEM + seq(5, 5, 2), 10, step=3))),
+        "v-write-dropped": Case({}, (Arrival("a", seq(40, 3, 1), 8), Arrival("b", seq(50, 5, 2), 8, step=2))),
         "tp-rank-slot-shift": Case(
             dict(tensor_parallel_size=2), (Arrival("a", seq(40, 3, 1), 12), Arrival("b", seq(50, 5, 2), 12)),
             tp=2),

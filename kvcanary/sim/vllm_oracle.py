@@ -7,7 +7,10 @@ forward of vLLM's model runner from the metadata attention is really given (the 
 
 - a write (slot mapping entry ``s`` of token ``j``) makes ``s`` hold the content key of the writing request's
   true token sequence up to that position: ``key(tokens[0..p])``, chained over the request's prompt and the
-  tokens it generated (and its LoRA adapter, which changes the KV), with a copy of the slot's KV bytes;
+  tokens it generated (and its LoRA adapter, which changes the KV), with the KV bytes the token's layers
+  computed: in the first and the last layer, the K and V each hands its cache write, stored by the backend's
+  own cache-write method as it was when the oracle was installed into a scratch block (a store that leaves
+  other bytes in the slot is then a wrong read of that slot, whatever the records say);
 - a read (every position ``p < seq_len`` of every request, through its block table row, as the attention
   kernel gathers them) is right when the slot holds the reader's own ``key(tokens[0..p])`` and the bytes
   written with it. Anything else is a *wrong read*: never written, another content, bytes that changed
@@ -65,6 +68,8 @@ class ShadowOracle:
     _keys: dict = field(default_factory=dict)
     _orig: object = None
     error: str = ""
+    _stores: list = field(default_factory=list)  # this forward's cache writes of the first and last layer
+    _impls: list = field(default_factory=list)  # (backend instance, its own attribute before the oracle's)
 
     # --- installation -------------------------------------------------------------------------------------
     def install(self) -> "ShadowOracle":
@@ -85,12 +90,43 @@ class ShadowOracle:
             return out
 
         runner._model_forward = _model_forward
+        self._watch_stores()
         return self
+
+    def _watch_stores(self) -> None:
+        """Keep what the first and the last layer hand their cache write (``do_kv_cache_update``) each forward,
+        and that method as it is now (``_expected_bytes`` stores with it: a bug planted later is not in it)."""
+        ctx = self.runner.compilation_config.static_forward_context
+        caches = [c.data_ptr() for c in self._caches()]
+        for layer in ctx.values():
+            cache = getattr(layer, "kv_cache", None)
+            if not hasattr(layer, "impl") or not hasattr(cache, "data_ptr") or cache.data_ptr() not in caches:
+                continue
+            impl, which = layer.impl, caches.index(cache.data_ptr())
+            own = vars(impl).get("do_kv_cache_update")  # (another wrapper of this instance: it runs, as before)
+            self._impls.append((impl, own))
+            # the backend's own method, no wrapper of this instance (the canary's notes nothing here)
+            pristine = getattr(type(impl), "do_kv_cache_update").__get__(impl)
+            impl.do_kv_cache_update = self._store_hook(impl, own, pristine, which)
+
+    def _store_hook(self, impl, own, pristine, which: int):
+        def do_kv_cache_update(attn, key, value, kv_cache, slot_mapping):
+            self._stores.append((which, pristine, attn, key.clone(), value.clone(), slot_mapping.clone()))
+            run = own if own is not None else getattr(type(impl), "do_kv_cache_update").__get__(impl)
+            return run(attn, key, value, kv_cache, slot_mapping)
+
+        return do_kv_cache_update
 
     def uninstall(self) -> None:
         if self._orig is not None:
             vars(self.runner).pop("_model_forward", None)
             self._orig = None
+        while self._impls:
+            impl, own = self._impls.pop()
+            if own is None:
+                vars(impl).pop("do_kv_cache_update", None)
+            else:
+                impl.do_kv_cache_update = own
 
     def summary(self) -> dict:
         return {"forwards": self.forwards, "reads": self.reads, "writes": self.writes,
@@ -186,9 +222,10 @@ class ShadowOracle:
                 self.writes += 1
         if written:
             every = sorted({s for ss in written.values() for s in ss})
-            got = self._slot_bytes(every)
+            want = self._expected_bytes(every)
             for k, s in enumerate(every):
-                self._bytes[s] = got[:, k].clone()
+                self._bytes[s] = want[:, k].clone()
+        self._stores.clear()
         # reads: every position < seq_len of every request, through its block table row
         bad_requests = set()
         for i, rid in enumerate(rids):
@@ -209,6 +246,31 @@ class ShadowOracle:
                 r = self._records[s]
                 self._records[s] = _Record(hash(("tainted", r.key)), r.position, r.writer, f)
 
+    def _expected_bytes(self, slots: list[int]):
+        """``[2 layers, n, bytes of a token]`` as ``_slot_bytes``: the bytes each written slot must hold, what this
+        forward's cache writes of the first and last layer handed over, stored by the pristine write method into
+        a scratch block at the slot's offset. A layer whose write did not reach the oracle (none this forward):
+        the slot's bytes as they are (the truth of the records alone)."""
+        import torch
+
+        got = self._slot_bytes(slots)
+        idx = self._token_elements()
+        B = idx.shape[0]
+        where = {s: k for k, s in enumerate(slots)}
+        for which, pristine, attn, key, value, slot_mapping in self._stores:
+            cache = self._caches()[which]
+            live = [(j, int(s)) for j, s in enumerate(slot_mapping.tolist()) if int(s) in where]
+            if not live:
+                continue
+            scratch = torch.zeros((len(live),) + tuple(cache.shape[1:]), dtype=cache.dtype)
+            rows = torch.tensor([j for j, _ in live], dtype=torch.long)
+            at = torch.tensor([n * B + s % B for n, (_, s) in enumerate(live)], dtype=torch.long)
+            pristine(attn, key[rows], value[rows], scratch, at)
+            flat = scratch.reshape(len(live), -1)
+            for n, (_, s) in enumerate(live):
+                got[which, where[s]] = flat[n, idx[s % B]]
+        return got
+
     def _judge(self, chain: list[int], p: int, s: int, now) -> str:
         import torch
 
@@ -221,7 +283,8 @@ class ShadowOracle:
             return (f"holds position {rec.position} of request {rec.writer} (forward {rec.forward}), other content"
                     if rec.position != p else "holds other content at this position")
         if not torch.equal(now, self._bytes[s]):
-            return f"its KV bytes changed since request {rec.writer} wrote them (forward {rec.forward})"
+            return (f"its KV bytes are not what request {rec.writer}'s layers computed at its write (forward "
+                    f"{rec.forward}): stored wrong or changed since")
         return ""
 
 
@@ -247,7 +310,8 @@ def token_elements(runner):
     rows = []
     for o in range(B):
         scratch.zero_()
-        layer.impl.do_kv_cache_update(layer, ones, ones, scratch, torch.tensor([o], dtype=torch.long))
+        # (the backend class's method: no wrapper of the instance sees the scratch block)
+        type(layer.impl).do_kv_cache_update(layer.impl, layer, ones, ones, scratch, torch.tensor([o], dtype=torch.long))
         rows.append(torch.nonzero(scratch.reshape(-1)).reshape(-1))
     if len({len(r) for r in rows}) != 1 or len(rows[0]) != heads * width:
         raise RuntimeError(f"kv-canary: could not learn the CPU backend's KV block layout (elements per token "

@@ -269,3 +269,38 @@ def zero_delivered_block(p, st, runner, rank) -> None:
         return orig(scheduler_output)
 
     p.set(runner, "_update_states", _update_states)
+
+
+def without_v(store):
+    """``store`` (an attention backend's ``do_kv_cache_update``, unbound) as a write path that never writes V: each
+    token's K lands, the V half of every block it writes is put back as it was (CPU layout: per block and head,
+    the block's K rows, then its V rows)."""
+    import torch
+
+    def write_k_only(impl, layer, key, value, kv_cache, slot_mapping):
+        nb, heads, B, width = kv_cache.shape
+        halves = kv_cache.view(nb, heads, 2 * B, width // 2)
+        blocks = torch.unique(slot_mapping[slot_mapping >= 0] // B)
+        before = halves[blocks, :, B:].clone()
+        store(impl, layer, key, value, kv_cache, slot_mapping)
+        halves[blocks, :, B:] = before
+
+    return write_k_only
+
+
+def v_write_dropped(p, st, runner, rank) -> None:
+    ctx = runner.compilation_config.static_forward_context
+    impl = next(m.impl for m in ctx.values() if getattr(m, "kv_cache", None) is not None and hasattr(m, "impl"))
+    cls, layers = type(impl), len([c for c in runner.kv_caches if c is not None])
+    orig = cls.do_kv_cache_update
+    k_only = without_v(orig)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        if st.fire(f"a forward's cache writes of {int((slot_mapping >= 0).sum())} tokens stored K and no V"):
+            st.memo["left"] = layers  # (every layer's write of that forward)
+        if st.memo.get("left", 0) > 0:
+            st.memo["left"] -= 1
+            return k_only(self, layer, key, value, kv_cache, slot_mapping)
+        return orig(self, layer, key, value, kv_cache, slot_mapping)
+
+    p.set(cls, "do_kv_cache_update", do_kv_cache_update)
