@@ -87,6 +87,29 @@ def test_every_layer_with_write_check_layers_all():
     assert e.forward(4, [15], [9]) == []  # (the next forward writes every layer again)
 
 
+def test_an_abandoned_forwards_notes_are_not_compared_with_the_next_forwards_writes():
+    """The model raised after both layers noted their K/V: the forward is abandoned. Its retry takes a path whose
+    hook sees layer 0's cache write only (layer 1's lands unseen, with other values): layer 1 is not compared
+    with the abandoned forward's notes."""
+    e = Engine()
+    c = e.canary
+    e.table[1, :2] = torch.tensor([5, 6])
+    batch = ForwardBatch(torch.tensor([1]), torch.tensor([0]), torch.tensor([2]), torch.tensor([11, 12]),
+                         torch.arange(2), torch.tensor([5, 6]), e.table)
+    c.before_forward(batch)
+    for layer in range(2):
+        c.write_check.note_layer(layer, torch.randn(2, HEADS, DIM), torch.randn(2, HEADS, DIM))
+    c.abandon_forward()  # (the model raised before any cache write)
+    c.before_forward(batch)
+    loc = torch.tensor([5, 6])
+    k, v = torch.randn(2, HEADS, DIM), torch.randn(2, HEADS, DIM)
+    c.write_check.note_layer(0, k, v)
+    e.keys[0][loc], e.values[0][loc] = k, v
+    e.keys[1][loc], e.values[1][loc] = torch.randn(2, HEADS, DIM), torch.randn(2, HEADS, DIM)
+    c.after_forward(batch)
+    assert c.flush() == [] and c.stats()["write_check_notes"] == 3
+
+
 @pytest.mark.parametrize("skip", [None, 1, 2])
 def test_one_model_forward_checked_as_two_canary_forwards_hands_each_its_own_notes(skip):
     """vLLM's waves: one model forward of two requests (tokens 0-1 request 1's, 2-3 request 2's) whose notes are

@@ -17,7 +17,8 @@ of the engine's step) does neither:
   the next write after them fails the chain-position assert, and no TAIL write hashed bytes the forward may
   have left half-written. A retry of the same forward writes the same records again.
 
-Nothing else of the forward stays: the launcher's side-stream work is joined, a deferred TAIL dropped.
+Nothing else of the forward stays: the launcher's side-stream work is joined, a deferred TAIL dropped, the write
+check's notes of the forward forgotten (the next forward's writes are compared with its own layers' KV only).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def abandon(canary, drain: bool = True) -> None:
     if canary.device.type == "cuda":
         torch.cuda.synchronize(canary.device)  # (an adapter may have replayed its before work on a stream of its own)
     _take_back_head_writes(canary, batch)
+    canary.write_check.forget()
     if drain:
         canary.monitor.drain_open(batch, canary.step + 1)
 

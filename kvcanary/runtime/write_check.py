@@ -203,6 +203,12 @@ class WriteCheck:
         self.pending = True
         self.notes += 1
 
+    def forget(self) -> None:
+        """Drop this forward's notes (an abandoned forward: ``runtime/abandon.py``); nothing is compared for it."""
+        if self.on:
+            self.noted.zero_()
+            self.pending = False
+
     def save(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This forward's notes (expected hashes and flags; None: nothing noted), for ``restore``: an engine that
         checks one model forward as several canary forwards (vLLM's waves) hands each the notes of its tokens."""
