@@ -20,7 +20,7 @@ BUGS = {
                               "position's slot (the block table still gives the right one)"),
     "stale-block": ("C", "a request's second block-table entry keeps the id of a block freed and reused by another "
                          "request (a stale block table row)"),
-    "v-write-dropped": ("B", "the CPU backend's cache write stores each token's K and leaves its V as it was (a "
+    "v-write-dropped": ("G", "the CPU backend's cache write stores each token's K and leaves its V as it was (a "
                              "write path that never writes V): every later read of that V reads stale bytes"),
 }
 
