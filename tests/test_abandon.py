@@ -12,6 +12,8 @@ import torch
 from kvcanary import Canary, CanaryConfig, ForwardBatch, KvCanaryViolationError, PoolSpec, RealKvSource
 from kvcanary.sim.zoo import quiet_and_single_threaded
 
+from conftest import set_device_bounds
+
 
 @pytest.fixture(autouse=True)
 def _quiet():
@@ -187,8 +189,7 @@ def test_transformers_engine_failure_leaves_the_canary_usable(llama, late_hooks,
 # -- the simulated engine: its forward fails once and is retried, on every route -----------------------------
 SIM = dict(seed=38, page_size=4, num_slots=512, num_requests=3, max_running=3, max_output=10, max_steps=40,
            graph_sizes=(1, 2, 3, 4))
-ROUTES = ["hooks", "eager", "eager-early"] + (
-    ["captured-early", "fused"] if __import__("os").environ.get("TRITON_INTERPRET") == "1" else [])
+ROUTES = ["hooks", "eager", "eager-early", "captured-early", "fused"]  # (recorded: the torch device path)
 
 
 class PlantedFailure(RuntimeError):
@@ -207,7 +208,7 @@ def sim_run(route: str, fail_at: int | None):
     cfg = SimConfig(**SIM)
     config = default_canary_config(cfg).replace(allocator_check_interval=0, mode="raise")
     if steps in ("captured", "fused"):
-        config = config.replace(backend="triton")  # (the CPU stand-in graphs record Triton launches)
+        config = config.replace(backend="torch")  # (the CPU stand-in graphs record its ops: set_device_bounds)
     e = SimEngine(cfg, config, **({} if steps == "hooks" else {"steps": steps}))
     if route.endswith("-early"):
         e.runner.options = dataclasses.replace(e.runner.options, late_hooks=False)
@@ -238,7 +239,8 @@ def sim_run(route: str, fail_at: int | None):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_sim_a_failed_forward_is_abandoned_and_retried_cleanly_on_every_route(route):
+def test_sim_a_failed_forward_is_abandoned_and_retried_cleanly_on_every_route(monkeypatch, route):
+    set_device_bounds(monkeypatch)
     clean, tokens, _ = sim_run(route, None)
     failed, failed_tokens, was_open = sim_run(route, 8)
     assert was_open == [route in ("hooks", "eager-early", "captured-early")]  # (late: nothing ran before it)
