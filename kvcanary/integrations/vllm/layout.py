@@ -56,10 +56,10 @@ class KvLayout:
         nbpt = self.head_size * t.element_size()
         return RealKvSource(rows[:, start:], page_size=self.block_size, num_bytes_per_token=nbpt, read_bytes=nbpt)
 
-    def real_kv_picks(self, check_v: bool) -> tuple[tuple[tuple[int, int, str], ...], tuple[tuple[int, int, str], ...]]:
+    def real_kv_picks(self, check_v: bool) -> tuple[tuple[tuple[int, int, str], ...], ...]:
         """(K buffer picks, V buffer picks): each ``(layer, head, kind)`` whose bytes a real-KV source hashes (``kind``
         "k" or "v": which rows of the head), at most four per buffer (the canary's limit), over the rows
-        ``probe_rows`` found token-contiguous.
+        ``probe_rows`` found token-contiguous (``head_source`` makes each one's source).
 
         Without V buffers the K record hashes the first and the last layer, each of its first and last KV head
         (K where K rows are contiguous, else V), so a write or copy that misses a layer or a head changes it. With
@@ -75,11 +75,6 @@ class KvLayout:
         first, last = ("k" if self.k_rows else "v"), ("v" if self.v_rows else "k")
         picks = [(0, h, first) for h in heads] + [(last_layer, h, last) for h in heads]
         return tuple(list(dict.fromkeys(picks))[:4]), ()
-
-    def real_kv_sources(self, check_v: bool) -> tuple[tuple[RealKvSource, ...], tuple[RealKvSource, ...]]:
-        """(K buffer sources, V buffer sources) over ``real_kv_picks(check_v)``, in its order."""
-        k, v = self.real_kv_picks(check_v)
-        return tuple(self.head_source(*p) for p in k), tuple(self.head_source(*p) for p in v)
 
 
 def probe_rows(isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> tuple[bool, bool]:
