@@ -17,6 +17,8 @@ from kvcanary.soak.hf_run import Outcome
 from kvcanary.soak.vllm_workload import ENGINES, make_vllm_workload
 
 EVENTS = ("prefix_hits", "prefix_hit_tokens", "preemptions", "chunked_steps")  # (+ guarded_forwards)
+# the canary's own counts on its engine: forwards checked in waves, sources the write check compared
+CANARY_EVENTS = ("split_forwards", "write_check_notes")
 
 
 class VllmSoak:
@@ -80,6 +82,7 @@ class VllmSoak:
         out.violations = after["violations"] - before["violations"]
         out.first_violations = [r.get("log_line", str(r)) if isinstance(r, dict) else str(r) for r in rows[:3]]
         out.events["guarded_forwards"] = after["forwards"] - before["forwards"]
+        out.events.update({k: after[k] - before[k] for k in CANARY_EVENTS})
         if out.violations:
             out.findings.append(f"violations: {out.violations}")
         if after["divergences"] > before["divergences"]:
@@ -119,7 +122,8 @@ def _snapshot(llm) -> dict:
     r = collect(llm)
     return {"rows": list(r.violations), "violations": max(r.total_violations, len(r.violations)),
             "divergences": len(r.divergences), "forwards": r.forwards,
-            "guarded_ranks": sum(bool(s.get("guarded")) for s in r.stats)}
+            "guarded_ranks": sum(bool(s.get("guarded")) for s in r.stats),
+            **{k: sum(int(s.get(k, 0)) for s in r.stats) for k in CANARY_EVENTS}}
 
 
 @contextlib.contextmanager
