@@ -171,18 +171,25 @@ def test_mode_raise_stops_the_engine_at_the_first_bad_forward(no_prefix_cache, p
     assert session.rows and session.rows[0]["reader"] is not None
 
 
-def test_mode_abort_fails_exactly_the_requests_that_read_wrong_kv(model_dir, prompts):
+@pytest.mark.parametrize("bug", ["slot-off-by-one", "v-write-dropped"])
+def test_mode_abort_fails_exactly_the_requests_that_read_wrong_kv(model_dir, prompts, bug):
+    """A read of wrong KV fails its reader; a cache write that stored other bytes than its layer computed (the
+    write check, one forward's writes here: kvcanary.sim.vllm_bugs) fails its writer. No other request fails."""
     from vllm import SamplingParams
+
+    from kvcanary.sim import vllm_bugs
 
     with engine.guarded(True, KV_CANARY_MODE="abort"):
         llm = engine.start(model_dir, num_blocks=64, max_num_batched_tokens=64)
         try:
             params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-            with plant("slot-off-by-one"):
+            with plant(bug) if bug == "slot-off-by-one" else vllm_bugs.plant(bug, llm):
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             report = collect(llm)
         finally:
             engine.stop(llm)
+    if bug == "v-write-dropped":
+        assert report.violations and all(r["reasons"] == ["write_kv"] for r in report.violations)
     failed = {o.request_id for o in outs if o.outputs[0].finish_reason == "error"}
     finished = {o.request_id for o in outs if o.outputs[0].finish_reason == "length"}
     named = {rid.split("-")[0] for rid in report.requests()}
