@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_suite.sh ops      # op throughput (kvcanary bench: kvcanary/bench/ops.py)
 #   bash benchmarks/gpu_suite.sh engine [SPEC ...]  # canary cost inside transformers continuous batching, 1B and 8B
 #   bash benchmarks/gpu_suite.sh lag      # the lagging-side-stream async clean run per step path (>= 5.24 wheels)
+#   bash benchmarks/gpu_suite.sh checks   # the write and attention-metadata checks: their GPU tests, then their
+#                                         # share of the 1B user cost (canary_fast_nochecks; about 8 minutes)
 #   bash benchmarks/gpu_suite.sh fastpath # the fast path's open questions in one call (about 5 minutes; carries
 #                                         # wheels/ and wheels_sglang/): SGLang's kernels with and without the
 #                                         # decode-write lane kernel, the 1B prefill call trace, 1B user cost
@@ -91,5 +93,20 @@ case "$part" in
     PYTHONPATH=$t:$PYTHONPATH timeout 150 $py benchmarks/user_cost.py --model-size 1b --workloads \
       serving,batch1,prefill --arms fast,canary_fast --rounds 6 --budget-s 100 --json "$OUT/uc1b.json" 2>&1 | tail -12
     ;;
-  *) echo "unknown part $part (tests | quick | ops | engine | lag | fastpath)"; exit 2 ;;
+  checks)
+    # the write and attention-metadata checks on the GPU, in one call (about 8 minutes; carries wheels/): their tests
+    # (the recorded attention check in the engine's CUDA graphs, its Triton kernel, the write check captured with
+    # the forward), then their share of the cost: canary_fast_nochecks is the canary with both checks off
+    t=${T525:-/tmp/t525}
+    [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
+    par=$($py -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-8}")
+    PYTHONPATH=$t:$PYTHONPATH COLUMNS=250 timeout ${TESTS_TIMEOUT:-200} $py -m pytest -q -p no:cacheprovider -rf \
+      --tb=short $par tests/test_hf_attention_graphs.py tests/test_attention_ops.py tests/test_write_check.py \
+      tests/test_write_check_layers.py tests/test_cuda_graph.py tests/test_hf_fused.py tests/test_hf_graphs.py \
+      2>&1 | tee "$OUT/checks_tests.log" | tail -20
+    PYTHONPATH=$t:$PYTHONPATH timeout ${COST_TIMEOUT:-280} $py benchmarks/user_cost.py --model-size 1b --workloads \
+      batch1,batch1_1k,batch1_4k,serving --arms fast,canary_fast,canary_fast_nochecks --rounds 6 --budget-s 220 \
+      --json "$OUT/uc1b_checks.json" 2>&1 | tail -24
+    ;;
+  *) echo "unknown part $part (tests | quick | ops | engine | lag | fastpath | checks)"; exit 2 ;;
 esac
