@@ -96,13 +96,11 @@ class ShadowOracle:
     def _watch_stores(self) -> None:
         """Keep what the first and the last layer hand their cache write (``do_kv_cache_update``) each forward,
         and that method as it is now (``_expected_bytes`` stores with it: a bug planted later is not in it)."""
-        ctx = self.runner.compilation_config.static_forward_context
         caches = [c.data_ptr() for c in self._caches()]
-        for layer in ctx.values():
-            cache = getattr(layer, "kv_cache", None)
-            if not hasattr(layer, "impl") or not hasattr(cache, "data_ptr") or cache.data_ptr() not in caches:
+        for layer in attention_layers(self.runner):
+            if not hasattr(layer.kv_cache, "data_ptr") or layer.kv_cache.data_ptr() not in caches:
                 continue
-            impl, which = layer.impl, caches.index(cache.data_ptr())
+            impl, which = layer.impl, caches.index(layer.kv_cache.data_ptr())
             own = vars(impl).get("do_kv_cache_update")  # (another wrapper of this instance: it runs, as before)
             self._impls.append((impl, own))
             # the backend's own method, no wrapper of this instance (the canary's notes nothing here)
@@ -247,28 +245,30 @@ class ShadowOracle:
                 self._records[s] = _Record(hash(("tainted", r.key)), r.position, r.writer, f)
 
     def _expected_bytes(self, slots: list[int]):
-        """``[2 layers, n, bytes of a token]`` as ``_slot_bytes``: the bytes each written slot must hold, what this
-        forward's cache writes of the first and last layer handed over, stored by the pristine write method into
-        a scratch block at the slot's offset. A layer whose write did not reach the oracle (none this forward):
+        """``[2 layers, n, bytes of a token]`` as ``_slot_bytes`` of ``slots`` (sorted, distinct): the bytes each
+        written slot must hold, what this forward's cache writes of the first and last layer handed over, stored by
+        the pristine write method into a scratch block at the slot's offset. A layer whose write did not reach the oracle (none this forward):
         the slot's bytes as they are (the truth of the records alone)."""
         import torch
 
         got = self._slot_bytes(slots)
         idx = self._token_elements()
         B = idx.shape[0]
-        where = {s: k for k, s in enumerate(slots)}
+        want = torch.as_tensor(slots, dtype=torch.long)
         for which, pristine, attn, key, value, slot_mapping in self._stores:
             cache = self._caches()[which]
-            live = [(j, int(s)) for j, s in enumerate(slot_mapping.tolist()) if int(s) in where]
-            if not live:
+            sm = slot_mapping.to(torch.long)
+            rows = torch.nonzero(torch.isin(sm, want)).flatten()  # (the tokens that wrote one of ``slots``)
+            if not rows.numel():
                 continue
-            scratch = torch.zeros((len(live),) + tuple(cache.shape[1:]), dtype=cache.dtype)
-            rows = torch.tensor([j for j, _ in live], dtype=torch.long)
-            at = torch.tensor([n * B + s % B for n, (_, s) in enumerate(live)], dtype=torch.long)
-            pristine(attn, key[rows], value[rows], scratch, at)
-            flat = scratch.reshape(len(live), -1)
-            for n, (_, s) in enumerate(live):
-                got[which, where[s]] = flat[n, idx[s % B]]
+            s, n = sm[rows], rows.numel()
+            scratch = torch.zeros((n,) + tuple(cache.shape[1:]), dtype=cache.dtype)
+            pristine(attn, key[rows], value[rows], scratch, torch.arange(n) * B + s % B)
+            at, order = torch.searchsorted(want, s), torch.arange(n)
+            # (a slot two tokens wrote holds the later one's bytes)
+            last = torch.full((want.numel(),), -1, dtype=torch.long).scatter_reduce(0, at, order, reduce="amax")
+            keep = last[at] == order
+            got[which, at[keep]] = scratch.reshape(n, -1)[order[keep][:, None], idx[s[keep] % B]]
         return got
 
     def _judge(self, chain: list[int], p: int, s: int, now) -> str:
@@ -291,6 +291,12 @@ class ShadowOracle:
 _ELEMENTS: dict = {}
 
 
+def attention_layers(runner) -> list:
+    """The runner's attention layers that hold a KV cache, in vLLM's forward-context order."""
+    ctx = runner.compilation_config.static_forward_context
+    return [m for m in ctx.values() if getattr(m, "kv_cache", None) is not None and hasattr(m, "impl")]
+
+
 def token_elements(runner):
     """``[block_size, elements]``: the flat element indices of a KV block that hold the token at each offset.
 
@@ -301,8 +307,7 @@ def token_elements(runner):
     key = id(runner)
     if key in _ELEMENTS:
         return _ELEMENTS[key]
-    ctx = runner.compilation_config.static_forward_context
-    layer = next(m for m in ctx.values() if getattr(m, "kv_cache", None) is not None and hasattr(m, "impl"))
+    layer = attention_layers(runner)[0]
     cache = next(c for c in runner.kv_caches if c is not None)
     _, heads, B, width = cache.shape
     scratch = torch.zeros((1, heads, B, width), dtype=cache.dtype)

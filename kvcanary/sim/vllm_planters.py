@@ -289,8 +289,9 @@ def without_v(store):
 
 
 def v_write_dropped(p, st, runner, rank) -> None:
-    ctx = runner.compilation_config.static_forward_context
-    impl = next(m.impl for m in ctx.values() if getattr(m, "kv_cache", None) is not None and hasattr(m, "impl"))
+    from kvcanary.sim.vllm_oracle import attention_layers
+
+    impl = attention_layers(runner)[0].impl
     cls, layers = type(impl), len([c for c in runner.kv_caches if c is not None])
     orig = cls.do_kv_cache_update
     k_only = without_v(orig)

@@ -181,10 +181,11 @@ def waves(batch: ForwardBatch, block_size: int) -> list[list[int]]:
     return [[r for r in range(n) if wave[r] == k] for k in range(max(wave) + 1) if k in wave]
 
 
-def subset(batch: ForwardBatch, idx: list[int]) -> ForwardBatch:
-    """The forward batch of the requests ``idx`` only (their rows, lengths, tokens, slots and histories)."""
+def subset(batch: ForwardBatch, idx: list[int], tok: torch.Tensor | None = None) -> ForwardBatch:
+    """The forward batch of the requests ``idx`` only (their rows, lengths, tokens, slots and histories); ``tok``:
+    their tokens' indices if known (``subset_tokens``)."""
     t = torch.tensor(idx, dtype=torch.int64)
-    tok = subset_tokens(batch, idx)
+    tok = subset_tokens(batch, idx) if tok is None else tok
     h = batch.token_history
     hist = torch.cat([h.flat[int(h.offsets[i]):int(h.offsets[i + 1])] for i in idx])
     lens = (h.offsets[1:] - h.offsets[:-1])[t]

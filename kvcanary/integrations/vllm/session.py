@@ -170,7 +170,9 @@ class Session:
             parts = [list(range(batch.batch_size))]
         else:
             parts = waves(batch, self.layout.block_size)
-        first = batch if len(parts) == 1 else subset(batch, parts[0])
+        # (each wave's tokens among the forward's: its batch, and its share of the write check's notes)
+        tokens = [None] if len(parts) == 1 else [subset_tokens(batch, idx) for idx in parts]
+        first = batch if len(parts) == 1 else subset(batch, parts[0], tokens[0])
         self.canary.before_forward(first)
         written = self.written
         try:
@@ -189,14 +191,13 @@ class Session:
         # the write check's notes are in the model forward's token order: each wave gets its own tokens' notes
         wc = self.canary.write_check
         notes = wc.save() if len(parts) > 1 else None
-        wc.restore(notes, subset_tokens(batch, parts[0]) if notes is not None else None)
-        self.canary.after_forward(first)
-        for idx in parts[1:]:
-            # reads of blocks an earlier wave wrote in this forward: checked now that their records are written
-            later = subset(batch, idx)
-            self.canary.before_forward(later)
-            wc.restore(notes, subset_tokens(batch, idx) if notes is not None else None)
-            self.canary.after_forward(later)
+        for k, idx in enumerate(parts):
+            part = first
+            if k:  # reads of blocks an earlier wave wrote in this forward: checked now that their records are written
+                part = subset(batch, idx, tokens[k])
+                self.canary.before_forward(part)
+            wc.restore(notes, tokens[k])
+            self.canary.after_forward(part)
         self.events["split_forwards"] += len(parts) > 1
         self._step_forwards += 1
         if self.consistency is not None:

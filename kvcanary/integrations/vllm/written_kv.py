@@ -43,12 +43,11 @@ class WrittenKv:
             if not hasattr(impl, METHOD):
                 raise ValueError(f"kv-canary: the vLLM write check needs the attention backend's {METHOD}, got "
                                  f"{type(impl).__name__} without one for layer {layout.layer_names[layer]}")
-            self._undo.append((impl, impl.__dict__.get(METHOD)))
-            setattr(impl, METHOD, self._wrap(impl, layer, todo))
+            own = impl.__dict__.get(METHOD)  # (an instance attribute set before ours: it runs, not the class's)
+            self._undo.append((impl, own))
+            setattr(impl, METHOD, self._wrap(impl, own, layer, todo))
 
-    def _wrap(self, impl, layer: int, todo: list):
-        own = impl.__dict__.get(METHOD)  # (an instance attribute set before ours: it runs, not the class's)
-
+    def _wrap(self, impl, own, layer: int, todo: list):
         def do_kv_cache_update(attn_layer, key, value, kv_cache, slot_mapping):
             if self.live and key is not None and value is not None:
                 n = min(int(key.shape[0]), self.max_tokens)  # (rows past the live tokens are never compared)
