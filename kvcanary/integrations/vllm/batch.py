@@ -1,50 +1,109 @@
-"""One vLLM forward as a ``ForwardBatch``: what attention reads and writes, taken where attention takes it.
+"""One vLLM forward as the runtime's host step (``runtime.engine.HostStep``): what attention reads and writes,
+taken where attention takes it.
 
 Inside ``_model_forward`` vLLM's forward context holds the attention metadata every layer of the KV-cache group
-reads (``query_start_loc``, ``seq_lens``, ``block_table``) and the slot mapping its KV write uses. The batch is
-built from exactly those tensors, so the canary checks what the kernels are given, not what the scheduler meant:
+reads (``query_start_loc``, ``seq_lens``, ``block_table``) and the slot mapping its KV write uses.
+``BatchBuilder.read`` takes exactly those (a ``Forward``), so the canary checks what the kernels are given, not what
+the scheduler meant:
 
-  extend_lens    query_start_loc[r + 1] - query_start_loc[r]   (tokens the forward writes for request r)
-  prefix_lens    seq_lens[r] - extend_lens[r]                   (tokens attention reads from the cache)
-  out_cache_loc  the group's slot mapping, first num_actual_tokens entries
-  req_to_token   row r + 1: block_table[r, p // block_size] * block_size + p % block_size
-  input_ids, positions   the model's own inputs of the forward
+  extend        query_start_loc[r + 1] - query_start_loc[r]   (tokens the forward writes for request r)
+  prefix        seq_lens[r] - extend[r]                         (tokens attention reads from the cache)
+  write index   the group's slot mapping, first num_actual_tokens entries
+  read index    per request, block_table[r, p // block_size] * block_size + p % block_size for p < seq_lens[r]
+  input ids, positions   the model's own inputs of the forward
+
+Each canary forward is one ``HostStep``, packed by ``HostStep.pack`` as the transformers adapter and the simulated
+engine pack theirs: request r of the forward in canary row r + 1 (rows are rebuilt each forward), its prefix and
+extend lengths, its request number (``report.RequestNames``) and its whole token history as token cells (the
+input batch's ``token_ids_cpu`` row up to its known tokens: prompt and sampled outputs), with the forward's inputs
+as ``StepInputs`` (``BatchBuilder.inputs``). The runtime's ``StepTables.build`` makes the ``ForwardBatch`` the canary
+checks from it, its read table filled from the read index (``runtime/step/tables.py``); ``finish`` adds the
+write-input assert's expectations: the tokens the request's row holds at the positions the attention metadata
+says are written. A forward that feeds the model other tokens or positions than the request holds is a
+``write_token`` / ``write_position`` row.
 
 A request may read, in the same forward, blocks another request of the batch writes: vLLM caches a block's hash
 when it schedules the block's computation, so a request scheduled later in the same step hits it, and every
 layer writes the whole batch's KV before its attention reads. The canary verifies reads before a forward's writes,
 so ``waves`` splits such a batch: the requests that read nothing written in the forward go around the forward
-(HEAD before, TAIL after), each later wave right after it, once its writers' records are written.
-
-The token history of request r is the input batch's ``token_ids_cpu`` row up to its known tokens (prompt and
-sampled outputs), the expected inputs of the write-input assert are the same row at the written positions: a
-forward that feeds the model other tokens or positions than the request holds is a ``write_token`` /
-``write_position`` row.
+(HEAD before, TAIL after), each later wave right after it, once its writers' records are written. Each wave is
+a host step of its own: its requests' lists and cells, and its tokens' inputs, slots and reads (``Forward.wave``).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-from kvcanary.runtime import ForwardBatch, ForwardMode, TokenHistory
+from kvcanary.runtime.engine import HostStep, TokenCells
+
+
+class Forward(NamedTuple):
+    """One vLLM forward as read from its attention metadata and input batch (``BatchBuilder.read``): host arrays
+    (int64 numpy unless said), in the forward's request and token order."""
+
+    req_ids: list  # the requests' vLLM ids
+    rids: list[int]  # their request numbers (``report.RequestNames``)
+    prefix: list[int]  # per request: tokens attention reads from the cache
+    extend: list[int]  # per request: tokens the forward writes
+    starts: np.ndarray  # [n] each request's first token among the forward's
+    input_ids: np.ndarray  # [T] the model's input ids (LoRA requests' namespaced: ``lora_namespace``)
+    positions: np.ndarray  # [T] the model's positions
+    slots: np.ndarray  # [T] the slot mapping: where each token's KV is written
+    expected_ids: np.ndarray | None  # [T] the tokens the requests' rows hold at the written positions (None: some unknown)
+    expected_positions: np.ndarray  # [T] prefix[r] + 0 .. extend[r] - 1: the positions the metadata says are written
+    reads: np.ndarray  # [sum seq_lens] the read index: per request, the slots of positions [0, seq_len)
+    read_at: np.ndarray  # [n + 1] where each request's reads start in ``reads``
+    blocks: np.ndarray  # [n, nb] the block table's ids (nb: the longest request's blocks)
+    known: np.ndarray  # [n] tokens of each request's history (prompt + sampled, at most its seq_len)
+    history: np.ndarray  # [sum known] the histories, request-major
+    history_at: np.ndarray  # [n + 1] where each request's history starts
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prefix)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slots.shape[0])
+
+    def tokens(self, idx: list[int]) -> np.ndarray:
+        """The forward's token indices of the requests ``idx``, in their wave's token order."""
+        return _segments(self.starts, self.starts + np.asarray(self.extend, dtype=np.int64), idx)
 
 
 class BatchBuilder:
-    """Builds each forward's batch into buffers sized once for the engine's limits."""
+    """vLLM's side of the runtime's host step: each forward read once (``read``), each of its waves described as
+    a ``HostStep`` (``set_wave``, then ``host_part``: the ``runtime.engine.EngineSource`` calls), and the batch
+    built from it by the runtime's ``StepTables`` (``Session``)."""
 
-    def __init__(self, *, max_batch: int, max_context: int, block_size: int, layer_name: str, names,
-                 lora: bool = False):
-        self.block_size, self.layer_name, self.names = block_size, layer_name, names
-        self.lora = lora  # LoRA adapters change a token's KV: records carry the adapter (_namespaced)
+    group = 0  # the one full-attention KV-cache group (layout.check_engine refuses others)
+    windowed = oracle = carries = False
+    pad_cap = 0  # (vLLM pads its own CUDA graphs' batches; the canary pads none)
+
+    def __init__(self, *, max_batch: int, max_tokens: int, max_context: int, block_size: int, num_slots: int,
+                 layer_name: str, names, history: bool = True, lora: bool = False, device=None):
+        from kvcanary.runtime.step.staging import Staging
+
+        self.block_size, self.num_slots, self.layer_name, self.names = block_size, num_slots, layer_name, names
+        self.want_history = history  # the token-history check is on: each step sends the requests' histories
+        self.lora = lora  # LoRA adapters change a token's KV: records carry the adapter (lora_namespace)
         self.max_context = max_context
-        # row 0 is the canary's padding row; request r of a forward takes row r + 1 (rows are rebuilt each forward)
-        self.req_to_token = torch.zeros(max_batch + 1, max_context, dtype=torch.int64)
-        self._offsets = torch.arange(max_context, dtype=torch.int64) % block_size
-        self._rows = torch.arange(1, max_batch + 1, dtype=torch.int64)
+        self._offsets = np.arange(max_context, dtype=np.int64) % block_size
+        self._cols = np.arange(max_context, dtype=np.int64)
+        # one staging turn: the CPU canary reads each forward's observation when it closes, before the next wave's
+        # (or forward's) host step refills the buffer
+        self.stage = Staging(torch.device("cpu") if device is None else device, depth=1)
+        self.stage.sized_for(max_batch, max_tokens)
+        self.inputs = None  # the wave's StepInputs (set_wave)
+        self._wave: tuple | None = None  # (forward, request indices or None: all) of the next host_part
 
-    def build(self, runner, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[ForwardBatch, list[str]]:
-        """The forward's batch and its requests' vLLM ids, in batch order."""
+    # -- reading a forward -------------------------------------------------------------------------
+    def read(self, runner, input_ids: torch.Tensor, positions: torch.Tensor) -> Forward:
+        """The forward about to run, from vLLM's forward context and ``runner``'s input batch."""
         from vllm.forward_context import get_forward_context
 
         ctx = get_forward_context()
@@ -53,59 +112,121 @@ class BatchBuilder:
             raise RuntimeError("kv-canary: vLLM's forward context must hold one attention metadata per layer, got "
                                f"{type(metadata).__name__} (micro-batching is not supported)")
         md = metadata[self.layer_name]
-        ib = runner.input_batch
-        n, ntok = ib.num_reqs, int(md.num_actual_tokens)
-        req_ids = list(ib.req_ids[:n])
-        qsl = md.query_start_loc[:n + 1].to(torch.int64)
-        seq = md.seq_lens[:n].to(torch.int64)
-        extend = qsl[1:] - qsl[:-1]
-        prefix = seq - extend
+        ntok = int(md.num_actual_tokens)
         slots = ctx.slot_mapping[self.layer_name][:ntok] if ctx.slot_mapping else md.slot_mapping[:ntok]
+        return self.forward_of(md, slots, runner.input_batch, input_ids, positions)
+
+    def forward_of(self, md, slots: torch.Tensor, ib, input_ids: torch.Tensor, positions: torch.Tensor) -> Forward:
+        """The ``Forward`` of attention metadata ``md`` (``query_start_loc``, ``seq_lens``, ``block_table``,
+        ``num_actual_tokens``), the written ``slots``, input batch ``ib`` and the model's inputs."""
+        n, ntok, B = ib.num_reqs, int(md.num_actual_tokens), self.block_size
+        req_ids = list(ib.req_ids[:n])
+        qsl = md.query_start_loc[:n + 1].numpy().astype(np.int64)
+        seq = md.seq_lens[:n].numpy().astype(np.int64)
+        extend = np.diff(qsl)
+        prefix = seq - extend
         longest = int(seq.max()) if n else 0
         if longest > self.max_context:
             raise ValueError(f"kv-canary: a vLLM request must fit the canary's table of {self.max_context} positions "
                              f"(max_model_len), got one of {longest}")
-        nb = -(-longest // self.block_size)
-        cols = nb * self.block_size
-        table = md.block_table[:n, :nb].to(torch.int64)
+        nb = -(-longest // B)
+        blocks = md.block_table[:n, :nb].numpy().astype(np.int64)
+        read_at = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(seq, out=read_at[1:])
+        cols = nb * B
         # every block id of the row, once per position of the block, plus the position's offset in it
-        self.req_to_token[1:n + 1, :cols] = (table.repeat_interleave(self.block_size, dim=1) * self.block_size
-                                             + self._offsets[:cols])
+        table = np.repeat(blocks, B, axis=1) * B + self._offsets[:cols]
+        reads = table[self._cols[:cols] < seq[:, None]]
         expected_pos = _expected_positions(prefix, extend)
-        history, expected = self._tokens(ib, n, seq.numpy(), expected_pos, qsl.numpy())
-        input_ids = input_ids[:ntok]
+        known, history, history_at, expected = self._tokens(ib, n, seq, expected_pos, qsl)
+        ids = input_ids[:ntok].numpy()
         if self.lora:
-            input_ids, history, expected = _namespaced(ib.request_lora_mapping[:n], extend.numpy(), input_ids,
-                                                       history, expected)
-        batch = ForwardBatch(
-            req_pool_indices=self._rows[:n], prefix_lens=prefix, extend_lens=extend,
-            input_ids=input_ids, positions=positions[:ntok], out_cache_loc=slots.to(torch.int64),
-            req_to_token=self.req_to_token,
-            request_ids=torch.tensor([self.names.number(r) for r in req_ids], dtype=torch.int64),
-            token_history=history, expected_input_ids=expected,
-            expected_positions=expected_pos,
-            mode=ForwardMode.DECODE if ntok == n else ForwardMode.EXTEND)
-        return batch, req_ids
+            ids, history, expected = _namespaced(ib.request_lora_mapping[:n], extend, known, ids, history, expected)
+        return Forward(req_ids, [self.names.number(r) for r in req_ids], prefix.tolist(), extend.tolist(), qsl[:-1],
+                       ids, positions[:ntok].numpy(), slots.numpy().astype(np.int64, copy=False), expected,
+                       expected_pos, reads, read_at, blocks, known, history, history_at)
 
-    def _tokens(self, ib, n: int, seq: np.ndarray, positions: torch.Tensor, qsl: np.ndarray):
-        """(TokenHistory of each request's known tokens, the tokens its rows hold at the positions the attention
-        metadata says are written: independent of the positions and ids vLLM gave the model)."""
+    def _tokens(self, ib, n: int, seq: np.ndarray, positions: np.ndarray, qsl: np.ndarray):
+        """(each request's known tokens: how many, the tokens request-major, where each starts; the tokens its rows
+        hold at the positions the attention metadata says are written: independent of the positions and ids vLLM
+        gave the model)."""
         # the tokens the input batch knows per request (prompt + sampled); a position past them is left unchecked
         known = np.minimum(seq, ib.num_tokens_no_spec[:n]).astype(np.int64)
         width = int(known.max()) if n else 0
         rows = ib.token_ids_cpu[:n, :width]
-        flat = torch.from_numpy(rows[np.arange(width)[None, :] < known[:, None]].astype(np.int64))
-        offsets = torch.zeros(n + 1, dtype=torch.int64)
-        offsets[1:] = torch.from_numpy(np.cumsum(known))
+        history = rows[self._cols[:width] < known[:, None]].astype(np.int64)
+        at = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(known, out=at[1:])
         # each written token's request, then the token its row holds there
         req = np.repeat(np.arange(n), np.diff(qsl))
-        pos = positions.numpy().astype(np.int64)
-        inside = (pos >= 0) & (pos < ib.token_ids_cpu.shape[1])
-        expected = np.full(pos.shape[0], -1, dtype=np.int64)
-        expected[inside] = ib.token_ids_cpu[req[inside], pos[inside]]
+        inside = (positions >= 0) & (positions < ib.token_ids_cpu.shape[1])
+        expected = np.full(positions.shape[0], -1, dtype=np.int64)
+        expected[inside] = ib.token_ids_cpu[req[inside], positions[inside]]
         # positions the batch does not know yet (async scheduling's placeholders) are not asserted
-        expected[~inside | (pos >= known[req])] = -1
-        return TokenHistory(flat, offsets), None if (expected < 0).any() else torch.from_numpy(expected)
+        expected[~inside | (positions >= known[req])] = -1
+        return known, history, at, None if (expected < 0).any() else expected
+
+    # -- the runtime's host step -------------------------------------------------------------------
+    def set_wave(self, fwd: Forward, idx: list[int] | None = None) -> None:
+        """The next ``host_part`` describes the requests ``idx`` of ``fwd`` (None: all of them)."""
+        self._wave = (fwd, idx)
+
+    def host_part(self, copy: bool = True, padded: bool = False) -> HostStep:
+        """The wave's ``HostStep``: its requests' rows (batch index + 1), prefix and extend lengths, request numbers
+        and histories (token cells) staged by ``HostStep.pack``, its tokens' inputs, write slots and reads as
+        ``StepInputs`` (``inputs``)."""
+        fwd, idx = self._wave
+        n = fwd.batch_size
+        if idx is None or len(idx) == n:
+            rows, prefix, extend, rids = list(range(1, n + 1)), fwd.prefix, fwd.extend, fwd.rids
+            tok = hist = cells = None
+        else:
+            rows = [i + 1 for i in idx]
+            prefix, extend, rids = [fwd.prefix[i] for i in idx], [fwd.extend[i] for i in idx], [fwd.rids[i] for i in idx]
+            tok = fwd.tokens(idx)
+            hist = _segments(fwd.history_at[:-1], fwd.history_at[1:], idx)
+            cells = _segments(fwd.read_at[:-1], fwd.read_at[1:], idx)
+        self.inputs = io = _inputs(fwd, tok, cells, prefix)
+        history = None
+        if self.want_history:
+            known = fwd.known if idx is None else fwd.known[idx]
+            width = int(known.max()) if known.shape[0] else 0
+            inside = self._cols[:width] < known[:, None]
+            cell_rows = np.broadcast_to(np.asarray(rows, dtype=np.int64)[:, None], inside.shape)[inside]
+            cell_cols = np.broadcast_to(self._cols[:width], inside.shape)[inside]
+            tokens = fwd.history if hist is None else fwd.history[hist]
+            history = TokenCells(known.tolist(), cell_rows, cell_cols, tokens)
+        return HostStep.pack(self.stage, io, fwd.req_ids, rows, prefix, extend, rids, history, copy=copy)
+
+    def finish(self, batch, h: HostStep, arange) -> None:
+        """The write-input assert's expectations (``StepTables.build`` calls it on the batch it built)."""
+        batch.expected_input_ids = h.io.expected_input_ids
+        batch.expected_positions = h.io.expected_positions
+
+
+def _inputs(fwd: Forward, tok: np.ndarray | None, cells: np.ndarray | None, prefix: list[int]) -> SimpleNamespace:
+    """The ``runtime.engine.StepInputs`` of the forward's tokens ``tok`` and read index cells ``cells`` (indices
+    into ``fwd.reads``; None, None: all of them) for requests of prefix lengths ``prefix``."""
+    pick = (lambda a: a) if tok is None else (lambda a: a[tok])  # noqa: E731
+    read = fwd.reads if cells is None else fwd.reads[cells]
+    exp = fwd.expected_ids
+    return SimpleNamespace(
+        input_ids=torch.from_numpy(pick(fwd.input_ids)), position_ids=torch.from_numpy(pick(fwd.positions)),
+        write_index_storage=torch.from_numpy(pick(fwd.slots)).view(1, -1),
+        read_index_storage=torch.from_numpy(read).view(1, -1), true_read_sizes=[int(read.shape[0])],
+        max_kv_read=sum(prefix), use_block_table=False, block_table=None, compute_stream=None,
+        expected_input_ids=None if exp is None else torch.from_numpy(pick(exp)),
+        expected_positions=torch.from_numpy(pick(fwd.expected_positions)))
+
+
+def _segments(starts: np.ndarray, ends: np.ndarray, idx: list[int]) -> np.ndarray:
+    """The indices [starts[i], ends[i]) of each ``i`` of ``idx``, in that order (int64)."""
+    if not idx:
+        return np.zeros(0, dtype=np.int64)
+    s, e = starts[idx], ends[idx]
+    lens = e - s
+    first = np.repeat(s - (np.cumsum(lens) - lens), lens)
+    return first + np.arange(int(lens.sum()), dtype=np.int64)
 
 
 # A LoRA request's tokens enter the canary as token + (namespace << LORA_SHIFT): the same token computed with
@@ -121,34 +242,32 @@ def lora_namespace(lora_ids: np.ndarray) -> np.ndarray:
     return np.where(ids > 0, (ids - 1) % LORA_NAMESPACES + 1, 0)
 
 
-def _namespaced(lora_ids, extend: np.ndarray, input_ids, history: TokenHistory, expected):
-    """The canary's view of the batch's tokens with each request's LoRA namespace added (the model's are untouched)."""
-    shift = torch.from_numpy(lora_namespace(lora_ids) << LORA_SHIFT)
-    if not bool(shift.any()):
+def _namespaced(lora_ids, extend: np.ndarray, known: np.ndarray, input_ids: np.ndarray, history: np.ndarray,
+                expected: np.ndarray | None):
+    """The canary's view of the forward's tokens with each request's LoRA namespace added (the model's are
+    untouched): its input ids, histories and expected ids."""
+    shift = lora_namespace(lora_ids) << LORA_SHIFT
+    if not shift.any():
         return input_ids, history, expected
-    per_token = torch.repeat_interleave(shift, torch.from_numpy(extend.astype(np.int64)))
-    lens = history.offsets[1:] - history.offsets[:-1]
-    flat = history.flat + torch.repeat_interleave(shift, lens)
-    return (input_ids.to(torch.int64) + per_token, TokenHistory(flat, history.offsets),
+    per_token = np.repeat(shift, extend)
+    return (input_ids.astype(np.int64) + per_token, history + np.repeat(shift, known),
             None if expected is None else expected + per_token)
 
 
-def waves(batch: ForwardBatch, block_size: int) -> list[list[int]]:
-    """The batch's requests (indices) in waves: wave 0 reads no block that another request of the batch writes in
-    this forward; wave k reads blocks that waves < k write. One wave (``[[0 .. n-1]]``) when nothing depends."""
-    n = batch.batch_size
-    extend = batch.extend_lens.numpy()
-    slots = batch.out_cache_loc.numpy()
-    owner = np.repeat(np.arange(n), extend)
+def waves(fwd: Forward, block_size: int) -> list[list[int]]:
+    """The forward's requests (indices) in waves: wave 0 reads no block that another request of the forward writes
+    in it; wave k reads blocks that waves < k write. One wave (``[[0 .. n-1]]``) when nothing depends."""
+    n = fwd.batch_size
+    slots = fwd.slots
+    owner = np.repeat(np.arange(n), fwd.extend)
     blocks = slots // block_size
     written = np.unique(blocks[slots >= 0])
-    prefix = batch.prefix_lens.numpy()
-    nb = -(-prefix // block_size)
+    nb = -(-np.asarray(fwd.prefix, dtype=np.int64) // block_size)
     width = int(nb.max()) if n else 0
     if not width or not written.size:
         return [list(range(n))]
-    # the first slot of each prefix block, per request: its block id
-    table = batch.req_to_token[1:n + 1, :width * block_size:block_size].numpy() // block_size
+    # each request's prefix blocks (the block table's ids)
+    table = fwd.blocks[:, :width]
     in_prefix = np.arange(width)[None, :] < nb[:, None]
     hit = in_prefix & np.isin(table, written)
     if not hit.any():
@@ -181,33 +300,7 @@ def waves(batch: ForwardBatch, block_size: int) -> list[list[int]]:
     return [[r for r in range(n) if wave[r] == k] for k in range(max(wave) + 1) if k in wave]
 
 
-def subset(batch: ForwardBatch, idx: list[int], tok: torch.Tensor | None = None) -> ForwardBatch:
-    """The forward batch of the requests ``idx`` only (their rows, lengths, tokens, slots and histories); ``tok``:
-    their tokens' indices if known (``subset_tokens``)."""
-    t = torch.tensor(idx, dtype=torch.int64)
-    tok = subset_tokens(batch, idx) if tok is None else tok
-    h = batch.token_history
-    hist = torch.cat([h.flat[int(h.offsets[i]):int(h.offsets[i + 1])] for i in idx])
-    lens = (h.offsets[1:] - h.offsets[:-1])[t]
-    offsets = torch.zeros(len(idx) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lens, 0)
-    pick = lambda x: None if x is None else x[tok]  # noqa: E731
-    return ForwardBatch(batch.req_pool_indices[t], batch.prefix_lens[t], batch.extend_lens[t], batch.input_ids[tok],
-                        batch.positions[tok], batch.out_cache_loc[tok], batch.req_to_token,
-                        request_ids=batch.request_ids[t], token_history=TokenHistory(hist, offsets),
-                        expected_input_ids=pick(batch.expected_input_ids),
-                        expected_positions=pick(batch.expected_positions), mode=batch.mode)
-
-
-def subset_tokens(batch: ForwardBatch, idx: list[int]) -> torch.Tensor:
-    """The forward's token indices of the requests ``idx``, in ``subset(batch, idx)``'s token order."""
-    starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
-    return torch.cat([torch.arange(int(starts[i]), int(starts[i] + batch.extend_lens[i])) for i in idx])
-
-
-def _expected_positions(prefix: torch.Tensor, extend: torch.Tensor) -> torch.Tensor:
+def _expected_positions(prefix: np.ndarray, extend: np.ndarray) -> np.ndarray:
     """prefix[r] + 0 .. extend[r] - 1 for every request: the positions attention's metadata says are written."""
-    # (numpy: torch.repeat_interleave takes milliseconds per call inside vLLM's thread-bound worker)
-    p, e = prefix.numpy(), extend.numpy()
-    first = np.repeat(np.cumsum(e) - e, e)
-    return torch.from_numpy(np.repeat(p, e) + np.arange(int(e.sum()), dtype=np.int64) - first)
+    first = np.repeat(np.cumsum(extend) - extend, extend)
+    return np.repeat(prefix, extend) + np.arange(int(extend.sum()), dtype=np.int64) - first

@@ -6,8 +6,14 @@ tensor-parallel process group. Per scheduler step (``execute_model``):
 
   begin_step   the step's cache events: prefix-cache hits of new requests, resumptions after preemption, frees;
                vLLM's KV block copies (copy-on-write) carry the canary records along (``copy_records``)
-  guard_forward  the batch from the attention metadata (``batch.BatchBuilder``), before_forward, the model,
-               after_forward (drain: each violation becomes a row naming vLLM's request ids), the TP exchange
+  guard_forward  the forward from the attention metadata (``batch.BatchBuilder``), each of its waves a host step
+               (``runtime.engine.HostStep``) whose batch the runtime's ``StepTables`` builds; before_forward, the
+               model, after_forward (drain: each violation becomes a row naming vLLM's request ids), the TP exchange
+
+The session drives the ``Canary`` itself rather than through the runtime's ``StepRunner``: a model forward here
+may be several canary forwards (waves, ``batch.waves``), each after the one before has closed, while the runner
+takes one canary step per model forward; and the runner's eager step adds the new tokens' read check, which vLLM's
+canary does not run (docs/vllm.md, "One forward as a host step").
   end_step     a step that scheduled tokens must have run a guarded forward, else the hooks were bypassed: error
 
 Rows go to the report directory as they are drained and stay in memory for ``report()`` (``collect(llm)``).
@@ -20,12 +26,14 @@ import os
 import time
 
 import numpy as np
+import torch
 
 from kvcanary.runtime import Canary, PoolSpec
+from kvcanary.runtime.step.tables import StepTables
 
 from kvcanary.integrations.vllm import written_kv
 from kvcanary.integrations.vllm.allocator import BlockPoolView
-from kvcanary.integrations.vllm.batch import BatchBuilder, subset, subset_tokens, waves
+from kvcanary.integrations.vllm.batch import BatchBuilder, waves
 from kvcanary.integrations.vllm.layout import KvLayout, check_engine
 from kvcanary.integrations.vllm.report import ReportFiles, RequestNames, describe, violation_row
 from kvcanary.integrations.vllm.settings import Settings
@@ -79,9 +87,12 @@ class Session:
         self._stats_at = 0.0
         self.canary = self._build_canary()
         lay = self.layout
-        self.builder = BatchBuilder(max_batch=self.canary.max_batch, max_context=self.canary.max_context,
-                                    block_size=lay.block_size, layer_name=lay.layer_names[0], names=self.names,
-                                    lora=runner.lora_config is not None)
+        c = self.canary
+        self.builder = BatchBuilder(max_batch=c.max_batch, max_tokens=c.max_tokens, max_context=c.max_context,
+                                    block_size=lay.block_size, num_slots=lay.num_slots,
+                                    layer_name=lay.layer_names[0], names=self.names,
+                                    history=c.config.token_check, lora=runner.lora_config is not None)
+        self.tables = StepTables(c, self.builder)  # each wave's ForwardBatch from its host step
         self.consistency = None
         if self.tp_size > 1:
             from kvcanary.distributed import ConsistencyCheck
@@ -142,8 +153,6 @@ class Session:
             bs = self.layout.block_size
             src = np.repeat(np.array([c[0] for c in copies], dtype=np.int64) * bs, bs) + np.tile(np.arange(bs), len(copies))
             dst = np.repeat(np.array([c[1] for c in copies], dtype=np.int64) * bs, bs) + np.tile(np.arange(bs), len(copies))
-            import torch
-
             self.canary.copy_records(torch.from_numpy(src), torch.from_numpy(dst))
             self.events["block_copies"] += len(copies)
         # a step of running requests only (none new, none resumed): in its decode-only forwards no request may read
@@ -160,19 +169,19 @@ class Session:
             raise RuntimeError("kv-canary: vLLM's forward must get token ids and 1-D positions, got "
                                f"input_ids={type(input_ids).__name__}, positions="
                                f"{None if positions is None else tuple(positions.shape)}")
-        batch, req_ids = self.builder.build(runner, input_ids, positions)
-        self._count_chunks(runner, batch)
-        if self._running_only and batch.num_tokens == batch.batch_size:
+        fwd = self.builder.read(runner, input_ids, positions)
+        self._count_chunks(runner, fwd)
+        if self._running_only and fwd.num_tokens == fwd.batch_size:
             # Decode only, every request scheduled before: a block one of them writes now is its own partial tail
             # block, which no other request's table can hold (vLLM shares full blocks only, hit when a request is
             # scheduled first). One wave, without the split's per-forward search; a table that does hold another's
             # tail block (an engine bug) fails the verify either way: the slot's record is the writer's token.
-            parts = [list(range(batch.batch_size))]
+            parts = [list(range(fwd.batch_size))]
         else:
-            parts = waves(batch, self.layout.block_size)
-        # (each wave's tokens among the forward's: its batch, and its share of the write check's notes)
-        tokens = [None] if len(parts) == 1 else [subset_tokens(batch, idx) for idx in parts]
-        first = batch if len(parts) == 1 else subset(batch, parts[0], tokens[0])
+            parts = waves(fwd, self.layout.block_size)
+        # (each wave's tokens among the forward's: its share of the write check's notes)
+        tokens = [None] if len(parts) == 1 else [torch.from_numpy(fwd.tokens(idx)) for idx in parts]
+        first = self._batch(fwd, None if len(parts) == 1 else parts[0])
         self.canary.before_forward(first)
         written = self.written
         try:
@@ -194,7 +203,7 @@ class Session:
         for k, idx in enumerate(parts):
             part = first
             if k:  # reads of blocks an earlier wave wrote in this forward: checked now that their records are written
-                part = subset(batch, idx, tokens[k])
+                part = self._batch(fwd, idx)
                 self.canary.before_forward(part)
             wc.restore(notes, tokens[k])
             self.canary.after_forward(part)
@@ -203,6 +212,14 @@ class Session:
         if self.consistency is not None:
             self._divergences(self.consistency.step())
         return out
+
+    def _batch(self, fwd, idx: list[int] | None):
+        """The ``ForwardBatch`` of the requests ``idx`` of ``fwd`` (None: all): their host step, packed by the
+        builder, built by the runtime's ``StepTables`` (no key: vLLM's steps send whole histories, seldom twice
+        the same shape)."""
+        b = self.builder
+        b.set_wave(fwd, idx)
+        return self.tables.build(b.host_part(), None)
 
     def end_step(self) -> None:
         self.in_step = False
@@ -283,10 +300,10 @@ class Session:
                 self.written.uninstall()
             self._write_stats(force=True)
 
-    def _count_chunks(self, runner, batch) -> None:
+    def _count_chunks(self, runner, fwd) -> None:
         """Requests of this forward whose prompt is not complete after it (a chunked prefill's earlier chunks)."""
-        n = batch.batch_size
-        done = (batch.prefix_lens + batch.extend_lens).numpy()
+        n = fwd.batch_size
+        done = np.add(fwd.prefix, fwd.extend)
         self.events["chunked_prefill_chunks"] += int((done < runner.input_batch.num_prompt_tokens[:n]).sum())
 
 

@@ -70,11 +70,13 @@ class StepTables:
         elif backend == "numba":  # (compiled on first use: numba imports then)
             self.host_table, self.new_reads_match = compiled_loop(), compiled_new_reads_match()
 
-    def build(self, h: HostStep, key: StepKey) -> ForwardBatch:
-        """This step's batch (from host part ``h``, whose key is ``key``), its device work issued eagerly."""
+    def build(self, h: HostStep, key: StepKey | None) -> ForwardBatch:
+        """This step's batch (from host part ``h``, whose key is ``key``), its device work issued eagerly. ``key``
+        None: a source whose steps seldom share a key (vLLM's, which sends every request's whole token history:
+        the cell count changes each step) has its batch assembled anew, not kept per key (``_cpu_batch``)."""
         src = self.source
         self.check_read_length(h)
-        batch = self._cpu_batch(h, key) if self.device.type == "cpu" else self.assemble(h)
+        batch = self._cpu_batch(h, key) if self.device.type == "cpu" and key is not None else self.assemble(h)
         self.fill_read_table(batch, h)
         src.finish(batch, h, self._arange)
         return batch
