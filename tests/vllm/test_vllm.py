@@ -62,6 +62,37 @@ def test_clean_run_with_preemption_prefix_hits_and_chunks_reports_nothing_and_ke
     assert list(guarded.values()) == list(without.values())
 
 
+def test_each_canary_forward_is_a_host_step_of_vllms_attention_metadata(tight, prompts, monkeypatch):
+    """Each canary forward (a whole forward or a wave of it) is a ``runtime.engine.HostStep`` (issue 57): unpacked,
+    it holds the lengths and slots vLLM's attention metadata hands the kernels, and the batch the canary checks is
+    the runtime's views of it (``StepTables.build``)."""
+    from vllm.forward_context import get_forward_context
+
+    session = session_of(_runner(tight))
+    build, layer, seen = session.tables.build, session.layout.layer_names[0], []
+
+    def checked(h, key):
+        batch = build(h, key)
+        ctx = get_forward_context()
+        md = ctx.attn_metadata[layer]
+        qsl, seq = md.query_start_loc.tolist(), md.seq_lens.tolist()
+        slots = (ctx.slot_mapping[layer] if ctx.slot_mapping else md.slot_mapping).tolist()
+        p = h.unpack()
+        reqs = [row - 1 for row in p.rows.tolist()]
+        assert p.extend.tolist() == [qsl[r + 1] - qsl[r] for r in reqs]
+        assert p.prefix.tolist() == [seq[r] - qsl[r + 1] + qsl[r] for r in reqs]
+        assert batch.out_cache_loc.tolist() == [slots[t] for r in reqs for t in range(qsl[r], qsl[r + 1])]
+        assert batch.req_pool_indices.data_ptr() == h.packed.data_ptr() and batch.prefix_lens.equal(p.prefix)
+        seen.append(len(reqs) < session.runner.input_batch.num_reqs)
+        return batch
+
+    monkeypatch.setattr(session.tables, "build", checked)
+    forwards = session.canary.stats()["forwards"]
+    _fresh(tight, prompts=prompts, max_tokens=24)
+    assert len(seen) == session.canary.stats()["forwards"] - forwards > 0
+    assert any(seen)  # (waves among them: a forward's requests split)
+
+
 def test_a_planted_slot_mapping_bug_is_reported_with_vllm_request_ids(tight, prompts, report_dir):
     with plant("slot-off-by-one"):
         outputs = _fresh(tight, prompts=prompts[:4], max_tokens=6)

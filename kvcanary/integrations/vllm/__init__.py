@@ -9,7 +9,8 @@ The modules, each one part of the canary around one vLLM forward:
 - ``plugin``: the entry point, the version gate and the class hooks (``register`` / ``unregister``);
 - ``settings``: what the environment asks for (mode, report directory, TP exchange interval), checked at start-up;
 - ``layout``: the engine checks and the KV cache's slots and real-KV bytes (the CPU attention backend's layout);
-- ``batch``: one forward's ``ForwardBatch`` from vLLM's attention metadata, slot mapping and input batch;
+- ``batch``: one forward from vLLM's attention metadata, slot mapping and input batch, each canary forward of it
+  a ``runtime.engine.HostStep`` (the runtime's ``StepTables`` builds the ``ForwardBatch``);
 - ``session``: one canary per model runner (per process and TP rank), the per-step hooks, the TP exchange;
 - ``report``: rows naming vLLM's request ids, the report directory, ``collect(llm)`` and ``read_reports(dir)``;
 - ``written_kv``: the write check's hooks at each fingerprinted layer's cache write (the K / V it computed);

@@ -85,7 +85,7 @@ class BatchBuilder:
     pad_cap = 0  # (vLLM pads its own CUDA graphs' batches; the canary pads none)
 
     def __init__(self, *, max_batch: int, max_tokens: int, max_context: int, block_size: int, num_slots: int,
-                 layer_name: str, names, history: bool = True, lora: bool = False, device=None):
+                 layer_name: str, names, history: bool = True, lora: bool = False):
         from kvcanary.runtime.step.staging import Staging
 
         self.block_size, self.num_slots, self.layer_name, self.names = block_size, num_slots, layer_name, names
@@ -96,7 +96,7 @@ class BatchBuilder:
         self._cols = np.arange(max_context, dtype=np.int64)
         # one staging turn: the CPU canary reads each forward's observation when it closes, before the next wave's
         # (or forward's) host step refills the buffer
-        self.stage = Staging(torch.device("cpu") if device is None else device, depth=1)
+        self.stage = Staging(torch.device("cpu"), depth=1)
         self.stage.sized_for(max_batch, max_tokens)
         self.inputs = None  # the wave's StepInputs (set_wave)
         self._wave: tuple | None = None  # (forward, request indices or None: all) of the next host_part
