@@ -3,7 +3,10 @@ step eager, captured or fused (docs/runtime.md, "what an engine sets").
 
 An engine that batches requests into forwards over a paged KV pool is a *source*: an object with the
 attributes and methods of ``EngineSource`` below. The transformers adapter is one
-(``integrations/transformers/batch.BatchBuilder``), the simulated engine another (``sim/step_source``).
+(``integrations/transformers/batch.BatchBuilder``), the simulated engine another (``sim/step_source``). vLLM's
+adapter (``integrations/vllm/batch.BatchBuilder``) describes each canary forward the same way, a ``HostStep`` made
+by ``HostStep.pack`` whose batch ``runtime/step/tables.StepTables`` builds, but drives the ``Canary`` itself: a
+vLLM forward may be several canary forwards (its waves, docs/vllm.md).
 
 A source hands the runner three things per forward:
 

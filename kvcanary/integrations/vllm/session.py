@@ -9,12 +9,12 @@ tensor-parallel process group. Per scheduler step (``execute_model``):
   guard_forward  the forward from the attention metadata (``batch.BatchBuilder``), each of its waves a host step
                (``runtime.engine.HostStep``) whose batch the runtime's ``StepTables`` builds; before_forward, the
                model, after_forward (drain: each violation becomes a row naming vLLM's request ids), the TP exchange
+  end_step     a step that scheduled tokens must have run a guarded forward, else the hooks were bypassed: error
 
 The session drives the ``Canary`` itself rather than through the runtime's ``StepRunner``: a model forward here
 may be several canary forwards (waves, ``batch.waves``), each after the one before has closed, while the runner
 takes one canary step per model forward; and the runner's eager step adds the new tokens' read check, which vLLM's
 canary does not run (docs/vllm.md, "One forward as a host step").
-  end_step     a step that scheduled tokens must have run a guarded forward, else the hooks were bypassed: error
 
 Rows go to the report directory as they are drained and stay in memory for ``report()`` (``collect(llm)``).
 """
