@@ -53,7 +53,7 @@ class Forward(NamedTuple):
     input_ids: np.ndarray  # [T] the model's input ids (LoRA requests' namespaced: ``lora_namespace``)
     positions: np.ndarray  # [T] the model's positions
     slots: np.ndarray  # [T] the slot mapping: where each token's KV is written
-    expected_ids: np.ndarray | None  # [T] the tokens the requests' rows hold at the written positions (None: some unknown)
+    expected_ids: np.ndarray | None  # [T] the tokens the rows hold at the written positions (None: some unknown)
     expected_positions: np.ndarray  # [T] prefix[r] + 0 .. extend[r] - 1: the positions the metadata says are written
     reads: np.ndarray  # [sum seq_lens] the read index: per request, the slots of positions [0, seq_len)
     read_at: np.ndarray  # [n + 1] where each request's reads start in ``reads``
@@ -182,7 +182,8 @@ class BatchBuilder:
             tok = hist = cells = None
         else:
             rows = [i + 1 for i in idx]
-            prefix, extend, rids = [fwd.prefix[i] for i in idx], [fwd.extend[i] for i in idx], [fwd.rids[i] for i in idx]
+            prefix, extend = [fwd.prefix[i] for i in idx], [fwd.extend[i] for i in idx]
+            rids = [fwd.rids[i] for i in idx]
             tok = fwd.tokens(idx)
             hist = _segments(fwd.history_at[:-1], fwd.history_at[1:], idx)
             cells = _segments(fwd.read_at[:-1], fwd.read_at[1:], idx)
