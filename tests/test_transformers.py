@@ -410,7 +410,16 @@ def check_write_kv(vs, tag, source):
     assert first.source == source and first.writer_request is not None and first.reader_request == first.writer_request
     assert f"slot {first.slot} holds other bytes in the {source}" in first.block() and "K without V" in first.block()
     written = [v for v in vs if v.step == first.step]
-    assert {v.reasons for v in vs} == {("write_kv",)} and len({v.slot for v in written}) == len(written)
+    assert {v.reasons for v in written} == {("write_kv",)} and len({v.slot for v in written}) == len(written)
+    # the wrong writes' slots (and a fork's copies of them) are read later: each read fails under its reader's name,
+    # flagged as reading what such a write left (the write check marked the slot's record), and no other row appears
+    later = [v for v in vs if v.reasons != ("write_kv",)]
+    assert later, [str(v) for v in vs]
+    for v in later:  # (a sweep of the prefix cache finds them too: a sweep names no reader)
+        assert v.reasons == ("verify_real_kv_hash",) and v.written_wrong, str(v)
+        assert v.launch_tag.startswith("SWEEP") or (v.reader_request is not None
+                                                    and "a victim of that write" in v.block()), str(v)
+    assert any(not v.launch_tag.startswith("SWEEP") for v in later)
 
 
 def check_mask(vs):

@@ -33,6 +33,13 @@ class Engine:
         self.table[1, prefix:prefix + n] = torch.tensor(slots)
         batch = ForwardBatch(torch.tensor([1]), torch.tensor([prefix]), torch.tensor([n]), torch.tensor(tokens),
                              torch.arange(prefix, prefix + n), torch.tensor(slots), self.table)
+        return self.run(batch, skip_v, mask)
+
+    def run(self, batch, skip_v=(), mask=None):
+        """One forward of ``batch`` (its table rows filled by the caller): every layer's K and V computed, noted and
+        stored at ``out_cache_loc``, V skipped in the layers ``skip_v``; this forward's rows."""
+        n, slots = batch.num_tokens, batch.out_cache_loc.tolist()
+        prefix = int(batch.prefix_lens[0])
         c = self.canary
         seen = len(c.flush())
         c.before_forward(batch)
@@ -84,7 +91,33 @@ def test_every_layer_with_write_check_layers_all():
         (2, 7, 2, 2, "V of layer 2 (full group)", ("write_kv",)), (2, 8, 3, 2, "V of layer 2 (full group)",
                                                                     ("write_kv",))]
     assert vs[0].launch_tag == "TAIL_V_FULL" and "K without V" in vs[0].block()
-    assert e.forward(4, [15], [9]) == []  # (the next forward writes every layer again)
+    # the next forward reads both slots: each read fails under its reader's name (the marked records)
+    assert [(v.slot, v.reasons, v.readers, v.written_wrong) for v in e.forward(4, [15], [9])] == [
+        (7, ("verify_real_kv_hash",), (1,), True), (8, ("verify_real_kv_hash",), (1,), True)]
+
+
+def test_every_later_reader_of_a_wrong_write_is_named_until_the_slot_is_written_again():
+    """A write that skipped V (slots 7, 8) is reported at its forward; the slots' records then certify no bytes:
+    the writer's next forward and another request sharing the block (a prefix-cache hit) each fail
+    verify_real_kv_hash under their own names, flagged as reading what that write left; a new write clears it."""
+    e = Engine()
+    e.forward(0, [11, 12], [5, 6])
+    assert [(v.slot, v.reasons) for v in e.forward(2, [13, 14], [7, 8], skip_v=(1,))] == [
+        (7, ("write_kv",)), (8, ("write_kv",))]
+    e.table[2, :4] = e.table[1, :4]  # request 102 maps request 101's four positions
+    e.table[1, 4], e.table[2, 4] = 9, 10
+    t = torch.tensor
+    both = ForwardBatch(t([1, 2]), t([4, 4]), t([1, 1]), t([15, 16]), t([4, 4]), t([9, 10]), e.table,
+                        request_ids=t([101, 102]))
+    vs = e.run(both)
+    assert sorted({(v.slot, r) for v in vs for r in v.readers}) == [(7, 101), (7, 102), (8, 101), (8, 102)]
+    assert sorted((v.slot, v.reader_request) for v in vs) == [(7, 101), (7, 102), (8, 101), (8, 102)]
+    assert {(v.reasons, v.written_wrong) for v in vs} == {(("verify_real_kv_hash",), True)}
+    assert "a victim of that write" in vs[0].block() and "the write check reported that write" in vs[0].block()
+    # slot 7 written again (a new request at row 1, position 0): its record certifies the new bytes
+    e.table[1].zero_()
+    assert e.forward(0, [20], [7]) == []
+    assert e.forward(1, [21], [11]) == []
 
 
 def test_an_abandoned_forwards_notes_are_not_compared_with_the_next_forwards_writes():

@@ -60,10 +60,19 @@ def run_hf(model, planted: bool, **options):
             undo()
 
 
+def written_wrong_reads(vs) -> list:
+    """The rows after the write_kv rows: reads of the slots the wrong write left (the write check marked their
+    records), each flagged so; any other row fails."""
+    later = [v for v in vs if v.reasons != ("write_kv",)]
+    assert all(v.reasons == ("verify_real_kv_hash",) and v.written_wrong for v in later), [str(v) for v in later]
+    return later
+
+
 def test_hf_a_middle_layers_skipped_v_write_is_missed_by_default_and_reported_with_all(llama4):
     assert run_hf(llama4, True).violations == []
     run = run_hf(llama4, True, write_check_layers="all")
-    vs = run.violations
+    vs = [v for v in run.violations if v.reasons == ("write_kv",)]
+    assert written_wrong_reads(run.violations)  # (later reads of the slots: their readers named)
     assert vs and {(v.reasons, v.step, v.launch_tag, v.layer, v.source) for v in vs} == {
         (("write_kv",), 1, "TAIL_V_FULL", MIDDLE, f"V of layer {MIDDLE} (full group)")}, [str(v) for v in vs]
     assert len({v.slot for v in vs}) == len(vs) and all(v.slot > 0 for v in vs)
@@ -118,7 +127,8 @@ def test_sim_a_middle_layers_skipped_v_write_is_missed_by_default_and_reported_w
     _, result, fired = run_sim("fingerprinted", 12, steps)  # (a decode step of the steady batch: replayed)
     assert fired and result.violations == 0
     eng, result, fired = run_sim("all", 12, steps)
-    vs = eng.canary.violations
+    vs = [v for v in eng.canary.violations if v.reasons == ("write_kv",)]
+    assert written_wrong_reads(eng.canary.violations)
     step, loc = fired[0]
     written = {s for s in loc.tolist() if s > 0}
     assert vs and {(v.reasons, v.layer, v.source) for v in vs} == {(("write_kv",), 4, "V of layer 4 (full group)")}

@@ -104,6 +104,27 @@ def _case(rng: random.Random, dtype, page_size=1):
                 tags=t([2, 3]), layers=t([4, 9]))
 
 
+def _records(args, seed: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Two random TAIL record buffers (K's, V's) over the case's slots, and which one covers each source (K and V
+    alternate, as the runtime lays its sources out)."""
+    g = torch.Generator().manual_seed(seed)
+    bufs = [torch.randint(-2**62, 2**62, (args["num_slots"], 8), generator=g).to(DEVICE) for _ in range(2)]
+    return bufs, [s % 2 for s in range(len(args["sources"]))]
+
+
+def _check_both(impl, args, seed, capacity=64):
+    """(rows, record buffers after) of the reference and of ``impl`` on one case, each with its own copies of the
+    record buffers (one buffer per K / V, shared by the sources it covers, as the runtime hands them)."""
+    bufs, which = _records(args, seed)
+    out = []
+    for name in ("reference", impl):
+        mine = [b.clone() for b in bufs]
+        ring = ViolationRing.allocate(capacity, DEVICE)
+        write_impl(name).check_writes(**args, ring=ring, records=[mine[w] for w in which])
+        out.append((_rows(ring), [b.cpu() for b in mine]))
+    return out, bufs
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("seed", range(8))
@@ -115,6 +136,10 @@ def test_check_writes_agrees_with_the_reference(impl, page_size, seed):
     write_impl("reference").check_writes(**args, ring=want)
     write_impl(impl).check_writes(**args, ring=got)
     assert _rows(got) == _rows(want)
+    # with the record buffers: the same rows, and the same records marked
+    (ref_rows, ref_bufs), (rows, bufs) = _check_both(impl, args, seed)[0]
+    assert rows == ref_rows == _rows(want)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
 
 
 def test_check_writes_names_the_write_that_went_wrong():
@@ -279,3 +304,26 @@ def test_check_writes_over_every_layers_sources_agrees_with_the_reference(impl, 
     write_impl(impl).check_writes(**args, ring=got)
     assert _rows(got) == _rows(want) and int(want.write_index[0]) > 0
     assert {r[4] for r in _rows(want)[1]} - {0, 1}  # (sources past the fingerprinted ones found faults)
+    (ref_rows, ref_bufs), (rows, bufs) = _check_both(impl, args, seed, capacity=256)[0]
+    assert rows == ref_rows == _rows(want)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+def test_a_wrong_write_marks_exactly_its_slots_record_so_no_later_read_matches(impl):
+    # each reported slot's record (the one covering its first wrong source) has bit 0 of its real-KV hash flipped,
+    # nothing else changes; a slot reported in both K and V marks one record (the row's); clean slots stay as they were
+    found = 0
+    for seed in range(6):
+        args = _case(random.Random(seed), torch.float16)
+        (_, _), (rows, bufs) = _check_both(impl, args, seed)[0]
+        before, which = _records(args, seed)
+        want = [b.cpu().clone() for b in before]
+        for row in rows[1]:
+            slot, s = row[1], row[4]
+            want[which[s]][slot, 3] ^= 1
+        assert all(torch.equal(a, b) for a, b in zip(bufs, want))
+        marked = sum(int((a != b.cpu()).sum()) for a, b in zip(bufs, before))
+        assert marked == rows[0] == len({r[1] for r in rows[1]})  # (one cell per reported slot)
+        found += marked
+    assert found >= 3  # (the cases plant wrong writes)

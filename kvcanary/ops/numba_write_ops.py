@@ -11,7 +11,7 @@ import numpy as np
 
 from kvcanary.ops import numba_kernels as k
 from kvcanary.ops.numba_views import _storage_bytes
-from kvcanary.ops.write_ops import WRITE_KV
+from kvcanary.ops.write_ops import REAL_KV, WRITE_KV
 
 jit = numba.njit(cache=True, nogil=True)
 
@@ -49,7 +49,7 @@ def _slot_hash(slot, data, words, base, row_stride, page_size, nbpt, num_rows):
 
 @jit
 def _check(loc, later, offs, nr, poss, ids, writers, has_writers, num_slots, expected, noted, tags, layers, table,
-           datas, rows, widx):
+           datas, rows, widx, recs, mark):
     live = min(loc.shape[0], expected.shape[1], offs[nr])
     for t in range(live):
         slot = loc[t]
@@ -69,6 +69,8 @@ def _check(loc, later, offs, nr, poss, ids, writers, has_writers, num_slots, exp
                             r += 1
                     req = writers[min(r, nr - 1)]
                 k.push(rows, widx, tags[s], slot, poss[t], ids[t], s, req, layers[s], WRITE_KV)
+                if mark:
+                    recs[s][slot, REAL_KV] ^= 1  # (write_ops: the record then certifies no bytes)
                 break
 
 
@@ -78,7 +80,7 @@ def hash_rows(*, words, out) -> None:
 
 
 def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots, sources,
-                 expected, noted, tags, layers, ring, host_reads=None) -> None:
+                 expected, noted, tags, layers, ring, records=None, host_reads=None) -> None:
     if not out_cache_loc.shape[0] or not sources:
         return
     table, datas = _table(sources)
@@ -88,15 +90,19 @@ def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input
         return torch_check_writes(out_cache_loc=out_cache_loc, write_offsets=write_offsets,
                                   num_requests=num_requests, positions=positions, input_ids=input_ids,
                                   writer_ids=writer_ids, num_slots=num_slots, sources=sources, expected=expected,
-                                  noted=noted, tags=tags, layers=layers, ring=ring, host_reads=host_reads)
+                                  noted=noted, tags=tags, layers=layers, ring=ring, records=records,
+                                  host_reads=host_reads)
     i64 = lambda t: t.numpy().astype(np.int64, copy=False)  # noqa: E731
     writers = i64(writer_ids) if writer_ids is not None else np.zeros(1, dtype=np.int64)
     widx = ring.write_index.numpy()
     loc = i64(out_cache_loc)
     live = min(loc.shape[0], expected.shape[1], int(write_offsets[num_requests]))
+    # (a tuple of one array type either way: numba compiles one signature)
+    unmarked = (np.zeros((1, REAL_KV + 1), np.int64),) * len(datas)
+    recs = tuple(r.numpy() for r in records) if records is not None else unmarked
     _check(loc, _written_later(loc[:live]), i64(write_offsets), int(num_requests), i64(positions), i64(input_ids),
            writers, writer_ids is not None, int(num_slots), expected.numpy(), noted.numpy(), tags.numpy(),
-           layers.numpy(), table, datas, ring.rows.numpy(), widx)
+           layers.numpy(), table, datas, ring.rows.numpy(), widx, recs, records is not None)
 
 
 def _written_later(loc: np.ndarray) -> np.ndarray:

@@ -15,9 +15,10 @@ import triton.language as tl
 
 from kvcanary.ops import triton_ops
 from kvcanary.ops.triton_hash import as_i64, push_violations, splitmix64, violation_rows
-from kvcanary.ops.write_ops import WRITE_KV
+from kvcanary.ops.write_ops import REAL_KV, WRITE_KV
 
 WRITE_KV_C = tl.constexpr(WRITE_KV)
+REAL_KV_C = tl.constexpr(REAL_KV)
 HASH_TOKENS = 64  # tokens per program of the row hash: each walks its row's words in order
 CHECK_TOKENS = 64
 # A source's row of the check's table: its byte offset from the first source, row stride, page size, bytes per
@@ -42,7 +43,8 @@ def _hash_rows_kernel(p_words, n, heads, width, s_t, s_h, s_w, p_out, BLOCK_T: t
 @triton.jit
 def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_ids, p_writers, num_slots, p_base,
                          p_table, num_sources, p_expected, exp_stride, p_noted, p_tags, p_layers, p_ring,
-                         p_write_index, ring_capacity, HAS_WRITERS: tl.constexpr, BLOCK_T: tl.constexpr):
+                         p_write_index, ring_capacity, p_rec, p_rec_at, rec_stride, HAS_WRITERS: tl.constexpr,
+                         MARK: tl.constexpr, BLOCK_T: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     n_live = tl.minimum(tl.load(p_offsets + num_requests), num_tokens)
     m_t = o_t < n_live
@@ -86,6 +88,9 @@ def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_id
                                b_req, tl.load(p_layers + b_s, mask=m_fail, other=0),
                                tl.full([BLOCK_T], WRITE_KV_C, tl.int64), tl.arange(0, 8))
         push_violations(m_fail, b_row, p_ring, p_write_index, ring_capacity)
+        if MARK:  # (write_ops: the slot's record then certifies no bytes; one token per slot: no two lanes meet)
+            p_mark = p_rec + tl.load(p_rec_at + b_s, mask=m_fail, other=0) + b_slot * rec_stride + REAL_KV_C
+            tl.store(p_mark, tl.load(p_mark, mask=m_fail, other=0) ^ 1, mask=m_fail)
 
 
 def hash_rows(*, words, out) -> None:
@@ -99,7 +104,7 @@ def hash_rows(*, words, out) -> None:
 
 
 def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots, sources,
-                 expected, noted, tags, layers, ring, host_reads=None) -> None:
+                 expected, noted, tags, layers, ring, records=None, host_reads=None) -> None:
     n = min(out_cache_loc.shape[0], expected.shape[1])
     if not n or not sources:
         return
@@ -108,9 +113,31 @@ def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input
         p_ids=input_ids, p_writers=out_cache_loc if writer_ids is None else writer_ids, num_slots=num_slots,
         p_base=sources[0].tensor, p_table=_table(sources), num_sources=len(sources), p_expected=expected,
         exp_stride=expected.stride(0), p_noted=noted, p_tags=tags, p_layers=layers, p_ring=ring.rows,
-        p_write_index=ring.write_index, ring_capacity=ring.capacity, HAS_WRITERS=writer_ids is not None,
-        BLOCK_T=CHECK_TOKENS,
+        p_write_index=ring.write_index, ring_capacity=ring.capacity,
+        p_rec=expected if records is None else records[0],  # (unread without records)
+        p_rec_at=layers if records is None else _record_offsets(records),
+        rec_stride=0 if records is None else records[0].stride(0), HAS_WRITERS=writer_ids is not None,
+        MARK=records is not None, BLOCK_T=CHECK_TOKENS,
     )
+
+
+# the record buffers' (first element, row stride) -> their offsets (``_record_offsets``)
+_RECORDS: dict = {}
+
+
+def _record_offsets(records) -> torch.Tensor:
+    """int64 [k] on the records' device: each record buffer's first element from the first one's (in elements; one
+    row stride for all: the canary's buffers share one record stride), made once per set of buffers."""
+    key = tuple((r.data_ptr(), r.stride(0)) for r in records)
+    known = _RECORDS.get(key)
+    if known is None:
+        first = records[0].data_ptr()
+        known = torch.tensor([(r.data_ptr() - first) // 8 for r in records], dtype=torch.int64,
+                             device=records[0].device)
+        if len(_RECORDS) >= 64:
+            _RECORDS.clear()
+        _RECORDS[key] = known
+    return known
 
 
 # the sources' ids -> (weak references to them, their table): the runtime passes the same sources every step, and

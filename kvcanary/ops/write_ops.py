@@ -15,6 +15,11 @@ multiset: the Triton kernel appends with one atomic per block, so rows of severa
   slot's ``num_bytes_per_token`` bytes in the source against ``expected[s, token]``; a token whose bytes differ in
   some source pushes one row, for its first such source:
   ``[tags[s], slot, position, token, s, writer request (-1 without ids), layers[s], WRITE_KV]``.
+  With ``records`` (per source, the int64 word view ``[slots, stride / 8]`` of the TAIL record buffer whose
+  REAL_KV_HASH covers it), that row's slot also gets bit 0 of its REAL_KV_HASH in ``records[s]`` flipped: TAIL stored the hash
+  of the bytes the slot holds, so the record then matches no read of those bytes, and every later reader of the
+  slot (the writer's next steps, a request sharing the block, a fork) fails ``verify_real_kv_hash`` under its own
+  name, until a write of the slot stores a new record. (Once per slot and pass: one token per slot is compared.)
 
 Implementations: ``reference_*`` (scalar loops, the oracle), ``torch_*`` (tensor ops, any device), ``numba_*`` (the
 CPU backend's compiled loops, ``numba_write_ops``) and ``kvcanary.ops.triton_write_ops`` (one kernel per pass, the
@@ -29,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvcanary.format import MASK64, FailReason, splitmix64, to_signed
+from kvcanary.format import MASK64, FailReason, RecordField, splitmix64, to_signed
 from kvcanary.ops.reference import _push_violation, _source_hash
 from kvcanary.ops.slot_ops import _live_tokens, _request_ids, _request_of
 from kvcanary.ops.torch_hash import source_hash as torch_source_hash
@@ -37,6 +42,7 @@ from kvcanary.ops.torch_hash import splitmix64 as torch_splitmix64
 from kvcanary.ops.torch_ops import _host_reads, _push
 
 WRITE_KV = int(FailReason.WRITE_KV)
+REAL_KV = int(RecordField.REAL_KV_HASH)  # the record column a wrong write marks (``records``)
 NAMES = ("hash_rows", "check_writes")
 
 
@@ -86,7 +92,7 @@ def reference_hash_rows(*, words, out) -> None:
 
 
 def reference_check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots,
-                           sources, expected, noted, tags, layers, ring, host_reads=None) -> None:
+                           sources, expected, noted, tags, layers, ring, records=None, host_reads=None) -> None:
     live = min(out_cache_loc.shape[0], expected.shape[1], int(write_offsets[num_requests]))
     loc = out_cache_loc[:live].tolist()
     for t in range(live):
@@ -100,6 +106,8 @@ def reference_check_writes(*, out_cache_loc, write_offsets, num_requests, positi
                 _push_violation(ring, [int(tags[s]), slot, int(positions[t]), int(input_ids[t]), s,
                                        _request_of(t, write_offsets, num_requests, writer_ids), int(layers[s]),
                                        WRITE_KV])
+                if records is not None:
+                    records[s][slot, REAL_KV] = int(records[s][slot, REAL_KV]) ^ 1
                 break
 
 
@@ -116,7 +124,7 @@ def torch_hash_rows(*, words, out) -> None:
 
 
 def torch_check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots,
-                       sources, expected, noted, tags, layers, ring, host_reads=None) -> None:
+                       sources, expected, noted, tags, layers, ring, records=None, host_reads=None) -> None:
     host = _host_reads(out_cache_loc.device) if host_reads is None else host_reads
     n = min(_live_tokens(out_cache_loc, write_offsets, num_requests, host), expected.shape[1])
     if not n or not sources:
@@ -139,3 +147,19 @@ def torch_check_writes(*, out_cache_loc, write_offsets, num_requests, positions,
                             _request_ids(i, write_offsets, num_requests, writer_ids), layers[s],
                             torch.where(hit[i], WRITE_KV, 0)], 1)
     _push(ring, rows, hit, host_reads=host)
+    if records is not None:
+        mark_records(records, slot, hit, first)
+
+
+def mark_records(records, slot: torch.Tensor, hit: torch.Tensor, first: torch.Tensor) -> None:
+    """Flip bit 0 of REAL_KV_HASH at ``slot[i]`` in ``records[first[i]]`` for each ``hit[i]`` (distinct slots, all
+    >= 1): each distinct buffer once, the misses aimed at slot 0 with nothing flipped (no host read)."""
+    for buf in {id(b): b for b in records}.values():
+        mine = torch.zeros_like(hit)
+        for s, b in enumerate(records):
+            if b is buf:
+                mine |= first == s
+        mine &= hit
+        at = torch.where(mine, slot, 0)
+        col = buf[:, REAL_KV]
+        col.index_put_((at,), col[at] ^ mine.to(torch.int64))

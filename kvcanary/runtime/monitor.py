@@ -50,6 +50,7 @@ class Monitor:
         self.last_observation = None  # the newest drained one: its counters (counters, counters_meta)
         self.last_health: tuple[dict, list[list[int]]] | None = None
         self.overflowing = {g.name: False for g in canary.groups}
+        self.written_wrong: set[tuple] = set()  # the writes a write_kv row found wrong (_write_key)
         self.health_problems: list[str] = []
         self._taken: dict = {}  # rows of the observation being decoded -> cells named so far (readers.assign)
 
@@ -169,12 +170,18 @@ class Monitor:
         phase, kv, group = tag.name.lower().split("_")
         try:
             if row[7] & CHECK_REASONS:  # the write and attention checks' rows (docs/write_check.md)
+                if row[7] & FailReason.WRITE_KV:  # (the check marked the slot's record: its later reads fail)
+                    self.written_wrong.add(_write_key(group, row[1], row[5], step, row[2]))
                 return Violation.from_row(row, step, **check_attribution(self.canary, row, step))
             if row[7] & SLOT_REASONS:  # the slot checks' rows (runtime/slots.py) have layouts of their own
                 return Violation.from_row(row, step, **self.canary.slots.attribution(row, step, self))
             attribution = self._writer(row, phase, kv, group)
             if row[7] & FailReason.VERIFY_REAL_KV_HASH and group == "full" and self.canary.slots.is_poisoned(row[1]):
                 attribution["poisoned"] = True
+            if row[7] & FailReason.VERIFY_REAL_KV_HASH and self.written_wrong:
+                # a record the write check marked, or a copy of it (a fork's block copy carries the record): the
+                # record's writer, step and position name the write (a write since then stored another record)
+                attribution["written_wrong"] = self._record_key(row[1], phase, kv, group) in self.written_wrong
             if phase != "sweep" and not (row[7] & 24):
                 attribution.update(self._reader(row, step, group, kv, phase))
             elif phase != "sweep":
@@ -186,6 +193,14 @@ class Monitor:
                       step, type(e).__name__, e)
             attribution = {}
         return Violation.from_row(row, step, **attribution)
+
+    def _record_key(self, slot: int, phase: str, kv: str, group: str) -> tuple | None:
+        """The slot's record as the write that stored it (``_write_key``), None where records keep no writer."""
+        buf = self.canary._group(group).bufs["tail" if phase == "sweep" else phase, kv]
+        if buf.shape[1] < ATTRIBUTION_STRIDE or not 0 <= slot < buf.shape[0]:
+            return None
+        rec = buf[slot].view(torch.int64).tolist()
+        return _write_key(group, slot, rec[R.WRITER_ID], rec[R.WRITER_STEP] + 1, rec[R.POSITION])
 
     def _writer(self, row, phase, kv, group) -> dict:
         """Who last wrote the slot's record, and at which forward (counted from 1, as violation steps)."""
@@ -371,3 +386,9 @@ def _expected_prev_hash(buf: torch.Tensor, prev: int) -> int | None:
         return None
     tok, pos, prev_hash = (to_unsigned(x) for x in buf[prev].view(torch.int64)[:3].tolist())
     return link(prev_hash, tok, pos)
+
+
+def _write_key(group: str, slot: int, writer: int, step: int, position: int) -> tuple:
+    """One KV write: its writer request, forward and position (a copied record names the same write), or with no
+    writer ids its slot."""
+    return (group, writer, step, position) if writer >= 0 else (group, -1, step, position, slot)

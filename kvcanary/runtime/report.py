@@ -33,7 +33,10 @@ class Violation:
     ``nonfinite_kv`` row) is the index of the real-KV source whose bytes were not finite, in
     ``PoolSpec`` order; a ``write_kv`` row: the engine's layer number where the adapter names it);
     ``poisoned``: the slot's KV is the poison pattern of a freed slot; ``source`` (a ``write_kv`` row): which
-    cache of which layer holds bytes other than the layer computed, in words ("V of layer 1 (full group)").
+    cache of which layer holds bytes other than the layer computed, in words ("V of layer 1 (full group)");
+    ``written_wrong`` (a ``verify_real_kv_hash`` row): the read slot's record is the one the write check marked
+    when it found that write wrong (a ``write_kv`` row at ``writer_step``): this request reads what that write
+    left.
 
     ``reader_request`` / ``reader_position`` name the request whose verify entry wrote this row (each failing
     entry writes one). ``readers`` / ``reader_positions``: every request of the same forward whose read of the
@@ -61,6 +64,7 @@ class Violation:
     slot_position: int | None = None
     layer: int | None = None
     poisoned: bool = False
+    written_wrong: bool = False
     readers: tuple[int, ...] = ()
     reader_positions: tuple[int, ...] = ()
     source: str | None = None
@@ -144,8 +148,12 @@ class Violation:
                              f"0x{self.expected_aux:016x} (the slot's predecessor in the reader's table "
                              "is not the one it was written after)")
             if self.fail_reason & FailReason.VERIFY_REAL_KV_HASH:
-                lines.append("  real KV: the slot's KV bytes changed since they were written" + (
-                    ": they are the poison pattern of a freed slot (poison_on_free)" if self.poisoned else ""))
+                if self.written_wrong:
+                    lines.append("  real KV: the slot holds other bytes than its layer computed (the write check "
+                                 "reported that write: a write_kv row)")
+                else:
+                    lines.append("  real KV: the slot's KV bytes changed since they were written" + (
+                        ": they are the poison pattern of a freed slot (poison_on_free)" if self.poisoned else ""))
         lines += self._reader_lines()
         if self.writer_request is not None:
             if self.writer_position is not None:
@@ -245,6 +253,9 @@ class Violation:
         if self.expected_token == MISSING_TOKEN:
             return ["  -> the engine fed a token its request history does not hold: a dropped or late history update"]
         if self.fail_reason == FailReason.VERIFY_REAL_KV_HASH:
+            if self.written_wrong:
+                return ["  -> this request reads KV that a wrong cache write left (a write that skipped a cache, wrote "
+                        "the other one or landed short): a victim of that write"]
             if self.writer_position is not None:
                 return [f"  -> a write of position {self.writer_position} landed in a slot still read as position "
                         f"{self.position}: a write index or table entry pointing at a live slot"]

@@ -15,7 +15,9 @@ sources of its own over the other layers' cache rows (the records do not change;
   and a flag that the source was noted this forward (device ops only: capturable in the engine's CUDA graph, no sync);
 - at TAIL, one pass per group over the forward's live written tokens hashes each noted source's bytes of the
   token's slot and compares: a token whose bytes differ pushes one ``write_kv`` row for its first such source,
-  naming the slot, position, token, writer and layer; then the flags are cleared.
+  naming the slot, position, token, writer and layer, and marks the slot's TAIL record (bit 0 of its real-KV hash
+  flipped), so that every later read of the slot fails verify under its reader's name (the writer's next steps, a
+  request sharing the block, a fork) until the slot is written again; then the flags are cleared.
 
 Sources the engine never noted in a forward are not compared (nothing to compare with). Rows go into the
 canary's ring on the stream TAIL appends to, so they are drained, logged, raised and aborted with the rest.
@@ -80,6 +82,13 @@ class WriteCheck:
                 layer_of.append(layer)
                 kind_of.append(kind)
             self.spans.append((lo, len(self.sources)))
+        # per source: the TAIL record buffer a wrong write of it marks (``check_writes`` records): its kind's, else K's
+        # (without V buffers the K record covers V too; a record whose kind has no source stores 0, marked all the same)
+        # (int64 word views of the uint8 buffers, one per buffer)
+        self.records = []
+        for g, (lo, hi) in zip(canary.groups, self.spans):
+            words = {kv: g.bufs["tail", kv].view(torch.int64) for kv in g.kvs}
+            self.records.append([words[kind if kind in words else "k"] for _, kind in self.where[lo:hi]])
         self.index = {id(src): s for s, src in enumerate(self.sources)}
         self.group_of_tag = {g.tag("tail", kv): i for i, g in enumerate(canary.groups) for kv in KINDS}
         n, dev = max(1, len(self.sources)), canary.device
@@ -250,16 +259,17 @@ class WriteCheck:
     def _after_device(self) -> None:
         """The device pass (no host read off the CPU: capturable), on the current stream."""
         c = self.c
-        c.launcher.streams.note("write_check", reads=("plan", "staged", "kv"), writes=("write_check",),
+        c.launcher.streams.note("write_check", reads=("plan", "staged", "kv"), writes=("write_check", "tail_bufs"),
                                 atomic=("ring",))
         x = c.launcher.inputs
-        for (lo, hi), g, loc in zip(self.spans, c.groups, x.loc):
+        for (lo, hi), g, loc, records in zip(self.spans, c.groups, x.loc, self.records):
             if hi > lo:
                 self.ops.check_writes(out_cache_loc=loc, write_offsets=g.plan.write_offsets,
                                       num_requests=c.launcher.key[0], positions=x.positions, input_ids=x.input_ids,
                                       writer_ids=x.writer_ids, num_slots=g.num_slots, sources=self.sources[lo:hi],
                                       expected=self.expected[lo:hi], noted=self.noted[lo:hi], tags=self.tags[lo:hi],
-                                      layers=self.layers[lo:hi], ring=c.ring, host_reads=self._host())
+                                      layers=self.layers[lo:hi], ring=c.ring, records=records,
+                                      host_reads=self._host())
         self.noted.zero_()
 
     def _host(self) -> bool:
