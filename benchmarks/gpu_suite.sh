@@ -8,6 +8,10 @@
 #   bash benchmarks/gpu_suite.sh lag      # the lagging-side-stream async clean run per step path (>= 5.24 wheels)
 #   bash benchmarks/gpu_suite.sh checks   # the write and attention-metadata checks: their GPU tests, then their
 #                                         # share of the 1B user cost (canary_fast_nochecks; about 8 minutes)
+#   bash benchmarks/gpu_suite.sh cost [1b|8b] # the performance goal's matrix for one model size (carries wheels/):
+#                                         # batch 1 at 512, 1,024 and 4,096-token prompts and serving against the
+#                                         # engine's graphs+async configuration, prefill against both it and no
+#                                         # graphs (faster there), ROUNDS alternating rounds (default 6)
 #   bash benchmarks/gpu_suite.sh fastpath # the fast path's open questions in one call (about 5 minutes; carries
 #                                         # wheels/ and wheels_sglang/): SGLang's kernels with and without the
 #                                         # decode-write lane kernel, the 1B prefill call trace, 1B user cost
@@ -108,5 +112,16 @@ case "$part" in
       batch1,batch1_1k,batch1_4k,serving --arms fast,canary_fast,canary_fast_nochecks --rounds 6 --budget-s 220 \
       --json "$OUT/uc1b_checks.json" 2>&1 | tail -24
     ;;
-  *) echo "unknown part $part (tests | quick | ops | engine | lag | fastpath | checks)"; exit 2 ;;
+  cost)
+    size=${2:-1b}; t=${T525:-/tmp/t525}
+    [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
+    # (without graphs the engine decodes at a tenth of its speed at batch 1: only prefill needs the no-graph arms)
+    PYTHONPATH=$t:$PYTHONPATH timeout ${COST_TIMEOUT:-330} $py benchmarks/user_cost.py --model-size "$size" \
+      --workloads batch1,batch1_1k,batch1_4k,serving --arms fast,canary_fast --rounds ${ROUNDS:-6} \
+      --budget-s ${BUDGET_S:-280} --json "$OUT/uc_${size}_decode.json" 2>&1 | tail -16
+    PYTHONPATH=$t:$PYTHONPATH timeout ${PREFILL_TIMEOUT:-200} $py benchmarks/user_cost.py --model-size "$size" \
+      --workloads prefill --arms fast,sync,canary_fast,canary --rounds ${ROUNDS:-6} --budget-s ${PREFILL_BUDGET_S:-150} \
+      --json "$OUT/uc_${size}_prefill.json" 2>&1 | tail -8
+    ;;
+  *) echo "unknown part $part (tests | quick | ops | engine | lag | fastpath | checks | cost)"; exit 2 ;;
 esac
