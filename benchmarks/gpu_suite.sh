@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_suite.sh cost [1b|8b] # the performance goal's matrix for one model size (carries wheels/):
 #                                         # batch 1 at 512, 1,024 and 4,096-token prompts and serving against the
 #                                         # engine's graphs+async configuration, prefill against both it and no
-#                                         # graphs (faster there), ROUNDS alternating rounds (default 6)
+#                                         # graphs (faster there), ROUNDS alternating rounds (default 6); ARMS:
+#                                         # the decode workloads' arms (add canary_fast_nochecks: both checks off)
 #   bash benchmarks/gpu_suite.sh fastpath # the fast path's open questions in one call (about 5 minutes; carries
 #                                         # wheels/ and wheels_sglang/): SGLang's kernels with and without the
 #                                         # decode-write lane kernel, the 1B prefill call trace, 1B user cost
@@ -117,7 +118,7 @@ case "$part" in
     [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
     # (without graphs the engine decodes at a tenth of its speed at batch 1: only prefill needs the no-graph arms)
     PYTHONPATH=$t:$PYTHONPATH timeout ${COST_TIMEOUT:-330} $py benchmarks/user_cost.py --model-size "$size" \
-      --workloads batch1,batch1_1k,batch1_4k,serving --arms fast,canary_fast --rounds ${ROUNDS:-6} \
+      --workloads batch1,batch1_1k,batch1_4k,serving --arms ${ARMS:-fast,canary_fast} --rounds ${ROUNDS:-6} \
       --budget-s ${BUDGET_S:-280} --json "$OUT/uc_${size}_decode.json" 2>&1 | tail -16
     PYTHONPATH=$t:$PYTHONPATH timeout ${PREFILL_TIMEOUT:-200} $py benchmarks/user_cost.py --model-size "$size" \
       --workloads prefill --arms fast,sync,canary_fast,canary --rounds ${ROUNDS:-6} --budget-s ${PREFILL_BUDGET_S:-150} \
