@@ -21,16 +21,46 @@ Allocations inside a capture belong to the graph's pool: not watched for frees.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from kvcanary.runtime.graphs import tensors_in as _flat
 from kvcanary.runtime.streams import RecordingStreams
 
 LARGE = 16 << 20  # bytes: a Triton launch's tensor larger than this is taken as read only (the KV pool)
+
+
+def _flat(x) -> list:
+    """Every tensor in ``x`` (nested tuples, lists and dict values), in order: ``graphs.tensors_in``'s walk into one
+    list (it runs at every aten op of a watched run)."""
+    out: list = []
+    _collect(x, out)
+    return out
+
+
+def _collect(x, out: list) -> None:
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            _collect(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect(v, out)
+
+
+_WRITTEN: dict = {}  # aten op -> (position, name) of each argument its schema marks written
+
+
+def _written_args(func) -> tuple:
+    found = _WRITTEN.get(func)
+    if found is None:
+        found = _WRITTEN[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                       if a.alias_info is not None and a.alias_info.is_write)
+    return found
 
 
 class StorageRaces:
@@ -107,6 +137,9 @@ class AllocatorWatch:
         self.live: dict = {}
         self.used: dict = {}  # the live entries used on another stream (checked for frees after each op)
         self.made = 0
+        # a used entry's storage was freed since the last check: set by a finalizer on the storage's Python object
+        # (which lives exactly as long as the storage), so the check after an op scans ``used`` only then
+        self.freed = False
 
     def op(self, name, inputs, outputs) -> None:
         here = self.rec.current().name
@@ -120,6 +153,8 @@ class AllocatorWatch:
             if e[3].get(here) != self.rec.clocks[here].get(here, 0):  # (no access on its stream since: alike)
                 self.rec.note(f"use:{name} of {e[2]}", reads=(("memory", e[5]),))
                 e[3][here] = self.rec.clocks[here][here]
+                if cdata not in self.used:
+                    weakref.finalize(t.untyped_storage(), self._on_free)
                 self.used[cdata] = e
         if not self.capturing():
             for t in outputs:
@@ -138,7 +173,13 @@ class AllocatorWatch:
         if e is not None:
             e[4].add(stream)
 
+    def _on_free(self) -> None:
+        self.freed = True
+
     def _frees(self) -> None:
+        if not self.freed:
+            return
+        self.freed = False
         for cdata, e in list(self.used.items()):
             if not e[0].expired():
                 continue
@@ -203,16 +244,15 @@ class MemoryWatch:
 
     def aten(self, func, args, kwargs, out) -> None:
         name = func.__name__
-        ins = _flat((args, kwargs))
-        self.allocator.op(name, ins, _flat(out))
+        ins, outs = _flat((args, kwargs)), _flat(out)
+        self.allocator.op(name, ins, outs)
         if self.pause or func.is_view or name.startswith(("set_", "_local_scalar_dense")):
             return
         written = set()
-        for arg, value in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in
-                                                                  func._schema.arguments[len(args):]]):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                written.update(t.untyped_storage()._cdata for t in _flat(value))
-        outs = [t.untyped_storage() for t in _flat(out)]
+        for i, arg in _written_args(func):  # (positional, else by keyword)
+            value = args[i] if i < len(args) else kwargs.get(arg)
+            written.update(t.untyped_storage()._cdata for t in _flat(value))
+        outs = [t.untyped_storage() for t in outs]
         written.update(st._cdata for st in outs)
         storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in ins}
         storages.update((st._cdata, st) for st in outs)
