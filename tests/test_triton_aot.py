@@ -81,8 +81,9 @@ def _recorded_launches(monkeypatch) -> dict:
     monkeypatch.setattr(hf_session.Session, "_step_runner", lambda self, graph_type=None: orig_runner(
         self, DispatchGraph))
     model = build_tiny_model("cpu")
-    run_workload(model, backend="triton", max_new_tokens=4)  # (clean: the common kernels)
-    run_workload(model, backend="triton", max_new_tokens=4, bug="flip-kv")  # (a violation row pushed)
+    # the common kernels and a violation row pushed: a planted bug's run launches every kernel of a clean run with
+    # the same constexprs (measured: a clean run beside it added no kernel and no constexpr value), and more
+    run_workload(model, backend="triton", max_new_tokens=4, bug="flip-kv")
     # the seed op and the fingerprint op, which the workload does not launch
     from kvcanary import ops
     from ops_harness import kv_source
