@@ -137,9 +137,10 @@ class AllocatorWatch:
         self.live: dict = {}
         self.used: dict = {}  # the live entries used on another stream (checked for frees after each op)
         self.made = 0
-        # a used entry's storage was freed since the last check: set by a finalizer on the storage's Python object
-        # (which lives exactly as long as the storage), so the check after an op scans ``used`` only then
-        self.freed = False
+        # the used entries whose storage's Python object was finalized since the last check (a finalizer on it: the
+        # object lives as long as the storage, torch keeps it while the storage lives), so the check after an op
+        # looks at those only
+        self.freed: list = []
 
     def op(self, name, inputs, outputs) -> None:
         here = self.rec.current().name
@@ -154,7 +155,7 @@ class AllocatorWatch:
                 self.rec.note(f"use:{name} of {e[2]}", reads=(("memory", e[5]),))
                 e[3][here] = self.rec.clocks[here][here]
                 if cdata not in self.used:
-                    weakref.finalize(t.untyped_storage(), self._on_free)
+                    weakref.finalize(t.untyped_storage(), self._on_free, cdata)
                 self.used[cdata] = e
         if not self.capturing():
             for t in outputs:
@@ -173,15 +174,19 @@ class AllocatorWatch:
         if e is not None:
             e[4].add(stream)
 
-    def _on_free(self) -> None:
-        self.freed = True
+    def _on_free(self, cdata: int) -> None:
+        self.freed.append(cdata)
 
     def _frees(self) -> None:
         if not self.freed:
             return
-        self.freed = False
-        for cdata, e in list(self.used.items()):
-            if not e[0].expired():
+        freed, self.freed = self.freed, []
+        for cdata in freed:
+            e = self.used.get(cdata)
+            if e is None:
+                continue
+            if not e[0].expired():  # (finalized before its storage's release ended: another thread's free)
+                self.freed.append(cdata)
                 continue
             del self.used[cdata]
             if self.live.get(cdata) is e:
