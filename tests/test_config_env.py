@@ -39,6 +39,8 @@ def test_choices_ignore_case(raw, mode):
 
 def test_write_check_layers_from_the_environment():
     assert CanaryConfig.from_env({"KV_CANARY_WRITE_CHECK_LAYERS": "All"}).write_check_layers == "all"
+    # both checks a cost measurement switches off from the environment (benchmarks/user_cost.py's no-graph arm)
+    assert CanaryConfig.from_env({"KV_CANARY_ATTENTION_CHECK": "0"}).attention_check is False
     assert CanaryConfig.from_env({}).write_check_layers == "fingerprinted"
 
 
@@ -56,10 +58,10 @@ def test_unknown_variables_warn_and_known_others_do_not():
         CanaryConfig.from_env({"KV_CANARY_TRITON_FAST_LAUNCH": "0", "OTHER": "1"})
 
 
-def test_twenty_variables_and_fields_set_only_in_code_warn():
+def test_twenty_one_variables_and_fields_set_only_in_code_warn():
     from kvcanary.runtime.config import VARIABLES, env_table
 
-    assert len(VARIABLES) == 20 and [row[0] for row in env_table()] == list(VARIABLES)
+    assert len(VARIABLES) == 21 and [row[0] for row in env_table()] == list(VARIABLES)
     # a field without a variable (set in code) is not read from the environment: the variable warns
     with pytest.warns(UserWarning, match=r"unknown environment variables \['KV_CANARY_RECORD_STRIDE'\]"):
         cfg = CanaryConfig.from_env({"KV_CANARY_RECORD_STRIDE": "64"})

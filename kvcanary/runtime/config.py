@@ -1,6 +1,6 @@
 """Canary configuration: a frozen dataclass, overridable from ``KV_CANARY_*`` environment variables.
 
-Twenty variables in all (``VARIABLES``): the fourteen fields of ``ENV_FIELDS``, each its upper-case name
+Twenty-one variables in all (``VARIABLES``): the fifteen fields of ``ENV_FIELDS``, each its upper-case name
 behind ``KV_CANARY_``; ``KV_CANARY_INJECT``, the fault-injection fields as one ``key=value,...`` spec;
 ``KV_CANARY_TRITON_FAST_LAUNCH``, read by the Triton launcher; and the vLLM integration's four
 (``KV_CANARY_VLLM``, ``KV_CANARY_VLLM_REPORT_DIR``, ``KV_CANARY_VLLM_TP_INTERVAL``,
@@ -28,7 +28,7 @@ INJECT_PROBS = ("inject_table_prob", "inject_kv_prob", "inject_cached_prob", "in
 # debug the canary, capacities, the launch-path toggles) are set in code: fewer variables to misspell.
 ENV_FIELDS = ("mode", "backend", "check_v", "real_kv", "value_check", "sweep_interval", "ring_capacity",
               "plan_capacity", "health_interval", "stats_interval", "report_blocks", "check_before_forward",
-              "write_check", "write_check_layers")
+              "write_check", "write_check_layers", "attention_check")
 INJECT_VARIABLE = ENV_PREFIX + "INJECT"
 # KV_CANARY_INJECT's keys: the inject_* field each sets (probabilities, seed, warm-up steps, address space)
 INJECT_KEYS = {"table": "inject_table_prob", "kv": "inject_kv_prob", "cached": "inject_cached_prob",
