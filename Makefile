@@ -46,10 +46,15 @@ demo: $(STAMP)
 # TEST_WORKERS=0 runs it in this process. The vLLM tests (one process, about one core busy) run beside the main run,
 # their output held until it ends, then shown: on two cores the pair takes less time than one after the other.
 # TEST_VLLM_BESIDE=0 runs them after it.
+# TEST_THREADS: OpenMP threads a test process (torch's, vLLM's): one, as the two workers and the vLLM run already
+# keep both cores busy, and a process's extra threads only contend with the others (measured on the 2-core dev
+# machine: make test 531 -> 431 s, the main run 769 -> 639 CPU-s, the vLLM run 196 -> 120 CPU-s, the same results).
 TEST_WORKERS ?= 2
 TEST_VLLM_BESIDE ?= 1
+TEST_THREADS ?= 1
 test: $(STAMP) $(VLLM_STAMP)
-	@if [ "$(TEST_VLLM_BESIDE)" = 1 ]; then \
+	@export OMP_NUM_THREADS=$(TEST_THREADS); \
+	if [ "$(TEST_VLLM_BESIDE)" = 1 ]; then \
 	  log=$$(mktemp); $(MAKE) --no-print-directory test-vllm > $$log 2>&1 & pid=$$!; \
 	  TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS); main=$$?; \
 	  wait $$pid; vllm=$$?; echo "--- vLLM's tests (tests/vllm, .venv-vllm):"; cat $$log; rm -f $$log; \
