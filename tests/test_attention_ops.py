@@ -1,5 +1,6 @@
-"""The attention-metadata pass (kvcanary/ops/attention_ops.py, triton_attention.py): the scalar reference, the tensor
-ops and the Triton kernels leave the same ring (write index and rows) on small case tables and seeded random cases.
+"""The attention-metadata pass (kvcanary/ops/attention_ops.py, triton_attention.py, numba_attention.py): the scalar
+reference, the tensor ops, the Triton kernels and the numba loop leave the same ring (write index and rows) on small
+case tables and seeded random cases.
 Masks are built here from the layout's rule written out (a request's causal block, a sliding window), with no
 engine; tests/test_write_ops.py has cases on masks transformers builds."""
 
@@ -13,10 +14,16 @@ import torch
 from conftest import DEVICE, HAS_TRITON
 from kvcanary.format import FailReason
 from kvcanary.ops import ViolationRing
-from kvcanary.ops.attention_ops import attention_impl, reference_check_attention, torch_check_attention
+from kvcanary.ops.attention_ops import attention_impl, recordable_impl, reference_check_attention, torch_check_attention
 
 MASK, LENGTH = int(FailReason.ATTENTION_MASK), int(FailReason.KEY_LENGTH)
-IMPLS = ["torch"] + (["triton"] if HAS_TRITON else [])
+try:
+    import numba  # noqa: F401
+    HAS_NUMBA = True
+except ImportError:  # (the [cpu] extra is not installed: its cases do not run)
+    HAS_NUMBA = False
+IMPLS = ["torch"] + (["triton"] if HAS_TRITON else []) + (["numba"] if HAS_NUMBA else [])
+HOST_IMPLS = ("reference", "numba")  # (their passes run on the host's tensors)
 MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -63,7 +70,7 @@ def _set(mask: torch.Tensor, t: int, c: int, allow: bool, hidden=None) -> None:
 
 def _ring(impl: str, args: dict, capacity: int = 16) -> tuple:
     """(write index, sorted stored rows) of a fresh ring after the pass of ``impl``."""
-    dev = torch.device("cpu") if impl == "reference" else DEVICE
+    dev = torch.device("cpu") if impl in HOST_IMPLS else DEVICE
     moved = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     ring = ViolationRing.allocate(capacity, dev)
     attention_impl(impl)(**moved, ring=ring)
@@ -83,11 +90,17 @@ TWO = dict(rows=[1, 2], prefix=[3, 2], extend=[2, 1])  # keys [0, 5) and [5, 8);
 
 def test_attention_impl_picks_each_backends_pass():
     assert attention_impl("reference") is reference_check_attention
-    assert attention_impl("torch") is attention_impl("numba") is torch_check_attention
+    assert attention_impl("torch") is torch_check_attention
+    # a recorded step takes a pass without host work: the tensor ops, or Triton's launches
+    assert recordable_impl("reference") is recordable_impl("numba") is recordable_impl("torch") is torch_check_attention
+    if HAS_NUMBA:
+        from kvcanary.ops.numba_attention import check_attention
+
+        assert attention_impl("numba") is check_attention
     if HAS_TRITON:
         from kvcanary.ops.triton_attention import check_attention
 
-        assert attention_impl("triton") is check_attention
+        assert attention_impl("triton") is recordable_impl("triton") is check_attention
 
 
 @pytest.mark.parametrize("dtype", MASK_DTYPES, ids=str)
@@ -234,3 +247,21 @@ def test_the_pass_replays_from_a_cuda_graph_with_each_replays_metadata(impl):
         assert want[0] == rows
         n = min(int(ring.write_index[0]), 8)
         assert (int(ring.write_index[0]), sorted(map(tuple, ring.rows[:n].tolist()))) == want
+
+
+def test_masks_read_as_they_are_agree_with_the_reference():
+    # the numba loop reads bool, float32 and float64 masks in place (strided views included) and converts others:
+    # -inf as the hidden value, a float64 mask, a bool mask that is a strided view, each with one planted cell
+    args, _, _ = _case(**TWO, dtype=torch.float32, extra_cols=2)
+    args["mask"][args["mask"] == torch.finfo(torch.float32).min] = float("-inf")
+    _set(args["mask"], 0, 6, True)
+    assert _agree(args) == (1, [(2, 1006, 3, 1, 0, 100, 6, MASK)])
+    args, _, _ = _case(**TWO, dtype=torch.float64)
+    _set(args["mask"], 2, 1, True)
+    assert _agree(args) == (1, [(2, 1001, 2, 1, 0, 101, 1, MASK)])
+    args, _, _ = _case(**TWO, dtype=torch.bool, extra_cols=3)
+    wide = torch.zeros(args["mask"].shape[0], 2 * args["mask"].shape[1], dtype=torch.bool)
+    wide[:, ::2] = args["mask"]
+    args["mask"] = wide[:, ::2]
+    _set(args["mask"], 1, 0, False)
+    assert _agree(args) == (1, [(2, 1000, 4, 0, 1, 100, 0, MASK)])

@@ -19,11 +19,13 @@ attend column ``K_r + j`` exactly when ``j <= i + kept_r`` (causal) and, with a 
   the engine hands attention (a recorded step's slice, whose width is a bucket: the columns past the keys may hold
   stale values attention never reads).
 
-Three implementations agree on the ring's rows: ``reference_check_attention`` (scalar loops, the oracle),
-``torch_check_attention`` (tensor ops, any device, no host read off the CPU: capturable) and
+Four implementations agree on the ring's rows: ``reference_check_attention`` (scalar loops, the oracle),
+``torch_check_attention`` (tensor ops, any device, no host read off the CPU: capturable),
 ``kvcanary.ops.triton_attention.check_attention`` (three capturable launches, the CUDA path: as tensor ops the pass
-is some 60-80 small launches, each a node of a recorded step's work that the engine's next forward waits for).
-``attention_impl`` picks one for a backend name.
+is some 60-80 small launches, each a node of a recorded step's work that the engine's next forward waits for) and
+``kvcanary.ops.numba_attention.check_attention`` (one compiled loop, the CPU's default: as tensor ops the pass is
+some 35 host calls a forward). ``attention_impl`` picks one for a backend name, ``recordable_impl`` the one a
+recorded step takes.
 """
 
 from __future__ import annotations
@@ -40,11 +42,18 @@ MASK_BAD, LENGTH_BAD = int(FailReason.ATTENTION_MASK), int(FailReason.KEY_LENGTH
 
 
 def attention_impl(backend: str):
-    """The pass of a resolved backend name: the Triton kernels' for "triton", the scalar reference's for
-    "reference", tensor ops otherwise (numba has no kernel of its own for it)."""
-    if backend == "triton":
-        return importlib.import_module("kvcanary.ops.triton_attention").check_attention
+    """The pass of a resolved backend name: the Triton kernels' for "triton", the compiled CPU loop's for "numba",
+    the scalar reference's for "reference", tensor ops otherwise."""
+    if backend in ("triton", "numba"):
+        return importlib.import_module(f"kvcanary.ops.{backend}_attention").check_attention
     return reference_check_attention if backend == "reference" else torch_check_attention
+
+
+def recordable_impl(backend: str):
+    """The pass a recorded step's work takes (``runtime/step``: replayed from a graph, or on the CPU from a stand-in
+    that replays tensor ops only): the Triton kernels' for "triton", else the tensor ops (the reference's and the
+    numba loop's host work cannot be recorded; the tensor ops give the same rows)."""
+    return attention_impl("triton") if backend == "triton" else torch_check_attention
 
 
 def allowed_of(mask: torch.Tensor) -> torch.Tensor:

@@ -9,16 +9,17 @@ attend another request's keys (or hides its own) while every verified slot is ri
 ``AttentionCheck.check`` (``Canary.check_attention``) compares, for the open forward, the engine's cumulative
 key lengths and mask of one group with the layout the batch's prefix and new-token counts imply
 (``ops/attention_ops.py``): ``key_length`` and ``attention_mask`` rows, one per request at most, pushed into
-the ring on the canary's side stream (the Triton backend: three kernel launches, ``ops/triton_attention.py``; else
-tensor ops; no host read off the CPU either way). Those launches read the engine's buffers by address, so a runner
-that records a step's work (``runtime/step``: the captured and fused steps) records this check with it
-(``recorded``), and each replay checks that step's metadata (``note_recorded`` counts it).
+the ring on the canary's side stream (the Triton backend: three kernel launches, ``ops/triton_attention.py``;
+numba: one compiled loop on the host, ``ops/numba_attention.py``; else tensor ops, with no host read off the CPU).
+Those launches read the engine's buffers by address, so a runner that records a step's work (``runtime/step``: the
+captured and fused steps) records this check with it (``recorded``, the backend's recordable pass), and each replay
+checks that step's metadata (``note_recorded`` counts it).
 """
 
 from __future__ import annotations
 
 from kvcanary.ops.api import resolve_backend
-from kvcanary.ops.attention_ops import attention_impl, reference_check_attention, torch_check_attention
+from kvcanary.ops.attention_ops import attention_impl, recordable_impl
 from kvcanary.runtime.batch import ForwardBatch
 
 
@@ -30,10 +31,11 @@ class AttentionCheck:
         self.c = canary
         self.on = bool(canary.config.attention_check) and canary.enabled
         # the backend's pass: Triton's kernels (the CUDA default), the scalar reference, else tensor ops
-        self.impl = attention_impl(resolve_backend(canary.config.backend, canary.device))
-        # a step's recorded work takes the same pass, except the reference's host loops (no recording holds them):
-        # its tensor-op twin gives the same rows
-        self.recorded_impl = torch_check_attention if self.impl is reference_check_attention else self.impl
+        backend = resolve_backend(canary.config.backend, canary.device)
+        self.impl = attention_impl(backend)
+        # a step's recorded work takes the same pass, except host loops (the reference's, numba's: no recording
+        # holds them), where their tensor-op twin gives the same rows
+        self.recorded_impl = recordable_impl(backend)
         self.checks = 0  # stats: calls that compared something
 
     def check(self, group: str = "full", *, cu_seqlens_k=None, mask=None, key_slots=None,
@@ -54,7 +56,9 @@ class AttentionCheck:
         if batch is None:
             raise RuntimeError(f"kv-canary: check_attention must run while a forward is open (between "
                                f"before_forward and after_forward), got none open at step {c.step}")
-        if self._compare(self.impl, group, batch, cu_seqlens_k, mask, key_slots, False):
+        # (a session whose steps replay from the CPU's stand-in graphs keeps host work out: the tensor ops)
+        impl = self.impl if c.launcher.host_ops else self.recorded_impl
+        if self._compare(impl, group, batch, cu_seqlens_k, mask, key_slots, False):
             self.checks += 1
 
     def recorded(self, batch: ForwardBatch, *, cu_seqlens_k=None, mask=None, key_slots=None,
