@@ -120,6 +120,24 @@ def test_every_later_reader_of_a_wrong_write_is_named_until_the_slot_is_written_
     assert e.forward(1, [21], [11]) == []
 
 
+def test_the_wrong_writes_remembered_are_the_newest_few(monkeypatch):
+    """An engine that stores wrong bytes at every step would grow the remembered writes for as long as it serves:
+    past the bound the oldest is forgotten. Its later reader is still reported (the record stays marked), without
+    the flag; the newest write's reader keeps it."""
+    from kvcanary.runtime import monitor
+
+    monkeypatch.setattr(monitor, "KEEP_WRONG_WRITES", 1)
+    e = Engine()
+    e.forward(0, [11, 12], [5, 6])
+    assert [v.slot for v in e.forward(2, [13], [7], skip_v=(1,))] == [7]
+    # (the next forward reads slot 7, still remembered, and writes slot 8 wrong: slot 7's write is forgotten)
+    assert [(v.slot, v.reasons, v.written_wrong) for v in e.forward(3, [14], [8], skip_v=(1,))] == [
+        (7, ("verify_real_kv_hash",), True), (8, ("write_kv",), False)]
+    assert len(e.canary.monitor.written_wrong) == 1
+    assert [(v.slot, v.reasons, v.written_wrong) for v in e.forward(4, [15], [9])] == [
+        (7, ("verify_real_kv_hash",), False), (8, ("verify_real_kv_hash",), True)]
+
+
 def test_an_abandoned_forwards_notes_are_not_compared_with_the_next_forwards_writes():
     """The model raised after both layers noted their K/V: the forward is abandoned. Its retry takes a path whose
     hook sees layer 0's cache write only (layer 1's lands unseen, with other values): layer 1 is not compared

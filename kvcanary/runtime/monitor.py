@@ -29,6 +29,10 @@ log = logging.getLogger("kvcanary")
 # Batches remembered for reader attribution of late observations: a step's observation is drained at
 # the latest when its snapshot slot comes round again, NUM_SLOTS snapshots later.
 KEEP_BATCHES = NUM_SLOTS + 1
+# writes the write check found wrong, remembered to tell their later readers' rows apart (``written_wrong``): the
+# newest this many (an engine that stores wrong bytes at every step would otherwise grow the set for as long as it
+# serves; a reader of an older one is still reported, without the flag)
+KEEP_WRONG_WRITES = 1 << 16
 
 
 class Monitor:
@@ -50,7 +54,7 @@ class Monitor:
         self.last_observation = None  # the newest drained one: its counters (counters, counters_meta)
         self.last_health: tuple[dict, list[list[int]]] | None = None
         self.overflowing = {g.name: False for g in canary.groups}
-        self.written_wrong: set[tuple] = set()  # the writes a write_kv row found wrong (_write_key)
+        self.written_wrong: dict[tuple, None] = {}  # the writes a write_kv row found wrong (_write_key), in order
         self.health_problems: list[str] = []
         self._taken: dict = {}  # rows of the observation being decoded -> cells named so far (readers.assign)
 
@@ -171,7 +175,7 @@ class Monitor:
         try:
             if row[7] & CHECK_REASONS:  # the write and attention checks' rows (docs/write_check.md)
                 if row[7] & FailReason.WRITE_KV:  # (the check marked the slot's record: its later reads fail)
-                    self.written_wrong.add(_write_key(group, row[1], row[5], step, row[2]))
+                    self._wrong_write(_write_key(group, row[1], row[5], step, row[2]))
                 return Violation.from_row(row, step, **check_attribution(self.canary, row, step))
             if row[7] & SLOT_REASONS:  # the slot checks' rows (runtime/slots.py) have layouts of their own
                 return Violation.from_row(row, step, **self.canary.slots.attribution(row, step, self))
@@ -193,6 +197,12 @@ class Monitor:
                       step, type(e).__name__, e)
             attribution = {}
         return Violation.from_row(row, step, **attribution)
+
+    def _wrong_write(self, key: tuple) -> None:
+        wrong = self.written_wrong
+        wrong[key] = None
+        if len(wrong) > KEEP_WRONG_WRITES:  # (the oldest goes first: dicts keep insertion order)
+            del wrong[next(iter(wrong))]
 
     def _record_key(self, slot: int, phase: str, kv: str, group: str) -> tuple | None:
         """The slot's record as the write that stored it (``_write_key``), None where records keep no writer."""
