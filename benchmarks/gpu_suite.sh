@@ -13,6 +13,9 @@
 #                                         # engine's graphs+async configuration, prefill against both it and no
 #                                         # graphs (faster there), ROUNDS alternating rounds (default 6); ARMS:
 #                                         # the decode workloads' arms (add canary_fast_nochecks: both checks off)
+#   bash benchmarks/gpu_suite.sh account    # where the time of the goal's short-margin workloads goes (carries
+#                                         # wheels/): call_trace.py's GPU busy time, CUDA calls and kernels per call,
+#                                         # 1B batch 1 at 4,096 (graphs) and 8B prefill (no graphs), about 5 minutes
 #   bash benchmarks/gpu_suite.sh fastpath # the fast path's open questions in one call (about 5 minutes; carries
 #                                         # wheels/ and wheels_sglang/): SGLang's kernels with and without the
 #                                         # decode-write lane kernel, the 1B prefill call trace, 1B user cost
@@ -124,5 +127,13 @@ case "$part" in
       --workloads prefill --arms fast,sync,canary_fast,canary --rounds ${ROUNDS:-6} --budget-s ${PREFILL_BUDGET_S:-150} \
       --json "$OUT/uc_${size}_prefill.json" 2>&1 | tail -8
     ;;
-  *) echo "unknown part $part (tests | quick | ops | engine | lag | fastpath | checks | cost)"; exit 2 ;;
+  account)
+    t=${T525:-/tmp/t525}
+    [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
+    PYTHONPATH=$t:$PYTHONPATH timeout 170 $py benchmarks/call_trace.py --model-size 1b --workload batch1_4k --top 14 \
+      > "$OUT/trace_1b_batch1_4k.txt" 2>&1; head -60 "$OUT/trace_1b_batch1_4k.txt"
+    PYTHONPATH=$t:$PYTHONPATH timeout 170 $py benchmarks/call_trace.py --model-size 8b --workload prefill \
+      --arms sync,canary --top 14 > "$OUT/trace_8b_prefill_nograph.txt" 2>&1; head -60 "$OUT/trace_8b_prefill_nograph.txt"
+    ;;
+  *) echo "unknown part $part (tests | quick | ops | engine | lag | fastpath | checks | cost | account)"; exit 2 ;;
 esac
