@@ -28,28 +28,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from kvcanary.runtime.graphs import tensors_in as _flat
 from kvcanary.runtime.streams import RecordingStreams
 
 LARGE = 16 << 20  # bytes: a Triton launch's tensor larger than this is taken as read only (the KV pool)
-
-
-def _flat(x) -> list:
-    """Every tensor in ``x`` (nested tuples, lists and dict values), in order: ``graphs.tensors_in``'s walk into one
-    list (it runs at every aten op of a watched run)."""
-    out: list = []
-    _collect(x, out)
-    return out
-
-
-def _collect(x, out: list) -> None:
-    if isinstance(x, torch.Tensor):
-        out.append(x)
-    elif isinstance(x, (tuple, list)):
-        for v in x:
-            _collect(v, out)
-    elif isinstance(x, dict):
-        for v in x.values():
-            _collect(v, out)
 
 
 _WRITTEN: dict = {}  # aten op -> (position, name) of each argument its schema marks written

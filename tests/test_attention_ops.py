@@ -250,7 +250,7 @@ def test_the_pass_replays_from_a_cuda_graph_with_each_replays_metadata(impl):
 
 
 def test_masks_read_as_they_are_agree_with_the_reference():
-    # the numba loop reads bool, float32 and float64 masks in place (strided views included) and converts others:
+    # the numba loop reads contiguous bool, float32 and float64 masks in place and converts others (a strided view):
     # -inf as the hidden value, a float64 mask, a bool mask that is a strided view, each with one planted cell
     args, _, _ = _case(**TWO, dtype=torch.float32, extra_cols=2)
     args["mask"][args["mask"] == torch.finfo(torch.float32).min] = float("-inf")

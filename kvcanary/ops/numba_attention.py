@@ -16,6 +16,7 @@ import torch
 
 from kvcanary.ops import numba_kernels as k
 from kvcanary.ops.attention_ops import LENGTH_BAD, MASK_BAD, allowed_of
+from kvcanary.ops.numba_views import _i64, _raw
 
 jit = numba.njit(cache=True, nogil=True)
 
@@ -78,26 +79,35 @@ def _check(rows, prefix, extend, pos, ids, window, cu, mask, lowest, slots, cols
 
 _NONE = np.zeros(0, np.int64)
 _NO_MASK = np.zeros((0, 0), np.bool_)
-# masks read as they are (no converted copy: a prefill's mask is queries x keys cells), with the value a cell that
-# lets attention see its key is above: a bool's True (above 0.5), a float's anything above the dtype's lowest
-# (``attention_ops.allowed_of``); other dtypes (bfloat16 and float16, which numpy cannot view) are converted first
-_DIRECT = {torch.bool: 0.5, torch.float32: float(torch.finfo(torch.float32).min),
-           torch.float64: float(torch.finfo(torch.float64).min)}
+# masks read where they are (a prefill's mask is queries x keys cells: no converted copy), each cell compared with
+# a value above which it lets attention see its key (``attention_ops.allowed_of``): a bool's True (as uint8, above
+# 0.5), a float's anything above the dtype's lowest. Per dtype: the integer dtype of its size (``_raw`` views those)
+# and the numpy dtype its bytes are read as
+_IN_PLACE = {torch.bool: (torch.uint8, np.uint8, 0.5),
+             torch.float32: (torch.int32, np.float32, float(torch.finfo(torch.float32).min)),
+             torch.float64: (torch.int64, np.float64, float(torch.finfo(torch.float64).min))}
+
+
+def _cells(mask):
+    """(cells, the value above which a cell attends) of ``mask``: the engine's buffer viewed in place where it is
+    contiguous and numpy reads its dtype (``numba_views._raw``: unlike ``Tensor.numpy`` it leaves the engine's storage
+    resizable), else which cells attend as a fresh bool copy (bfloat16, float16, a strided slice)."""
+    how = _IN_PLACE.get(mask.dtype)
+    if how is not None and mask.is_contiguous():
+        as_int, np_dtype, lowest = how
+        return _raw(mask.view(as_int)).view(np_dtype), lowest
+    return allowed_of(mask).contiguous().numpy(), 0.5
 
 
 def check_attention(*, req_pool_indices, prefix_lens, extend_lens, positions, request_ids, window, cu_seqlens_k,
                     mask, key_slots, launch_tag, ring, host_reads=None, batch_keys_only: bool = False) -> None:
     if not req_pool_indices.shape[0]:
         return
-    i64 = lambda t: t.numpy().astype(np.int64, copy=False).reshape(-1)  # noqa: E731
+    i64 = lambda t: _i64(t).reshape(-1)  # noqa: E731
     rows = i64(req_pool_indices)
     ids = i64(request_ids) if request_ids is not None else rows
     cu = i64(cu_seqlens_k) if cu_seqlens_k is not None else _NONE
-    cells, lowest = _NO_MASK, 0.5
-    if mask is not None and mask.numel():
-        lowest = _DIRECT.get(mask.dtype)
-        cells = mask.numpy() if lowest is not None else allowed_of(mask).numpy()
-        lowest = 0.5 if lowest is None else lowest
+    cells, lowest = _cells(mask) if mask is not None and mask.numel() else (_NO_MASK, 0.5)
     slots = i64(key_slots) if key_slots is not None else _NONE
     pos = i64(positions)
     _check(rows, i64(prefix_lens), i64(extend_lens), pos if pos.shape[0] else np.zeros(1, np.int64), ids,

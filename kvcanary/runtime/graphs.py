@@ -307,11 +307,19 @@ class DispatchGraph:
 
 
 def tensors_in(x) -> list:
-    """Every tensor in ``x`` (nested tuples, lists and dict values), in order."""
+    """Every tensor in ``x`` (nested tuples, lists and dict values), in order (into one list: the tests' memory
+    watch walks every aten op's arguments with it)."""
+    out: list = []
+    _collect_tensors(x, out)
+    return out
+
+
+def _collect_tensors(x, out: list) -> None:
     if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in tensors_in(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in tensors_in(v)]
-    return []
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            _collect_tensors(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect_tensors(v, out)
