@@ -131,6 +131,7 @@ case "$part" in
     t=${T525:-/tmp/t525}
     [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
     PYTHONPATH=$t:$PYTHONPATH timeout 170 $py benchmarks/call_trace.py --model-size 1b --workload batch1_4k --top 14 \
+      --arms fast,canary_fast,canary_fast_nochecks \
       > "$OUT/trace_1b_batch1_4k.txt" 2>&1; head -60 "$OUT/trace_1b_batch1_4k.txt"
     PYTHONPATH=$t:$PYTHONPATH timeout 170 $py benchmarks/call_trace.py --model-size 8b --workload prefill \
       --arms sync,canary --top 14 > "$OUT/trace_8b_prefill_nograph.txt" 2>&1; head -60 "$OUT/trace_8b_prefill_nograph.txt"
