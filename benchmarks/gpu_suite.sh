@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine must run, in one call per part, each well under 10 minutes:
 #   bash benchmarks/gpu_suite.sh tests    # the whole test suite natively (Triton compiled), self-check, demo
+#                                         # (TESTS_T525=1: against the carried transformers; carries wheels/)
 #   bash benchmarks/gpu_suite.sh quick    # the adapter's graph, fused-step and index-kernel tests, then the host
 #                                         # timers of a steady decode step (1B, batch 1 and 64): about 3 minutes
 #   bash benchmarks/gpu_suite.sh ops      # op throughput (kvcanary bench: kvcanary/bench/ops.py)
@@ -33,6 +34,12 @@ part=${1:-tests}
 } > "$OUT/env.txt" 2>&1
 case "$part" in
   tests)
+    # TESTS_T525=1 (carries wheels/): the suite against the carried transformers (the image's own is older)
+    if [ "${TESTS_T525:-0}" = 1 ]; then
+      t=${T525:-/tmp/t525}
+      [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
+      export PYTHONPATH=$t:$PYTHONPATH
+    fi
     # pytest-xdist, where installed, spreads the suite over a few processes sharing the GPU.
     par=$($py -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
     # (COLUMNS: pytest cuts the one-line summary of a failure to the terminal's width, 80 without a terminal, which
