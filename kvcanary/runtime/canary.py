@@ -311,11 +311,14 @@ class Canary(RecordMoves):
         if self.host_times is not None:
             self._add_times(time.perf_counter() - t1, t1 - t0)
 
-    def plain_close(self) -> bool:
+    def plain_close(self, on_side: bool = False) -> bool:
         """Whether the next step's close has no work of its own, so a recorded step may close it with
-        ``close_step``: no fault injection, no side-stream work pending, no sweep or allocator check due."""
+        ``close_step``: no fault injection, no side-stream work pending, no sweep or allocator check due.
+        ``on_side``: the caller closes the step on the side stream, behind any work pending there, and the
+        engine stream joins it afterwards (the step runner's captured steps: ``runtime/step/after.py``), so
+        pending side work needs no close of its own."""
         step = self.step + 1
-        return (self.injector is None and self.launcher.pending is None and not self._sweep_due(step)
+        return (self.injector is None and (on_side or self.launcher.pending is None) and not self._sweep_due(step)
                 and not self.allocator.due(step))
 
     @property

@@ -39,6 +39,7 @@ from contextlib import nullcontext
 import torch
 
 from kvcanary.runtime.graphs import capture, replay_of
+from kvcanary.runtime.step.after import AfterPlans
 from kvcanary.runtime.step.fused import FusedSteps, Run
 from kvcanary.runtime.step.plans import Plan, Plans, table_width
 from kvcanary.runtime.step.staging import STAGING_TURNS, Staging
@@ -103,6 +104,9 @@ class StepGraphs:
         self.reports = Plans(MAX_ENTRIES)  # multi-token steps' batches for the monitor (_report), by key
         self.captures = self.replays = 0
         self.inline = False  # this step's before work was replayed by _inline: its after hook is ``after``
+        self.general = False  # this step's before work ran on the side stream (_general): its after hook is ``after``
+        # the after work of both (TAIL, its checks, the snapshot copy) recorded per key and replayed (after.py)
+        self.afters = AfterPlans(self)
         self.quiet = None  # (stream, runner.engine_calls) of the last inline close (_inline, after)
         # steady decode steps as one replay after the forward (fused.py; attach option fused_steps)
         self.fused = FusedSteps(self) if runner.options.fused_steps else None
@@ -129,7 +133,7 @@ class StepGraphs:
         key (``plans.StepKey``); ``engine_stream``: a context that puts the caller on the engine's compute stream
         (the general path runs there; a steady decode step's replay does not need it, ``_inline``)."""
         s = self.s
-        self.inline = False
+        self.inline = self.general = False
         fused = self.fused
         if fused is not None and fused.other is not None:
             fused.select(key.storages)  # (two storage sets: each keeps its steady run)
@@ -203,15 +207,22 @@ class StepGraphs:
         return e.batch
 
     def after(self, batch) -> None:
-        """The after hook of a step ``_inline`` launched: TAIL and the step's snapshot replayed on the same
-        stream after the forward; the engine's compute stream then waits for them (its next forward and
-        every later KV write come after TAIL's reads)."""
-        self.inline = False
+        """The after hook of a captured step (``_inline`` or ``_general`` launched it): its after work from the
+        runner's after plans (``after.py``), then its close. An inline step's runs on the same stream after the
+        forward, and the engine's compute stream then waits for it (its next forward and every later KV write
+        come after TAIL's reads); a general step's on the side stream after its before work and the forward,
+        joined by the compute stream."""
+        general, self.inline, self.general = self.general, False, False
         if self.fused_now:  # (its close ran with it: FusedSteps.step)
             self.fused_now = False
             return
-        c = self.s.canary
-        if c.launcher.run_here(c.after_replayed, batch, self.s.source.inputs.compute_stream):
+        s = self.s
+        if general:
+            with s.engine_stream():
+                self.afters.on_side(batch)
+            return
+        c = s.canary
+        if c.launcher.run_here(self.afters.here, batch, s.source.inputs.compute_stream):
             # until the engine stream is used for canary work again, the next inline step needs no wait:
             # everything the canary did since is on this stream
             self.quiet = (c.launcher.streams.current(), self.s.engine_calls)
@@ -259,6 +270,7 @@ class StepGraphs:
         if side is not None:
             # HEAD runs beside the forward; the step's close makes the engine stream wait for it
             launcher.note_side_work(side)
+        self.general = True
         return report
 
     def _entry(self, key, h) -> Plan:

@@ -31,7 +31,6 @@ from contextlib import nullcontext
 import torch
 
 from kvcanary.runtime.engine import StepOptions
-from kvcanary.runtime.graphs import CudaGraphs
 from kvcanary.runtime.step.carry import Carry
 from kvcanary.runtime.step.graphs import WIDTH_STEP, StepGraphs
 from kvcanary.runtime.step.plans import StepKey, Storages, table_width
@@ -105,8 +104,6 @@ class StepRunner:
             return None
         if not self.canary.launcher.streams.overlap:
             return None  # the whole-step graph runs on the side stream: overlap off keeps every launch eager
-        # (two input storage sets under carries: each shape's graphs twice)
-        self.canary.use_graphs(CudaGraphs(self.device, max_graphs=64 if self.carries else 32))
         return StepGraphs(self)
 
     # -- per step --------------------------------------------------------------------------------
@@ -220,8 +217,9 @@ class StepRunner:
     def after(self) -> None:
         """The step's after-forward work (TAIL, the step's close), on the path its before work took."""
         self.late = False
-        if self.graphs is not None and self.graphs.inline:
-            self.graphs.after(self.batch)
+        graphs = self.graphs
+        if graphs is not None and (graphs.inline or graphs.general):
+            graphs.after(self.batch)
         elif self.steady is None or not self.steady.after(self.batch):
             with self.engine_stream():
                 self.canary.after_forward(self.batch)
@@ -234,7 +232,7 @@ class StepRunner:
         self.late, self.batch, self.ready = False, None, None
         self.attention_recorded = False
         if self.graphs is not None:
-            self.graphs.inline = self.graphs.fused_now = False
+            self.graphs.inline = self.graphs.general = self.graphs.fused_now = False
         if self.steady is not None:
             self.steady.open = None
         self.canary.abandon_forward()
