@@ -164,3 +164,93 @@ def test_a_read_index_longer_than_the_batch_is_reported_on_every_path(steady, mo
             (("read_past_length",), step, slot, total, total + 1)], steps
         assert e.canary.violations[0].reader_request is None and e.canary.violations[0].writer_request is None
         assert fused == (steps == "fused")  # (the fused run's planted step was a fused one)
+
+
+def cuda_like_slots(monkeypatch) -> None:
+    """The observer's ``NUM_SLOTS`` snapshot slots as on CUDA (each step's close copies the ring into the next one),
+    read at once on the CPU: a recorded step's snapshot copy then goes into its slot, as on CUDA."""
+    from kvcanary.runtime import observer as observer_mod
+
+    orig = observer_mod.HostObserver.__init__
+
+    def init(self, ring, watched):
+        orig(self, ring, watched)
+        size = self.slots[0].small.numel()
+        self.slots = [observer_mod._Slot(ring, size, False, i) for i in range(observer_mod.NUM_SLOTS)]
+
+    monkeypatch.setattr(observer_mod.HostObserver, "__init__", init)
+    monkeypatch.setattr(observer_mod.HostObserver, "eager_read", property(lambda self: False))
+
+
+def test_a_captured_step_s_after_work_is_recorded_once_per_key_and_slot_and_replayed(steady, monkeypatch):
+    from kvcanary.runtime import observer as observer_mod
+    from kvcanary.runtime.graphs import EagerGraphs
+    from kvcanary.runtime.step import after as after_mod
+    from kvcanary.runtime.streams import RecordingStreams
+
+    set_device_bounds(monkeypatch)
+    cuda_like_slots(monkeypatch)
+    monkeypatch.setattr(after_mod, "COMBINE_SIGHTINGS", 4)  # (this short run's keys reach the combined recordings)
+    calls = []  # (the recording's key, whether it was kept already, the step it closes)
+    orig = after_mod.AfterPlans._replay
+
+    def replay(self, key, body):
+        calls.append((key, key in self.plans.entries, self.s.canary.step + 1))
+        orig(self, key, body)
+
+    monkeypatch.setattr(after_mod.AfterPlans, "_replay", replay)
+
+    def run_on_streams(steps):
+        # a side stream (recorded): the launcher stages its inputs into its one buffer, as on CUDA
+        cfg = SimConfig(**{**CFG, "max_output": 30, "max_steps": 80})
+        e = SimEngine(cfg, default_canary_config(cfg).replace(backend="torch", allocator_check_interval=0),
+                      steps=steps)
+        rec = e.canary.launcher.streams = RecordingStreams()
+        flip_live_kv(e, 12)
+        e.run()
+        assert rec.races() == [], steps
+        return e
+
+    eager = run_on_streams("eager")
+    assert calls == []
+    e = run_on_streams("captured")
+    # the same reports, row for row, as the eager route's: the flipped byte at the same step, in the same slot
+    want, got = eager.canary.violations, e.canary.violations
+    assert want and [v.block() for v in got] == [v.block() for v in want]
+    assert (got[0].step, got[0].slot, got[0].reasons) == (12, want[0].slot, ("verify_real_kv_hash",))
+    assert all(torch.equal(buf, e.canary.groups[0].bufs[k]) for k, buf in eager.canary.groups[0].bufs.items())
+    a = e.runner.graphs.afters
+    # each key recorded once (none dropped: fewer keys than the plans keep), replayed afterwards
+    captured = [key for key, kept, _ in calls if not kept]
+    assert len(captured) == len(set(captured)) == a.captures <= a.plans.capacity
+    assert a.replays == sum(kept for _, kept, _ in calls) > 2 * a.captures
+    # keyed by the launcher's key (bs, T, the staged fields: no address), alone, or with a slot
+    assert all(len(key) == 5 or key[0] == "snapshot" or len(key[0]) == 5 for key in captured)
+    slots = range(observer_mod.NUM_SLOTS)
+    assert {("snapshot", i) for i in slots} <= set(captured)  # (TAIL apart: the snapshot copy per slot)
+    combined = {key[1] for key in captured if key[0] != "snapshot" and len(key) == 2}
+    assert combined == set(slots)  # (a key past COMBINE_SIGHTINGS: TAIL and the copy as one per slot)
+    assert any(kept and step == 12 for _, kept, step in calls)  # (the flipped step's TAIL was a replay)
+    # the launcher and the observer took no captures of their own: every recording is the runner's
+    launcher = e.canary.launcher
+    assert type(launcher.graphs) is EagerGraphs and e.canary.monitor.observer.graphs is launcher.graphs
+    assert e.canary.monitor.observer.tail_seen == {} and launcher.deferred is None
+
+
+def test_the_runner_s_cuda_route_hands_the_launcher_no_graphs(monkeypatch):
+    """On CUDA the runner makes its step graphs and leaves the launcher's and the observer's graphs as the
+    canary's config made them (``launch_graphs``: off here): the after work is recorded in the runner's plans."""
+    from types import SimpleNamespace
+
+    from kvcanary.runtime.graphs import EagerGraphs
+    from kvcanary.runtime.step import runner as runner_mod
+    from kvcanary.runtime.streams import RecordingStreams
+
+    e = SimEngine(SimConfig(**CFG), steps="eager")
+    c = e.canary
+    c.launcher.streams = RecordingStreams()  # (a side stream: the CUDA route's condition)
+    made = []
+    monkeypatch.setattr(runner_mod, "StepGraphs", lambda runner, graph_type=None: made.append(runner) or "graphs")
+    stub = SimpleNamespace(options=StepOptions(), device=torch.device("cuda"), canary=c, carries=False)
+    assert runner_mod.StepRunner._step_graphs(stub, None) == "graphs" and made == [stub]
+    assert type(c.launcher.graphs) is EagerGraphs and c.monitor.observer.graphs is c.launcher.graphs

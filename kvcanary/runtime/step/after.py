@@ -31,7 +31,7 @@ Streams, on the two routes of a captured step (``StepGraphs.after``):
   it at once (``launcher.join``), as ``Canary.after_forward`` does. That pending side work is then no work of
   the close's own (``Canary.plain_close(on_side=True)``).
 
-A capture goes to the canary's side stream (on CUDA the hook's own stream may be the legacy default stream,
+On CUDA a capture goes to the canary's side stream (the hook's own stream may be the legacy default stream,
 which cannot capture; a capture runs nothing, so it needs no ordering), into the plans' own memory pool: after
 replays run one at a time (each route's compute stream joins it before the next step's canary work starts).
 
@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+
+import torch
 
 from kvcanary.runtime.graphs import capture, eager, replay_of
 from kvcanary.runtime.step.plans import Plan, Plans
@@ -62,6 +64,7 @@ class AfterPlans:
         # (under carries on the CPU stand-in, the batch's addresses of two input storage sets: twice as many keys)
         self.plans = Plans(2 * MAX_AFTER if self.s.carries else MAX_AFTER)
         self.pool = graphs.new_pool()  # (their own: see the module's docstring)
+        self.cuda = graphs.graph_type is torch.cuda.CUDAGraph
         self.captures = self.replays = 0
 
     def here(self, batch) -> None:
@@ -122,7 +125,9 @@ class AfterPlans:
         launcher = self.s.canary.launcher
         p = Plan(None)
         graph = self.g.graph_type()
-        side = launcher.streams.side()
+        # a CUDA capture runs nothing: on the side stream, which is never the legacy default stream (that one
+        # cannot capture); the CPU stand-in's capture runs the work: where its replays run
+        side = launcher.streams.side() if self.cuda else None
         with nullcontext() if side is None else launcher.streams.use(side):
             capture(graph, body, pool=self.pool)
         p.graph, p.replay, p.keep = graph, replay_of(graph), launcher.state()
