@@ -228,9 +228,11 @@ class Canary(RecordMoves):
         self._open = batch
 
     def use_graphs(self, graphs=None, *, host_ops: bool = True) -> None:
-        """For a runner that replays the canary's launches from graphs: ``graphs`` (a ``runtime.graphs.CudaGraphs``)
-        serves the launcher's and the observer's captures; ``host_ops=False`` keeps the CPU launcher's numpy
-        shortcuts off (a stand-in graph replays tensor ops only)."""
+        """For a caller that replays the canary's launches from graphs: ``graphs`` (a ``runtime.graphs.CudaGraphs``
+        or a stand-in: what config ``launch_graphs`` makes on CUDA) serves the launcher's and the observer's
+        captures, for an engine calling the hooks itself; ``host_ops=False`` keeps the CPU launcher's numpy
+        shortcuts off (a stand-in graph replays tensor ops only: the step runner's recorded steps, which record
+        their after work themselves, ``runtime/step/after.py``, and hand over no graphs)."""
         if graphs is not None:
             self.launcher.graphs = graphs
             self.monitor.observer.graphs = graphs

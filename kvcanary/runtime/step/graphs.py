@@ -30,6 +30,11 @@ replayed against the engine's static mask and key-length buffers), and the data 
 the staged buffer (the turn's, or the static copy) and the engine's tensors. Anything else — a
 read index shorter than the batch (an engine bug), the flash block-table path, a sliding-window
 group, the token oracle, fault injection — runs eagerly.
+
+The after work of these steps (TAIL, its checks, the snapshot copy) is recorded too, in the runner's after
+plans (``after.py``: keyed by the part of the key it reads, the launcher's staged layout, and the snapshot slot),
+and the step closes with ``Canary.close_step``: on the hook's own stream after an inline steady step
+(``_inline``), on the side stream behind the before work after any other (``_general``).
 """
 
 from __future__ import annotations

@@ -15,18 +15,25 @@ close). A step whose buffers and shape match one taken before need not resolve i
   block-table path, the attention mask's columns the step's attention-metadata check compares) and the addresses of
   the buffers a recording reads (the engine's four input storages,
   ``Storages``; the staged host part). Every cache of the runner is keyed by it (or by it with one address
-  replaced: a static copy of the staged values, a snapshot slot).
+  replaced: a static copy of the staged values, a snapshot slot), or by the part of it a recording depends on:
+  the after work of a captured step that is not fused reads only the launcher's staged inputs, laid out by the
+  key's requests and new tokens (and which optional fields are staged: the launcher's key), so its recordings
+  are keyed by that, alone or with the snapshot slot (``after.AfterPlans``).
 - **One cache** (``Plans``): per key a ``Plan`` (the batch its steps share, its recording once made, what the
   launcher's state was after the recorded step's before work), least recently used dropped, and the sightings
   of each shape (a key without the staged buffer's address) that decide when a key is recorded.
-- **Two recorders**: CUDA graphs (``graphs.StepGraphs``: the before work per shape, and ``fused.FusedSteps``:
-  a steady decode step's whole work per staging turn and snapshot slot; in tests the CPU stand-in
-  ``runtime.graphs.DispatchGraph``), and the CPU's bound plan (``steady.SteadyStep``: compiled calls bound to a
-  reused batch, the numba backend). The CPU's eager batches (``tables.StepTables``) are the eager stage of the
-  same plans.
-- **One close**: every route ends its step in ``Canary._close`` (the eager ``after_forward``, the captured
-  ``after_replayed``, a recording's ``close_step``), and a recording that ran a step's before work opens it
-  with ``Canary.open_recorded``. No module here writes a field of the canary's objects
+- **Two recorders**: CUDA graphs (``graphs.StepGraphs``: the before work per shape; ``after.AfterPlans``: the
+  after work of those steps, TAIL and its checks per launcher key and the snapshot copy per slot, or both per
+  key and slot once a key keeps coming back; and ``fused.FusedSteps``: a steady decode step's whole work per
+  staging turn and snapshot slot; in tests the CPU stand-in ``runtime.graphs.DispatchGraph``), and the CPU's
+  bound plan (``steady.SteadyStep``: compiled calls bound to a reused batch, the numba backend). The CPU's eager
+  batches (``tables.StepTables``) are the eager stage of the same plans. The launcher records nothing for the
+  runner: its own per-shape graphs (``runtime/graphs.py``, ``ForwardLauncher.defer_tail``) serve only the
+  config option ``launch_graphs`` of an engine that calls the ``Canary`` itself.
+- **One close**: every route ends its step in ``Canary._close``: the eager ``after_forward``, a recording's
+  ``close_step`` (a captured step's after plans, a fused step, the CPU's bound plan), or, where the close has
+  work of its own (a sweep or allocator check due), ``host_after`` after the recorded ``device_after``; a
+  recording that ran a step's before work opens it with ``Canary.open_recorded``. No module here writes a field of the canary's objects
   (tests/test_layers.py).
 """
 

@@ -7,7 +7,8 @@ A step is one of:
   read check run on the engine's compute stream, ``Canary.after_forward`` after the forward;
 - **captured** (``graphs.StepGraphs``): the before work's device calls per batch shape replayed from a
   graph (a CUDA graph; the CPU stand-in ``runtime.graphs.DispatchGraph`` in tests), and the after work's
-  TAIL and snapshot likewise;
+  TAIL, its checks and the snapshot copy likewise, from the runner's after plans (``after.AfterPlans``), closed
+  with ``Canary.close_step``;
 - **fused** (``fused.FusedSteps``): a steady decode step's whole canary work as one graph replayed after
   the forward;
 - **steady** (``steady.SteadyStep``, the CPU's eager steps with numba): a step shaped like one taken before
@@ -95,7 +96,8 @@ class StepRunner:
 
     def _step_graphs(self, graph_type) -> StepGraphs | None:
         """On CUDA (option ``step_graphs``): the before work's device calls replayed from a CUDA graph per batch
-        shape, the after work's TAIL and snapshot likewise; ``graph_type`` takes the same path on the CPU."""
+        shape, the after work's TAIL, checks and snapshot likewise (the runner's own plans: the launcher records
+        nothing); ``graph_type`` takes the same path on the CPU."""
         if not self.options.step_graphs:
             return None
         if graph_type is not None:
