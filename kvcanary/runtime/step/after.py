@@ -75,9 +75,11 @@ class AfterPlans:
         """The after work and close of a step whose before work ran on the side stream, called on the engine's
         compute stream after the forward: on the side stream after both, joined by the compute stream."""
         launcher = self.s.canary.launcher
-        with launcher.side():
-            self._after(batch, on_side=True)
-        launcher.join()
+        try:
+            with launcher.side():
+                self._after(batch, on_side=True)
+        finally:  # (a violation raised in mode "raise" too: the engine stream joins what was issued)
+            launcher.join()
 
     def _after(self, batch, on_side: bool) -> None:
         c = self.s.canary
