@@ -182,11 +182,24 @@ def cuda_like_slots(monkeypatch) -> None:
     monkeypatch.setattr(observer_mod.HostObserver, "eager_read", property(lambda self: False))
 
 
+def run_on_streams(steps: str) -> SimEngine:
+    """A longer run with a flipped KV byte at step 12, the canary's streams recorded: with a side stream the
+    launcher stages its inputs into its one buffer, as on CUDA; no two conflicting accesses left unordered."""
+    from kvcanary.runtime.streams import RecordingStreams
+
+    cfg = SimConfig(**{**CFG, "max_output": 30, "max_steps": 80})
+    e = SimEngine(cfg, default_canary_config(cfg).replace(backend="torch", allocator_check_interval=0), steps=steps)
+    rec = e.canary.launcher.streams = RecordingStreams()
+    flip_live_kv(e, 12)
+    e.run()
+    assert rec.races() == [], steps
+    return e
+
+
 def test_a_captured_step_s_after_work_is_recorded_once_per_key_and_slot_and_replayed(steady, monkeypatch):
     from kvcanary.runtime import observer as observer_mod
     from kvcanary.runtime.graphs import EagerGraphs
     from kvcanary.runtime.step import after as after_mod
-    from kvcanary.runtime.streams import RecordingStreams
 
     set_device_bounds(monkeypatch)
     cuda_like_slots(monkeypatch)
@@ -199,17 +212,6 @@ def test_a_captured_step_s_after_work_is_recorded_once_per_key_and_slot_and_repl
         orig(self, key, body)
 
     monkeypatch.setattr(after_mod.AfterPlans, "_replay", replay)
-
-    def run_on_streams(steps):
-        # a side stream (recorded): the launcher stages its inputs into its one buffer, as on CUDA
-        cfg = SimConfig(**{**CFG, "max_output": 30, "max_steps": 80})
-        e = SimEngine(cfg, default_canary_config(cfg).replace(backend="torch", allocator_check_interval=0),
-                      steps=steps)
-        rec = e.canary.launcher.streams = RecordingStreams()
-        flip_live_kv(e, 12)
-        e.run()
-        assert rec.races() == [], steps
-        return e
 
     eager = run_on_streams("eager")
     assert calls == []
@@ -235,6 +237,41 @@ def test_a_captured_step_s_after_work_is_recorded_once_per_key_and_slot_and_repl
     launcher = e.canary.launcher
     assert type(launcher.graphs) is EagerGraphs and e.canary.monitor.observer.graphs is launcher.graphs
     assert e.canary.monitor.observer.tail_seen == {} and launcher.deferred is None
+
+
+def test_an_eager_step_of_a_captured_runner_replays_its_after_work_from_the_same_plans(steady, monkeypatch):
+    """A step the runner's graphs cannot take (the block-table path, a sliding-window group, the token oracle: here
+    every third step) runs the canary's own before hook; with the launcher's inputs staged (as on CUDA) its after work
+    comes from the runner's after plans too, behind its HEAD on the side stream, with the eager route's reports."""
+    from kvcanary.runtime.step import after as after_mod
+    from kvcanary.runtime.step.graphs import StepGraphs
+
+    set_device_bounds(monkeypatch)
+    usable = StepGraphs.usable
+    monkeypatch.setattr(StepGraphs, "usable", lambda self, io: usable(self, io) and self.s.canary.step % 3 != 1)
+    eager_steps, replayed = [], []  # (the steps whose eager after work the plans took; the steps of their replays)
+    takes, replay = after_mod.AfterPlans.takes_eager, after_mod.AfterPlans._replay
+
+    def taking(self):
+        took = takes(self)
+        if took:
+            eager_steps.append(self.s.canary.step + 1)
+        return took
+
+    def replaying(self, key, body):
+        if key in self.plans.entries:
+            replayed.append(self.s.canary.step + 1)
+        replay(self, key, body)
+
+    monkeypatch.setattr(after_mod.AfterPlans, "takes_eager", taking)
+    monkeypatch.setattr(after_mod.AfterPlans, "_replay", replaying)
+    eager = run_on_streams("eager")
+    e = run_on_streams("captured")
+    assert eager.canary.violations and [v.block() for v in e.canary.violations] == [
+        v.block() for v in eager.canary.violations]
+    assert all(torch.equal(buf, e.canary.groups[0].bufs[k]) for k, buf in eager.canary.groups[0].bufs.items())
+    assert len(eager_steps) > 5 and all(step % 3 == 2 for step in eager_steps)  # (every third step: eager)
+    assert set(eager_steps) & set(replayed)  # (replayed, not only run at a key's first sighting)
 
 
 def test_the_runner_s_cuda_route_hands_the_launcher_no_graphs(monkeypatch):

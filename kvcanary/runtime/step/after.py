@@ -35,6 +35,10 @@ On CUDA a capture goes to the canary's side stream (the hook's own stream may be
 which cannot capture; a capture runs nothing, so it needs no ordering), into the plans' own memory pool: after
 replays run one at a time (each route's compute stream joins it before the next step's canary work starts).
 
+An eager step of the same runner (one its graphs cannot take: the block-table path, a sliding-window group, the
+token oracle) records its after work in these plans too, where the launcher staged its inputs (CUDA): its
+``before_forward`` left its HEAD on the side stream, and ``on_side`` follows it there (``takes_eager``).
+
 Where the step's close has work of its own (a sweep or an allocator check due, fault injection:
 ``Canary.plain_close``), the recorded ``device_after`` is followed by ``Canary.host_after`` (the eager close:
 that work, then the snapshot), which is what ``after_forward`` adds to ``device_after``.
@@ -49,6 +53,7 @@ import torch
 
 from kvcanary.runtime.graphs import capture, eager, replay_of
 from kvcanary.runtime.step.plans import Plan, Plans
+from kvcanary.runtime.streams import capturing
 
 EAGER_SIGHTINGS = 1  # an after key's steps run eagerly before its capture (as a before plan's: graphs.py)
 # A key's TAIL and snapshot copy become one recording per slot once the key has closed this many steps.
@@ -66,6 +71,15 @@ class AfterPlans:
         self.pool = graphs.new_pool()  # (their own: see the module's docstring)
         self.cuda = graphs.graph_type is torch.cuda.CUDAGraph
         self.captures = self.replays = 0
+
+    def takes_eager(self) -> bool:
+        """Whether the after work of an eager step of this runner (its before work the ``Canary``'s own
+        ``before_forward`` on the engine's stream) may come from these plans too: its forward is open, the
+        launcher staged its inputs (a side stream: CUDA), no fault injection (its hooks run around the eager
+        close) and the engine is not capturing a CUDA graph of its own (the canary's work goes into that one)."""
+        c = self.s.canary
+        return (c.launcher.staged_now and c.open_batch is not None and c.injector is None
+                and not (c.device.type == "cuda" and capturing()))
 
     def here(self, batch) -> None:
         """The after work and close of an inline step (``ForwardLauncher.run_here``: on the current stream)."""

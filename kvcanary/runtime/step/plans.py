@@ -16,9 +16,10 @@ close). A step whose buffers and shape match one taken before need not resolve i
   the buffers a recording reads (the engine's four input storages,
   ``Storages``; the staged host part). Every cache of the runner is keyed by it (or by it with one address
   replaced: a static copy of the staged values, a snapshot slot), or by the part of it a recording depends on:
-  the after work of a captured step that is not fused reads only the launcher's staged inputs, laid out by the
-  key's requests and new tokens (and which optional fields are staged: the launcher's key), so its recordings
-  are keyed by that, alone or with the snapshot slot (``after.AfterPlans``).
+  the after work of a captured step that is not fused (or of an eager step of a captured runner, on CUDA) reads
+  only the launcher's staged inputs, laid out by the key's requests and new tokens (and which optional fields
+  are staged: the launcher's key), so its recordings are keyed by that, alone or with the snapshot slot
+  (``after.AfterPlans``).
 - **One cache** (``Plans``): per key a ``Plan`` (the batch its steps share, its recording once made, what the
   launcher's state was after the recorded step's before work), least recently used dropped, and the sightings
   of each shape (a key without the staged buffer's address) that decide when a key is recorded.
