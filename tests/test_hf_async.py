@@ -61,7 +61,7 @@ def test_what_must_precede_the_forward_is_refused_under_async(llama):
 def lagging_side(monkeypatch):
     """The canary's side-stream work made to lag the host by steps (a sleep before each step's work there), as
     it does when the GPU is busy (a 1B model): what the host writes for a later step must wait for it."""
-    from conftest import lag_before
+    from gpu_lag import lag_before
     from kvcanary.runtime.step.graphs import StepGraphs
 
     lag_before(monkeypatch, StepGraphs, "_run")

@@ -25,7 +25,8 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import DEVICE, lag_before  # noqa: E402
+from conftest import DEVICE  # noqa: E402
+from gpu_lag import lag_before  # noqa: E402
 from kvcanary.demo import run_workload  # noqa: E402
 
 import transformers  # noqa: E402

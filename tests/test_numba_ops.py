@@ -190,3 +190,15 @@ def test_fused_calls_keep_their_arguments_only_while_every_tensor_stays_put():
     got = kept.call()[0]
     assert got.dtype == np.int64 and got.tolist() == [0, 40, 2]
     assert not make_for(a, b)().views and make_for(c, b)().views  # (what decided the two cases above)
+
+
+def test_a_device_tensor_is_refused_with_a_clear_error_not_read_as_host_memory():
+    # numpy views are built from the data pointer: a CUDA tensor's address read as host memory crashed the process
+    # (seen on a GPU with the attention pass); a tensor off the CPU is refused before any view is made
+    from kvcanary.ops.numba_views import _i64, _raw
+
+    meta = torch.zeros(4, dtype=torch.int64, device="meta")
+    for view in (_raw, _i64):
+        with pytest.raises(ValueError, match="numba backend reads CPU tensors only.*meta"):
+            view(meta)
+    assert _raw(torch.arange(4)).tolist() == [0, 1, 2, 3]  # (CPU tensors still read in place)

@@ -33,6 +33,9 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     its buffers) nor holds a reference to the tensor: the caller keeps the tensor alive while the view
     is used (an argument of the op, or a ``_cached`` entry checked before every use).
     """
+    if not t.is_cpu:  # (numpy would read a device address as host memory: a crash, not an error)
+        raise ValueError(f"kv-canary: the numba backend reads CPU tensors only, got a {t.dtype} tensor of shape "
+                         f"{list(t.shape)} on {t.device} (backend 'triton' or 'torch' runs there)")
     dtype, n = _NP_DTYPES[t.dtype], t.numel()
     if n == 0:
         return np.empty(tuple(t.shape), dtype=dtype)
