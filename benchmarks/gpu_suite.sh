@@ -39,6 +39,7 @@ case "$part" in
       t=${T525:-/tmp/t525}
       [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
       export PYTHONPATH=$t:$PYTHONPATH
+      $py -c "import transformers; print('tests with transformers', transformers.__version__)" >> "$OUT/env.txt" 2>&1
     fi
     # pytest-xdist, where installed, spreads the suite over a few processes sharing the GPU.
     par=$($py -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
