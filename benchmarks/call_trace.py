@@ -44,6 +44,9 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+ENGINE_KERNELS: set = set()  # kernel names the arms without the canary ran (traced_call): the rest are the canary's
+
+
 def traced_call(model, arm: str, prompts, new, top: int) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -62,9 +65,17 @@ def traced_call(model, arm: str, prompts, new, top: int) -> list[str]:
              f"violations {run['violations']}"]
     lines += [f"   host {name}: {n} calls, {us / 1e3:.1f} ms" for name, (n, us) in
               sorted(api.items(), key=lambda kv: -kv[1][1])[:top]]
-    if arm.startswith("canary"):
+    if not arm.startswith("canary"):
+        ENGINE_KERNELS.update(kernels)
+    else:
         lines += [f"   GPU {name}: {n}, {us / 1e3:.2f} ms" for name, (n, us) in
                   sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]]
+        if ENGINE_KERNELS:  # (an arm without the canary ran first: what only the canary runs, by total time)
+            own = {k: v for k, v in kernels.items() if k not in ENGINE_KERNELS}
+            n_own, us_own = sum(v[0] for v in own.values()), sum(v[1] for v in own.values())
+            lines.append(f"   canary-only kernels (names no arm without the canary ran): {n_own}, {us_own / 1e3:.2f} ms")
+            lines += [f"     {name}: {n}, {us / 1e3:.2f} ms" for name, (n, us) in
+                      sorted(own.items(), key=lambda kv: -kv[1][1])[:top]]
     return lines
 
 
