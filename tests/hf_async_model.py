@@ -367,11 +367,12 @@ def _cuda_observer(monkeypatch, rec: RecordingStreams, cache) -> None:
                 memory.host_read(self.t, "observe")
             return self.np.tolist()
 
-    def init(self, ring, watched):
-        orig_init(self, ring, watched)
+    def init(self, ring, watched, **kw):
+        orig_init(self, ring, watched, **kw)
         self.cuda, self.streams = True, cache()
         size = self.slots[0].small.numel()
-        self.slots = [observer_mod._Slot(ring, size, False, i) for i in range(observer_mod.NUM_SLOTS)]
+        self.slots = [observer_mod._Slot(ring, size, False, i, self.record_bufs)
+                      for i in range(observer_mod.NUM_SLOTS)]
         memory = getattr(rec, "memory", None)
         for slot in self.slots:  # (pinned host memory and an event: plain memory and the recording's)
             slot.host_small = slot.small.clone()

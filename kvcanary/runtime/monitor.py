@@ -43,7 +43,10 @@ class Monitor:
         watched = {"counters": canary.counters, "rewrites": canary.rewrites}
         for g in canary.groups:
             watched[f"plan_count_{g.name}"] = g.plan.entries.requested
-        self.observer = HostObserver(canary.ring, watched)
+        # the buffers whose records name a row's writer: a late drain reads them as the step's close left them
+        attributable = {(g.name, phase, kv): buf for g in canary.groups for (phase, kv), buf in g.bufs.items()
+                        if buf.shape[1] >= ATTRIBUTION_STRIDE}
+        self.observer = HostObserver(canary.ring, watched, records=attributable)
         self._count_keys = [(g, f"plan_count_{g.name}") for g in canary.groups]
         self.violations: list[Violation] = []
         self.total_violations = 0
@@ -132,7 +135,8 @@ class Monitor:
                 log.warning("kv_canary ring overflow at step %d: %s%d violations, %d rows kept "
                             "(raise KV_CANARY_RING_CAPACITY)", obs.step, at_least, obs.count, len(obs.rows))
             self._taken = {}  # (this observation's reader assignment: _reader)
-            decoded, lead = readers.group(obs.rows, [self._decode(row, obs.step) for row in obs.rows])
+            decoded, lead = readers.group(obs.rows, [self._decode(row, obs.step, _closed(obs, i))
+                                                     for i, row in enumerate(obs.rows)])
             fresh.extend(decoded)
             leads.extend(lead)
         if not total:
@@ -164,7 +168,9 @@ class Monitor:
                             count, g.plan.entries.capacity)
             self.overflowing[g.name] = over
 
-    def _decode(self, row: list[int], step: int) -> Violation:
+    def _decode(self, row: list[int], step: int, closed=None) -> Violation:
+        """``closed(key)``: the record the row's slot held in buffer ``key`` when its step closed, where the
+        observation kept it (a late drain: ``_closed``); else the buffer is read as it is now."""
         if is_allocator_row(row):
             return self.canary.allocator.decode(row, step)
         try:
@@ -179,13 +185,14 @@ class Monitor:
                 return Violation.from_row(row, step, **check_attribution(self.canary, row, step))
             if row[7] & SLOT_REASONS:  # the slot checks' rows (runtime/slots.py) have layouts of their own
                 return Violation.from_row(row, step, **self.canary.slots.attribution(row, step, self))
-            attribution = self._writer(row, phase, kv, group)
+            rec = self._record(row[1], phase, kv, group, closed)
+            attribution = self._writer(row, phase, rec)
             if row[7] & FailReason.VERIFY_REAL_KV_HASH and group == "full" and self.canary.slots.is_poisoned(row[1]):
                 attribution["poisoned"] = True
             if row[7] & FailReason.VERIFY_REAL_KV_HASH and self.written_wrong:
                 # a record the write check marked, or a copy of it (a fork's block copy carries the record): the
                 # record's writer, step and position name the write (a write since then stored another record)
-                attribution["written_wrong"] = self._record_key(row[1], phase, kv, group) in self.written_wrong
+                attribution["written_wrong"] = self._record_key(row[1], group, rec) in self.written_wrong
             if phase != "sweep" and not (row[7] & 24):
                 attribution.update(self._reader(row, step, group, kv, phase))
             elif phase != "sweep":
@@ -204,23 +211,27 @@ class Monitor:
         if len(wrong) > KEEP_WRONG_WRITES:  # (the oldest goes first: dicts keep insertion order)
             del wrong[next(iter(wrong))]
 
-    def _record_key(self, slot: int, phase: str, kv: str, group: str) -> tuple | None:
-        """The slot's record as the write that stored it (``_write_key``), None where records keep no writer."""
-        buf = self.canary._group(group).bufs["tail" if phase == "sweep" else phase, kv]
+    def _record(self, slot: int, phase: str, kv: str, group: str, closed=None) -> list[int] | None:
+        """The slot's record words as the row's step closed it (None where records keep no writer, or the slot
+        is outside the buffer)."""
+        key = (group, "tail" if phase == "sweep" else phase, kv)
+        buf = self.canary._group(group).bufs[key[1:]]
         if buf.shape[1] < ATTRIBUTION_STRIDE or not 0 <= slot < buf.shape[0]:
             return None
-        rec = buf[slot].view(torch.int64).tolist()
+        rec = None if closed is None else closed(key)
+        return buf[slot].view(torch.int64).tolist() if rec is None else rec
+
+    @staticmethod
+    def _record_key(slot: int, group: str, rec: list[int] | None) -> tuple | None:
+        """The slot's record as the write that stored it (``_write_key``), None where records keep no writer."""
+        if rec is None:
+            return None
         return _write_key(group, slot, rec[R.WRITER_ID], rec[R.WRITER_STEP] + 1, rec[R.POSITION])
 
-    def _writer(self, row, phase, kv, group) -> dict:
+    @staticmethod
+    def _writer(row, phase, rec: list[int] | None) -> dict:
         """Who last wrote the slot's record, and at which forward (counted from 1, as violation steps)."""
-        g = self.canary._group(group)
-        buf = g.bufs["tail" if phase == "sweep" else phase, kv]
-        slot = row[1]
-        if buf.shape[1] < ATTRIBUTION_STRIDE or not 0 <= slot < buf.shape[0]:
-            return {}
-        rec = buf[slot].view(torch.int64).tolist()
-        if rec[R.WRITER_ID] == -1 or not any(rec):  # unattributed, or never written (an empty record)
+        if rec is None or rec[R.WRITER_ID] == -1 or not any(rec):  # unattributed, or never written (an empty record)
             return {}
         out = {"writer_request": rec[R.WRITER_ID], "writer_step": rec[R.WRITER_STEP] + 1}
         if rec[R.TOKEN] != row[3] or rec[R.POSITION] != row[2]:
@@ -396,6 +407,14 @@ def _expected_prev_hash(buf: torch.Tensor, prev: int) -> int | None:
         return None
     tok, pos, prev_hash = (to_unsigned(x) for x in buf[prev].view(torch.int64)[:3].tolist())
     return link(prev_hash, tok, pos)
+
+
+def _closed(obs: Observation, i: int):
+    """Row ``i``'s records as ``obs`` kept them (``Monitor._decode``'s ``closed``), or None."""
+    records = obs.records
+    if records is None:
+        return None
+    return lambda key: records[key][i] if key in records and i < len(records[key]) else None
 
 
 def _write_key(group: str, slot: int, writer: int, step: int, position: int) -> tuple:

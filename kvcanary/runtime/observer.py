@@ -25,6 +25,13 @@ NUM_SLOTS = 3  # snapshots in flight before the oldest must be waited for
 # captures of some 3 ms each on the H200); apart, TAIL is captured once per shape and the snapshot once per
 # slot. Shapes that come and go (prefill chunks, a batch that shrinks as requests finish) stay apart.
 COMBINE_SIGHTINGS = 32
+# A snapshot keeps, for its first this many rows, the record each row's slot holds in each attributable buffer
+# (``HostObserver(records=...)``): a late drain decodes a row steps after its check, when the slot may hold
+# another record (a freed block reused, a fork's block copied over it), and the report's writer, and whether it
+# reads a write the write check found wrong, are those of the record the check saw. Rows past it are attributed
+# from the buffer as it is when they are decoded.
+RECORD_ROWS = 4096
+RECORD_WORDS = 6  # TOKEN, POSITION, PREV_HASH, REAL_KV_HASH, WRITER_ID, WRITER_STEP (format.RecordField)
 
 
 class Observation(NamedTuple):
@@ -37,6 +44,10 @@ class Observation(NamedTuple):
     rows: list  # stored violation rows
     small: list  # the watched tensors, flattened (values unflattens them by layout)
     layout: dict
+    # per attributable buffer (its key in ``HostObserver(records=...)``): the first RECORD_WORDS words of the record
+    # each stored row's slot held when the step closed (None: read the buffers themselves, as the CPU's step
+    # close does at once)
+    records: dict | None = None
 
     @property
     def values(self) -> dict[str, list]:
@@ -46,8 +57,15 @@ class Observation(NamedTuple):
 
 
 class _Slot:
-    def __init__(self, ring: ViolationRing, size: int, cuda: bool, index: int):
+    def __init__(self, ring: ViolationRing, size: int, cuda: bool, index: int, records: dict | None = None):
         self.rows = torch.empty_like(ring.rows)
+        n = min(ring.capacity, RECORD_ROWS)
+        device = ring.rows.device
+        # the rows' slots clamped into each buffer size (one per size), and the records gathered at them
+        self.record_index = {b.shape[0]: torch.zeros(n, dtype=torch.int64, device=device)
+                             for b in (records or {}).values()}
+        self.closed = {k: torch.zeros(n, RECORD_WORDS, dtype=torch.int64, device=device)
+                        for k in (records or {})}
         # the ring's write index, then every watched tensor flattened: one gather, one host copy
         self.small = torch.zeros(size, dtype=torch.int64, device=ring.rows.device)
         self.host_small = torch.zeros(size, dtype=torch.int64, pin_memory=True) if cuda else None
@@ -86,15 +104,18 @@ class SlotFence:
 class HostObserver:
     """Snapshots ``ring`` and ``watched`` tensors per step; ``collect`` returns finished ones in order."""
 
-    def __init__(self, ring: ViolationRing, watched: dict[str, torch.Tensor]):
+    def __init__(self, ring: ViolationRing, watched: dict[str, torch.Tensor], records: dict | None = None):
+        """``records``: canary buffers (any keys) whose records a late drain reports from as they were at the
+        step's close (``RECORD_ROWS``); every buffer needs ``RECORD_WORDS`` words a record."""
         self.ring = ring
+        self.record_bufs = {k: b.view(torch.int64)[:, :RECORD_WORDS] for k, b in (records or {}).items()}
         self.cuda = ring.rows.device.type == "cuda"
         self.parts = [ring.write_index] + [t.view(-1) for t in watched.values()]  # views: read at snapshot time
         self.layout, at = {}, 1
         for k, t in watched.items():
             self.layout[k] = (at, t.numel(), t.shape)
             at += t.numel()
-        self.slots = [_Slot(ring, at, self.cuda, i) for i in range(NUM_SLOTS if self.cuda else 1)]
+        self.slots = [_Slot(ring, at, self.cuda, i, self.record_bufs) for i in range(NUM_SLOTS if self.cuda else 1)]
         self.streams = stream_cache(ring.rows.device) if self.cuda else None
         self.next = 0
         self.order: list[_Slot] = []
@@ -172,6 +193,12 @@ class HostObserver:
 
     def _copy(self, slot: _Slot, call) -> None:
         call(slot.rows.copy_, self.ring.rows)
+        if slot.closed:  # (a few launches a step, on the stream the step's TAIL ran on, after it)
+            slots = slot.rows[:next(iter(slot.closed.values())).shape[0], 1]
+            for n, index in slot.record_index.items():
+                call(torch.clamp, slots, 0, n - 1, out=index)
+            for k, words in self.record_bufs.items():
+                call(torch.index_select, words, 0, slot.record_index[words.shape[0]], out=slot.closed[k])
         call(torch.cat, self.parts, out=slot.small)
         call(self.ring.write_index.zero_)
         if self.cuda:
@@ -203,10 +230,11 @@ class HostObserver:
         stored = min(count, self.ring.capacity)
         # Rows cross to the host only when there are some: the rare, slow path.
         rows = slot.rows[:stored].cpu().tolist() if stored else []
+        records = {k: r[:stored].cpu().tolist() for k, r in slot.closed.items()} if stored and slot.closed else None
         step, meta = slot.pending
         slot.pending = None
         self.order.remove(slot)
-        return [Observation(step, meta, count, rows, small, self.layout)]
+        return [Observation(step, meta, count, rows, small, self.layout, records)]
 
 
 def _unflatten(flat: list[int], shape: torch.Size):
