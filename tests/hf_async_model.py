@@ -371,7 +371,7 @@ def _cuda_observer(monkeypatch, rec: RecordingStreams, cache) -> None:
         orig_init(self, ring, watched, **kw)
         self.cuda, self.streams = True, cache()
         size = self.slots[0].small.numel()
-        self.slots = [observer_mod._Slot(ring, size, False, i, self.record_bufs)
+        self.slots = [observer_mod._Slot(ring, size, False, i, self.record_bufs, self.tables)
                       for i in range(observer_mod.NUM_SLOTS)]
         memory = getattr(rec, "memory", None)
         for slot in self.slots:  # (pinned host memory and an event: plain memory and the recording's)

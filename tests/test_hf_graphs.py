@@ -239,8 +239,10 @@ def test_dispatch_graph_refuses_a_host_read_inside_a_capture():
 def late_drain(monkeypatch) -> None:
     """The observer's late drain as on CUDA (``runtime/observer.py``, its own code), at its latest: ``NUM_SLOTS``
     snapshot slots, each step's close copied into the next one and read only when that slot comes round again
-    (``NUM_SLOTS`` steps on: a CUDA event not yet complete when polled), the rest at the run's flush."""
+    (``NUM_SLOTS`` steps on: a CUDA event not yet complete when polled), the rest at the run's flush. Each step
+    assembles its own batch, as on CUDA (the CPU reuses one per step key: there nothing reads it late)."""
     from kvcanary.runtime import observer as observer_mod
+    from kvcanary.runtime.step.tables import StepTables
 
     cls, orig_init, orig_collect = observer_mod.HostObserver, observer_mod.HostObserver.__init__, \
         observer_mod.HostObserver.collect
@@ -248,7 +250,7 @@ def late_drain(monkeypatch) -> None:
     def init(self, ring, watched, **kw):
         orig_init(self, ring, watched, **kw)
         size = self.slots[0].small.numel()
-        self.slots = [observer_mod._Slot(ring, size, False, i, self.record_bufs)
+        self.slots = [observer_mod._Slot(ring, size, False, i, self.record_bufs, self.tables)
                       for i in range(observer_mod.NUM_SLOTS)]
 
     def taken(self, slot, step, host_meta):
@@ -260,20 +262,27 @@ def late_drain(monkeypatch) -> None:
     monkeypatch.setattr(cls, "eager_read", property(lambda self: False))
     monkeypatch.setattr(cls, "taken", taken)
     monkeypatch.setattr(cls, "collect", lambda self, block=False: orig_collect(self, True) if block else [])
+    monkeypatch.setattr(StepTables, "_cpu_batch", lambda self, h, key: self.assemble(h, key.width))
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="the CPU stand-in of CUDA's late drain (on CUDA it is the observer's own)")
-def test_a_late_drain_reports_what_the_step_close_reports(llama, monkeypatch):
+@pytest.mark.parametrize("bug", ["write-k-only", "sliding-v-into-k"])
+def test_a_late_drain_reports_what_the_step_close_reports(llama, monkeypatch, bug):
     # A step's rows decoded steps after its check (CUDA's drain): by then the slot a row names may hold another
-    # record. Here the wrong write's copy (slot 1440, a fork's copy of the written block) is read at steps 2 and 3,
-    # then the prefix cache maps its reader back to the original block, frees the copy, and a fork of another
-    # request copies its own block over it: decoded from that record, the read named that request as its writer,
-    # "a write of position 8 landed in a slot still read as position 4", and lost the flag of a read of a wrong
-    # write. The snapshot keeps each row's record as the step closed it: the reports are the eager close's.
+    # record, and the sliding group's full->SWA table is another step's. write-k-only: the wrong write's copy (slot
+    # 1440, a fork's copy of the written block) is read at steps 2 and 3, then the prefix cache maps its reader back
+    # to the original block, frees the copy, and a fork of another request copies its own block over it: decoded
+    # from that record, the read named that request as its writer, "a write of position 8 landed in a slot still
+    # read as position 4", and lost the flag of a read of a wrong write. sliding-v-into-k: decoded through a later
+    # step's table, a read of a sliding slot named no reader. The snapshot keeps each row's record and the table as
+    # the step closed them: the reports are the eager close's, line for line.
     set_device_bounds(monkeypatch)
-    eager = run_workload(llama, bug="write-k-only", backend="torch")
+    model, kw = (llama, {}) if bug == "write-k-only" else (build_tiny_model(DEV, sliding_window=8),
+                                                          dict(max_new_tokens=14))
+    eager = run_workload(model, bug=bug, backend="torch", **kw)
     late_drain(monkeypatch)
-    late, _ = graphed_run(llama, monkeypatch, bug="write-k-only")
+    late, _ = graphed_run(model, monkeypatch, bug=bug, **kw)
     assert [str(v) for v in late.violations] == [str(v) for v in eager.violations]
     reads = [v for v in late.violations if v.reasons == ("verify_real_kv_hash",)]
     assert reads and all(v.written_wrong and v.writer_position is None for v in reads)
+    assert all(v.reader_request is not None for v in reads if not v.launch_tag.startswith("SWEEP"))

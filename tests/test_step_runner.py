@@ -176,7 +176,8 @@ def cuda_like_slots(monkeypatch) -> None:
     def init(self, ring, watched, **kw):
         orig(self, ring, watched, **kw)
         size = self.slots[0].small.numel()
-        self.slots = [observer_mod._Slot(ring, size, False, i, self.record_bufs) for i in range(observer_mod.NUM_SLOTS)]
+        self.slots = [observer_mod._Slot(ring, size, False, i, self.record_bufs, self.tables)
+                      for i in range(observer_mod.NUM_SLOTS)]
 
     monkeypatch.setattr(observer_mod.HostObserver, "__init__", init)
     monkeypatch.setattr(observer_mod.HostObserver, "eager_read", property(lambda self: False))

@@ -46,7 +46,10 @@ class Monitor:
         # the buffers whose records name a row's writer: a late drain reads them as the step's close left them
         attributable = {(g.name, phase, kv): buf for g in canary.groups for (phase, kv), buf in g.bufs.items()
                         if buf.shape[1] >= ATTRIBUTION_STRIDE}
-        self.observer = HostObserver(canary.ring, watched, records=attributable)
+        # (and the sliding group's full->SWA table, refilled every step: a late drain finds a row's reader in the
+        # table of the row's step)
+        tables = {g.name: g.table for g in canary.groups if g.table is not None}
+        self.observer = HostObserver(canary.ring, watched, records=attributable, tables=tables)
         self._count_keys = [(g, f"plan_count_{g.name}") for g in canary.groups]
         self.violations: list[Violation] = []
         self.total_violations = 0
@@ -135,7 +138,7 @@ class Monitor:
                 log.warning("kv_canary ring overflow at step %d: %s%d violations, %d rows kept "
                             "(raise KV_CANARY_RING_CAPACITY)", obs.step, at_least, obs.count, len(obs.rows))
             self._taken = {}  # (this observation's reader assignment: _reader)
-            decoded, lead = readers.group(obs.rows, [self._decode(row, obs.step, _closed(obs, i))
+            decoded, lead = readers.group(obs.rows, [self._decode(row, obs.step, (obs, i))
                                                      for i, row in enumerate(obs.rows)])
             fresh.extend(decoded)
             leads.extend(lead)
@@ -168,9 +171,9 @@ class Monitor:
                             count, g.plan.entries.capacity)
             self.overflowing[g.name] = over
 
-    def _decode(self, row: list[int], step: int, closed=None) -> Violation:
-        """``closed(key)``: the record the row's slot held in buffer ``key`` when its step closed, where the
-        observation kept it (a late drain: ``_closed``); else the buffer is read as it is now."""
+    def _decode(self, row: list[int], step: int, closed: tuple | None = None) -> Violation:
+        """``closed``: (the observation, the row's index in it): the records and tables as the row's step closed
+        them, where the observation kept them (a late drain); else the buffers are read as they are now."""
         if is_allocator_row(row):
             return self.canary.allocator.decode(row, step)
         try:
@@ -194,7 +197,7 @@ class Monitor:
                 # record's writer, step and position name the write (a write since then stored another record)
                 attribution["written_wrong"] = self._record_key(row[1], group, rec) in self.written_wrong
             if phase != "sweep" and not (row[7] & 24):
-                attribution.update(self._reader(row, step, group, kv, phase))
+                attribution.update(self._reader(row, step, group, kv, phase, closed))
             elif phase != "sweep":
                 attribution.update(self._slot_position(row, step, group))
                 if "writer_request" not in attribution:  # (a record another write replaced, or slot 0's)
@@ -218,7 +221,7 @@ class Monitor:
         buf = self.canary._group(group).bufs[key[1:]]
         if buf.shape[1] < ATTRIBUTION_STRIDE or not 0 <= slot < buf.shape[0]:
             return None
-        rec = None if closed is None else closed(key)
+        rec = None if closed is None else _closed_record(*closed, key)
         return buf[slot].view(torch.int64).tolist() if rec is None else rec
 
     @staticmethod
@@ -242,7 +245,7 @@ class Monitor:
             out.update(writer_token=rec[R.TOKEN], writer_position=rec[R.POSITION])
         return out
 
-    def _reader(self, row: list[int], step: int, group: str, kv: str, phase: str) -> dict:
+    def _reader(self, row: list[int], step: int, group: str, kv: str, phase: str, closed=None) -> dict:
         """The request whose table reads the slot in a way that fails the row's checks: two requests may
         map one slot (the legitimate owner and the reader of the wrong KV), and only the latter's
         position, expected token and predecessor give the row's failures."""
@@ -253,7 +256,9 @@ class Monitor:
         g = self.canary._group(group)
         buf = g.bufs[phase, kv]
         rows = batch.req_pool_indices.tolist()
-        cells = verified_cells(batch, g.window, g.table)
+        tables = None if closed is None else closed[0].tables
+        table = g.table if tables is None or group not in tables else tables[group]
+        cells = verified_cells(batch, g.window, table)
         if g.table is None:
             cells += _new_cells(batch)  # after the prefix: an adapter may also verify the new tokens' reads
         candidates = [c for c in cells if c[2] == slot]
@@ -409,12 +414,12 @@ def _expected_prev_hash(buf: torch.Tensor, prev: int) -> int | None:
     return link(prev_hash, tok, pos)
 
 
-def _closed(obs: Observation, i: int):
-    """Row ``i``'s records as ``obs`` kept them (``Monitor._decode``'s ``closed``), or None."""
+def _closed_record(obs: Observation, i: int, key: tuple) -> list[int] | None:
+    """Row ``i``'s record in buffer ``key`` as ``obs`` kept it, or None."""
     records = obs.records
-    if records is None:
+    if records is None or key not in records or i >= len(records[key]):
         return None
-    return lambda key: records[key][i] if key in records and i < len(records[key]) else None
+    return records[key][i]
 
 
 def _write_key(group: str, slot: int, writer: int, step: int, position: int) -> tuple:

@@ -48,6 +48,9 @@ class Observation(NamedTuple):
     # each stored row's slot held when the step closed (None: read the buffers themselves, as the CPU's step
     # close does at once)
     records: dict | None = None
+    # per group with a full->SWA table (``HostObserver(tables=...)``): the table as the step closed it, on the host
+    # (None: read the group's table itself)
+    tables: dict | None = None
 
     @property
     def values(self) -> dict[str, list]:
@@ -57,7 +60,8 @@ class Observation(NamedTuple):
 
 
 class _Slot:
-    def __init__(self, ring: ViolationRing, size: int, cuda: bool, index: int, records: dict | None = None):
+    def __init__(self, ring: ViolationRing, size: int, cuda: bool, index: int, records: dict | None = None,
+                 tables: dict | None = None):
         self.rows = torch.empty_like(ring.rows)
         n = min(ring.capacity, RECORD_ROWS)
         device = ring.rows.device
@@ -66,6 +70,7 @@ class _Slot:
                              for b in (records or {}).values()}
         self.closed = {k: torch.zeros(n, RECORD_WORDS, dtype=torch.int64, device=device)
                         for k in (records or {})}
+        self.tables = {k: torch.zeros_like(t) for k, t in (tables or {}).items()}
         # the ring's write index, then every watched tensor flattened: one gather, one host copy
         self.small = torch.zeros(size, dtype=torch.int64, device=ring.rows.device)
         self.host_small = torch.zeros(size, dtype=torch.int64, pin_memory=True) if cuda else None
@@ -104,10 +109,14 @@ class SlotFence:
 class HostObserver:
     """Snapshots ``ring`` and ``watched`` tensors per step; ``collect`` returns finished ones in order."""
 
-    def __init__(self, ring: ViolationRing, watched: dict[str, torch.Tensor], records: dict | None = None):
+    def __init__(self, ring: ViolationRing, watched: dict[str, torch.Tensor], records: dict | None = None,
+                 tables: dict | None = None):
         """``records``: canary buffers (any keys) whose records a late drain reports from as they were at the
-        step's close (``RECORD_ROWS``); every buffer needs ``RECORD_WORDS`` words a record."""
+        step's close (``RECORD_ROWS``); every buffer needs ``RECORD_WORDS`` words a record. ``tables``: tensors
+        (any keys: the groups' full->SWA tables, refilled every step) a late drain reads as the step closed them
+        (one copy a step each, read on the host only for a step with violations)."""
         self.ring = ring
+        self.tables = dict(tables or {})
         self.record_bufs = {k: b.view(torch.int64)[:, :RECORD_WORDS] for k, b in (records or {}).items()}
         self.cuda = ring.rows.device.type == "cuda"
         self.parts = [ring.write_index] + [t.view(-1) for t in watched.values()]  # views: read at snapshot time
@@ -115,7 +124,8 @@ class HostObserver:
         for k, t in watched.items():
             self.layout[k] = (at, t.numel(), t.shape)
             at += t.numel()
-        self.slots = [_Slot(ring, at, self.cuda, i, self.record_bufs) for i in range(NUM_SLOTS if self.cuda else 1)]
+        self.slots = [_Slot(ring, at, self.cuda, i, self.record_bufs, self.tables)
+                      for i in range(NUM_SLOTS if self.cuda else 1)]
         self.streams = stream_cache(ring.rows.device) if self.cuda else None
         self.next = 0
         self.order: list[_Slot] = []
@@ -199,6 +209,8 @@ class HostObserver:
                 call(torch.clamp, slots, 0, n - 1, out=index)
             for k, words in self.record_bufs.items():
                 call(torch.index_select, words, 0, slot.record_index[words.shape[0]], out=slot.closed[k])
+        for k, table in self.tables.items():
+            call(slot.tables[k].copy_, table)
         call(torch.cat, self.parts, out=slot.small)
         call(self.ring.write_index.zero_)
         if self.cuda:
@@ -231,10 +243,12 @@ class HostObserver:
         # Rows cross to the host only when there are some: the rare, slow path.
         rows = slot.rows[:stored].cpu().tolist() if stored else []
         records = {k: r[:stored].cpu().tolist() for k, r in slot.closed.items()} if stored and slot.closed else None
+        # (read now: the next copy into this slot is issued once the caller has it)
+        tables = {k: t.to("cpu", copy=True) for k, t in slot.tables.items()} if stored and slot.tables else None
         step, meta = slot.pending
         slot.pending = None
         self.order.remove(slot)
-        return [Observation(step, meta, count, rows, small, self.layout, records)]
+        return [Observation(step, meta, count, rows, small, self.layout, records, tables)]
 
 
 def _unflatten(flat: list[int], shape: torch.Size):
