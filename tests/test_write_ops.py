@@ -45,6 +45,12 @@ def test_hash_rows_is_the_spec_hash_of_each_row_read_where_it_lies(impl, dtype, 
     out = torch.full((tokens + 3,), 77, dtype=torch.int64, device=DEVICE)  # (poisoned: unwritten cells stay 77)
     write_impl(impl).hash_rows(words=as_words(rows), out=out)
     assert out.tolist() == [_spec_hash(rows[i]) for i in range(tokens)] + [77] * 3
+    # with a flag (the write check's noted flag, set in the same launch): the same hashes, the flag 1, its
+    # neighbours untouched, rows or none
+    flags = torch.tensor([5, 0, 5], dtype=torch.int32, device=DEVICE)
+    again = torch.full_like(out, 77)
+    write_impl(impl).hash_rows(words=as_words(rows), out=again, flag=flags[1:2])
+    assert again.tolist() == out.tolist() and flags.tolist() == [5, 1, 5]
 
 
 def _pool(rng: random.Random, dtype, num_slots=48, page_size=1):

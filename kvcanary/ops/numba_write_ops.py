@@ -74,9 +74,11 @@ def _check(loc, later, offs, nr, poss, ids, writers, has_writers, num_slots, exp
                 break
 
 
-def hash_rows(*, words, out) -> None:
+def hash_rows(*, words, out, flag=None) -> None:
     if words.shape[0]:
         _hash_rows(words.numpy(), out.numpy())
+    if flag is not None:
+        flag.fill_(1)
 
 
 def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots, sources,

@@ -28,7 +28,11 @@ TABLE_COLUMNS_C = tl.constexpr(TABLE_COLUMNS)
 
 
 @triton.jit
-def _hash_rows_kernel(p_words, n, heads, width, s_t, s_h, s_w, p_out, BLOCK_T: tl.constexpr):
+def _hash_rows_kernel(p_words, n, heads, width, s_t, s_h, s_w, p_out, p_flag, BLOCK_T: tl.constexpr,
+                      HAS_FLAG: tl.constexpr):
+    if HAS_FLAG:  # (the caller's "noted" flag: set here, one launch fewer than a fill of its own)
+        if tl.program_id(0) == 0:
+            tl.store(p_flag, 1)
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < n
     p_row = p_words + o_t * s_t  # [BLOCK_T] *int64
@@ -93,13 +97,16 @@ def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_id
             tl.store(p_mark, tl.load(p_mark, mask=m_fail, other=0) ^ 1, mask=m_fail)
 
 
-def hash_rows(*, words, out) -> None:
+def hash_rows(*, words, out, flag=None) -> None:
     n = words.shape[0]
     if not n:
+        if flag is not None:
+            flag.fill_(1)
         return
     triton_ops._launch(_hash_rows_kernel, (triton_ops._cdiv(n, HASH_TOKENS),),
         p_words=words, n=n, heads=words.shape[1], width=words.shape[2], s_t=words.stride(0), s_h=words.stride(1),
-        s_w=words.stride(2), p_out=out, BLOCK_T=HASH_TOKENS,
+        s_w=words.stride(2), p_out=out, p_flag=out if flag is None else flag, BLOCK_T=HASH_TOKENS,
+        HAS_FLAG=flag is not None,
     )
 
 

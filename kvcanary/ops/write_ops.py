@@ -7,7 +7,9 @@ multiset: the Triton kernel appends with one atomic per block, so rows of severa
 - ``hash_rows(words, out)``: ``out[i]`` = the real-KV hash of one source (SPEC 3.4: ``acc = 0``; ``acc =
   splitmix64(acc ^ w)`` for each little-endian 8-byte word) over row ``i`` of ``words``, an int64 view ``[n, H, W]``
   of the K (or V) the layer handed to its cache update, words in (h, w) order: the bytes its token's slot must hold.
-  Any strides: the engine's K is usually a transposed view, read where it lies.
+  Any strides: the engine's K is usually a transposed view, read where it lies. ``flag`` (optional, a one-element
+  int32 tensor): set to 1 with the hashes (the write check's "noted" flag, in the same launch inside the engine's
+  forward).
 - ``check_writes(...)``: for each live written token (index below ``write_offsets[num_requests]``) whose slot is in
   ``[1, num_slots)`` and is the last live token of the forward written to that slot (a sliding-window cache is a
   ring: a long prefill writes one slot several times, and the last write is what stays, as in the records), and
@@ -83,12 +85,14 @@ def written_later(slot: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
 
 
 # -- scalar reference ---------------------------------------------------------------------------------
-def reference_hash_rows(*, words, out) -> None:
+def reference_hash_rows(*, words, out, flag=None) -> None:
     for i in range(words.shape[0]):
         acc = 0
         for w in words[i].reshape(-1).tolist():
             acc = splitmix64(acc ^ (w & MASK64))
         out[i] = to_signed(acc)
+    if flag is not None:
+        flag[0] = 1
 
 
 def reference_check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots,
@@ -112,8 +116,10 @@ def reference_check_writes(*, out_cache_loc, write_offsets, num_requests, positi
 
 
 # -- tensor ops ---------------------------------------------------------------------------------------
-def torch_hash_rows(*, words, out) -> None:
+def torch_hash_rows(*, words, out, flag=None) -> None:
     n = words.shape[0]
+    if flag is not None:
+        flag.fill_(1)
     if not n:
         return
     flat = words.reshape(n, -1)

@@ -206,9 +206,8 @@ class WriteCheck:
         self.kind_of[s] = kind if kind is not None else self.kind_of[s]
         if rows.dtype != source.tensor.dtype:
             rows = rows.to(source.tensor.dtype)  # (what the cache's copy stores: a cast)
-        if n:
-            self.ops.hash_rows(words=as_words(rows), out=self.expected[s])
-        self.noted[s:s + 1].fill_(1)
+        # (the noted flag set by the hash's own launch: one launch fewer per source inside the engine's forward)
+        self.ops.hash_rows(words=as_words(rows), out=self.expected[s], flag=self.noted[s:s + 1])
         self.pending = True
         self.notes += 1
 
