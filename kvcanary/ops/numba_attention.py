@@ -16,7 +16,7 @@ import torch
 
 from kvcanary.ops import numba_kernels as k
 from kvcanary.ops.attention_ops import LENGTH_BAD, MASK_BAD, allowed_of
-from kvcanary.ops.numba_views import _i64, _raw
+from kvcanary.ops.numba_views import _i64, _np, _raw
 
 jit = numba.njit(cache=True, nogil=True)
 
@@ -111,5 +111,5 @@ def check_attention(*, req_pool_indices, prefix_lens, extend_lens, positions, re
     slots = i64(key_slots) if key_slots is not None else _NONE
     pos = i64(positions)
     _check(rows, i64(prefix_lens), i64(extend_lens), pos if pos.shape[0] else np.zeros(1, np.int64), ids,
-           int(window or 0), cu, cells, lowest, slots, bool(batch_keys_only), int(launch_tag), ring.rows.numpy(),
-           ring.write_index.numpy())
+           int(window or 0), cu, cells, lowest, slots, bool(batch_keys_only), int(launch_tag), _np(ring.rows),
+           _np(ring.write_index))  # (the ring's cached views, as the other numba ops take them)
