@@ -118,7 +118,8 @@ def test_every_launched_kernel_compiles_for_sm90(monkeypatch, tmp_path):
     names = {name for _, name, _ in launches}
     assert {"_plan_kernel", "_write_kernel", "_write_lanes_kernel", "_verify_kernel", "_accept_kernel",
             "_nonfinite_kernel", "_reserved_writes_kernel", "_scatter_kernel", "_fingerprint_kernel",
-            "_attention_layout_kernel", "_attention_mask_kernel", "_attention_push_kernel"} <= names, names
+            "_attention_layout_kernel", "_attention_mask_kernel", "_attention_push_kernel", "_hash_rows_kernel",
+            "_check_writes_kernel"} <= names, names
     # compiled in a process without the interpreter: there every kernel (and every helper it calls) is Triton's
     # JIT function, as on the GPU
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

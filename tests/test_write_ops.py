@@ -26,25 +26,28 @@ def _rows(ring: ViolationRing) -> tuple:
     return int(ring.write_index[0]), sorted(map(tuple, ring.rows[:n].tolist()))
 
 
-def _spec_hash(row: torch.Tensor) -> int:
-    """SPEC 3.4's single-source hash of a row's bytes, written out."""
+def _digest(row: torch.Tensor) -> int:
+    """The write digest of a row's bytes, written out: word i (little-endian) gives splitmix64(w + (i + 1) *
+    0x9E3779B97F4A7C15), the terms summed modulo 2^64."""
     data = row.contiguous().view(torch.uint8).reshape(-1).cpu().tolist()
     acc = 0
     for k in range(0, len(data), 8):
-        acc = splitmix64(acc ^ int.from_bytes(bytes(data[k:k + 8]), "little"))
+        word = int.from_bytes(bytes(data[k:k + 8]), "little")
+        acc += splitmix64((word + (k // 8 + 1) * 0x9E3779B97F4A7C15) & MASK64)
     return to_signed(acc & MASK64)
 
 
 @pytest.mark.parametrize("impl", ["reference", *IMPLS])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [0, 1, 7, 65], ids=lambda n: f"{n}tok")
-def test_hash_rows_is_the_spec_hash_of_each_row_read_where_it_lies(impl, dtype, tokens):
+@pytest.mark.parametrize("dim", [8, 96])  # (3 x 96 elements: several tiles of words a row in the Triton kernel)
+def test_hash_rows_is_the_write_digest_of_each_row_read_where_it_lies(impl, dtype, tokens, dim):
     torch.manual_seed(tokens)
-    k = torch.randn(1, 3, tokens, 8, device=DEVICE).to(dtype)  # [1, heads, tokens, dim]: the engine's layout
+    k = torch.randn(1, 3, tokens, dim, device=DEVICE).to(dtype)  # [1, heads, tokens, dim]: the engine's layout
     rows = k[0].transpose(0, 1)  # [tokens, heads, dim], a strided view
     out = torch.full((tokens + 3,), 77, dtype=torch.int64, device=DEVICE)  # (poisoned: unwritten cells stay 77)
     write_impl(impl).hash_rows(words=as_words(rows), out=out)
-    assert out.tolist() == [_spec_hash(rows[i]) for i in range(tokens)] + [77] * 3
+    assert out.tolist() == [_digest(rows[i]) for i in range(tokens)] + [77] * 3
     # with a flag (the write check's noted flag, set in the same launch): the same hashes, the flag 1, its
     # neighbours untouched, rows or none
     flags = torch.tensor([5, 0, 5], dtype=torch.int32, device=DEVICE)
@@ -53,12 +56,31 @@ def test_hash_rows_is_the_spec_hash_of_each_row_read_where_it_lies(impl, dtype, 
     assert again.tolist() == out.tolist() and flags.tolist() == [5, 1, 5]
 
 
-def _pool(rng: random.Random, dtype, num_slots=48, page_size=1):
-    """Two sources (K and V of one layer) over a pool of pages, filled with random bytes."""
+def test_the_write_digest_changes_with_any_one_word_and_with_words_swapped():
+    from kvcanary.ops.write_ops import write_digest
+
+    rng = random.Random(3)
+    for _ in range(50):
+        words = [rng.getrandbits(64) for _ in range(rng.randint(2, 40))]
+        base = write_digest(words)
+        i, j = rng.sample(range(len(words)), 2)
+        changed = list(words)
+        changed[i] ^= 1 << rng.randrange(64)
+        swapped = list(words)
+        swapped[i], swapped[j] = swapped[j], swapped[i]
+        assert write_digest(changed) != base
+        assert words[i] == words[j] or write_digest(swapped) != base
+    # zeros, and words shifted by one place (a row written one word off), are not the row
+    words = [rng.getrandbits(64) for _ in range(16)]
+    assert write_digest([0] * 16) != write_digest(words) != write_digest([0] + words[:-1])
+
+
+def _pool(rng: random.Random, dtype, num_slots=48, page_size=1, dim=16):
+    """Two sources (K and V of one layer) over a pool of pages of ``dim`` elements a token, random bytes."""
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    k = torch.randn(num_slots // page_size, page_size * 16, generator=g).to(dtype).to(DEVICE)
-    v = torch.randn(num_slots // page_size, page_size * 16, generator=g).to(dtype).to(DEVICE)
-    nbpt = 16 * k.element_size()
+    k = torch.randn(num_slots // page_size, page_size * dim, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(num_slots // page_size, page_size * dim, generator=g).to(dtype).to(DEVICE)
+    nbpt = dim * k.element_size()
     return k, v, [RealKvSource(t, page_size=page_size, num_bytes_per_token=nbpt, read_bytes=nbpt) for t in (k, v)]
 
 
@@ -66,7 +88,8 @@ def _case(rng: random.Random, dtype, page_size=1):
     """A forward's write into a pool: each token's computed K/V rows, the cache after the writes (some planted
     wrong: V never written, V into K, a short row, another slot), and the pass's other arguments."""
     num_slots = 48
-    k_cache, v_cache, sources = _pool(rng, dtype, num_slots, page_size)
+    dim = rng.choice([16, 160])  # (160: a token's words span several tiles of the Triton kernels)
+    k_cache, v_cache, sources = _pool(rng, dtype, num_slots, page_size, dim)
     n_req = rng.randint(0, 4)
     lens = [rng.randint(0, 5) for _ in range(n_req)]
     live = sum(lens)
@@ -77,10 +100,9 @@ def _case(rng: random.Random, dtype, page_size=1):
         slots[rng.randrange(live - 1)] = slots[live - 1]  # (a ring: one slot written twice, the last one stays)
     if live and rng.random() < 0.3:
         slots[rng.randrange(live)] = rng.choice([0, -1, num_slots + 5])  # (slots the check skips)
-    width = 16 * page_size
-    comp_k = torch.randn(n, 16).to(dtype).to(DEVICE)
-    comp_v = torch.randn(n, 16).to(dtype).to(DEVICE)
-    kr, vr = k_cache.view(-1, 16), v_cache.view(-1, 16)
+    comp_k = torch.randn(n, dim).to(dtype).to(DEVICE)
+    comp_v = torch.randn(n, dim).to(dtype).to(DEVICE)
+    kr, vr = k_cache.view(-1, dim), v_cache.view(-1, dim)
     for t in range(n):
         s = slots[t]
         if not 0 <= s < num_slots:
@@ -91,8 +113,7 @@ def _case(rng: random.Random, dtype, page_size=1):
             continue  # V never written
         vr[s] = comp_v[t]
         if 0.8 < bug <= 0.9:
-            vr[s, 8:] = 0  # a write that lands short
-    assert width  # (one page row holds page_size tokens of 16 elements each)
+            vr[s, dim // 2:] = 0  # a write that lands short
     expected = torch.full((2, n + 2), 5, dtype=torch.int64, device=DEVICE)
     ref = write_impl("reference")
     ref.hash_rows(words=as_words(comp_k), out=expected[0])

@@ -1,6 +1,6 @@
 """The write check's passes as compiled CPU loops (``backend="numba"``; contract and reference in ``write_ops``).
 
-As tensor ops a row hash is a dozen int64 operations per word of the row (a K row of a small model is tens of
+As tensor ops a row's digest is a dozen int64 operations over all of its words (a K row of a small model is tens of
 words, of a 1B model 128), each a host call: here each pass is one loop over zero-copy numpy views.
 """
 
@@ -11,39 +11,46 @@ import numpy as np
 
 from kvcanary.ops import numba_kernels as k
 from kvcanary.ops.numba_views import _storage_bytes
-from kvcanary.ops.write_ops import REAL_KV, WRITE_KV
+from kvcanary.ops.write_ops import REAL_KV, WRITE_GAMMA, WRITE_KV
 
 jit = numba.njit(cache=True, nogil=True)
+GAMMA = np.uint64(WRITE_GAMMA)
 
 
 @jit
 def _hash_rows(words, out):
     for i in range(words.shape[0]):
         h = np.uint64(0)
+        at = np.uint64(0)
         for a in range(words.shape[1]):
             for b in range(words.shape[2]):
-                h = k.splitmix(h ^ np.uint64(words[i, a, b]))
+                at += GAMMA  # (word i's offset (i + 1) * WRITE_GAMMA, wrapping as uint64)
+                h += k.splitmix(np.uint64(words[i, a, b]) + at)
         out[i] = np.int64(h)
 
 
 @jit
-def _slot_hash(slot, data, words, base, row_stride, page_size, nbpt, num_rows):
-    """The SPEC 3.4 hash of one slot's nbpt bytes in one source (storage as words when ``words``, else bytes)."""
+def _slot_digest(slot, data, words, base, row_stride, page_size, nbpt, num_rows):
+    """The write digest of one slot's nbpt // 8 words in one source (storage as words when ``words``, else
+    bytes)."""
     row = slot // page_size
     if slot < 0 or row >= num_rows:
         return np.uint64(0)
     h = np.uint64(0)
+    at = np.uint64(0)
     if words:
         off = base + row * row_stride + (slot - row * page_size) * (nbpt // 8)
         for w in range(nbpt // 8):
-            h = k.splitmix(h ^ data[off + w])
+            at += GAMMA
+            h += k.splitmix(data[off + w] + at)
     else:
         off = base + row * row_stride + (slot - row * page_size) * nbpt
-        for w in range(0, nbpt, 8):
+        for w in range(0, nbpt // 8 * 8, 8):
             x = np.uint64(0)
             for b in range(8):
                 x |= np.uint64(data[off + w + b]) << np.uint64(8 * b)
-            h = k.splitmix(h ^ x)
+            at += GAMMA
+            h += k.splitmix(x + at)
     return h
 
 
@@ -58,7 +65,7 @@ def _check(loc, later, offs, nr, poss, ids, writers, has_writers, num_slots, exp
         for s in range(table.shape[0]):
             if noted[s] == 0 or slot >= table[s, 5]:
                 continue
-            h = _slot_hash(slot, datas[s], table[s, 0] != 0, table[s, 1], table[s, 2], table[s, 3], table[s, 4],
+            h = _slot_digest(slot, datas[s], table[s, 0] != 0, table[s, 1], table[s, 2], table[s, 3], table[s, 4],
                            table[s, 6])
             if np.int64(h) != expected[s, t]:
                 req = -1

@@ -1,8 +1,10 @@
 """Triton kernels of the write check (``kvcanary.ops.write_ops`` has their contract, reference and tensor-op twins).
 
-As tensor ops a row hash is a dozen launches per word of the row, each a host call of an eager step and a node of
-every captured one; here each pass is one launch. Nothing is read on the host and grids come from static sizes,
-so both can be captured in a CUDA graph (the row hash runs inside the engine's forward, which may be one).
+Each pass is one launch. Nothing is read on the host and grids come from static sizes, so both can be captured in
+a CUDA graph (the row digest runs inside the engine's forward, which may be one). Both read a block of tokens' words
+as one [tokens, words] tile per step and sum the tile's terms: the write digest's terms are independent, so the
+loads of a row are issued together and read coalesced (a row's words lie side by side), where a fold over the words
+walked one dependent load and splitmix chain per word, one lane per token.
 """
 
 from __future__ import annotations
@@ -15,12 +17,19 @@ import triton.language as tl
 
 from kvcanary.ops import triton_ops
 from kvcanary.ops.triton_hash import as_i64, push_violations, splitmix64, violation_rows
-from kvcanary.ops.write_ops import REAL_KV, WRITE_KV
+from kvcanary.ops.write_ops import REAL_KV, WRITE_GAMMA, WRITE_KV
 
 WRITE_KV_C = tl.constexpr(WRITE_KV)
 REAL_KV_C = tl.constexpr(REAL_KV)
-HASH_TOKENS = 64  # tokens per program of the row hash: each walks its row's words in order
+WRITE_GAMMA_C = tl.constexpr(WRITE_GAMMA)
+# tokens and words per tile of the row digest: a decode step's one token fits a program, a prefill's thousands
+# spread over many (16 x 64 int64 words: 8 per thread of 4 warps)
+HASH_TOKENS = 16
+HASH_WORDS = 64
+# tokens per program of the check (its "written later" scan compares a block of tokens with every later one) and
+# words per tile of a slot's digest
 CHECK_TOKENS = 64
+CHECK_WORDS = 32
 # A source's row of the check's table: its byte offset from the first source, row stride, page size, bytes per
 # token, slots.
 TABLE_COLUMNS = 5
@@ -28,8 +37,16 @@ TABLE_COLUMNS_C = tl.constexpr(TABLE_COLUMNS)
 
 
 @triton.jit
+def digest_terms(b_words, o_w, m):
+    # uint64 words [T, W] and their indices in the row (int64 [W]) -> each word's term of the write digest, 0 where
+    # ~m (write_ops.write_digest: splitmix64(w + (i + 1) * WRITE_GAMMA))
+    b_at = (o_w + 1).to(tl.uint64, bitcast=True) * WRITE_GAMMA_C
+    return tl.where(m, splitmix64(b_words + b_at[None, :]), 0)
+
+
+@triton.jit
 def _hash_rows_kernel(p_words, n, heads, width, s_t, s_h, s_w, p_out, p_flag, BLOCK_T: tl.constexpr,
-                      HAS_FLAG: tl.constexpr):
+                      BLOCK_W: tl.constexpr, HAS_FLAG: tl.constexpr):
     if HAS_FLAG:  # (the caller's "noted" flag: set here, one launch fewer than a fill of its own)
         if tl.program_id(0) == 0:
             tl.store(p_flag, 1)
@@ -37,10 +54,12 @@ def _hash_rows_kernel(p_words, n, heads, width, s_t, s_h, s_w, p_out, p_flag, BL
     m_t = o_t < n
     p_row = p_words + o_t * s_t  # [BLOCK_T] *int64
     b_acc = tl.zeros([BLOCK_T], tl.int64).to(tl.uint64, bitcast=True)
-    for h in range(heads):
-        for w in range(width):
-            b_w = tl.load(p_row + h * s_h + w * s_w, mask=m_t, other=0).to(tl.uint64, bitcast=True)
-            b_acc = splitmix64(b_acc ^ b_w)
+    for i0 in range(0, heads * width, BLOCK_W):
+        o_w = i0 + tl.arange(0, BLOCK_W).to(tl.int64)  # word indices in the row, (h, w) order
+        o_h = o_w // width
+        m = m_t[:, None] & (o_w < heads * width)[None, :]
+        b_w = tl.load(p_row[:, None] + (o_h * s_h + (o_w - o_h * width) * s_w)[None, :], mask=m, other=0)
+        b_acc += tl.sum(digest_terms(b_w.to(tl.uint64, bitcast=True), o_w, m), axis=1)
     tl.store(p_out + o_t, as_i64(b_acc), mask=m_t)
 
 
@@ -48,7 +67,7 @@ def _hash_rows_kernel(p_words, n, heads, width, s_t, s_h, s_w, p_out, p_flag, BL
 def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_ids, p_writers, num_slots, p_base,
                          p_table, num_sources, p_expected, exp_stride, p_noted, p_tags, p_layers, p_ring,
                          p_write_index, ring_capacity, p_rec, p_rec_at, rec_stride, HAS_WRITERS: tl.constexpr,
-                         MARK: tl.constexpr, BLOCK_T: tl.constexpr):
+                         MARK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     n_live = tl.minimum(tl.load(p_offsets + num_requests), num_tokens)
     m_t = o_t < n_live
@@ -72,8 +91,11 @@ def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_id
         p_tok = (p_base.to(tl.pointer_type(tl.uint8)) + offset + b_r * row_stride
                  + (b_slot - b_r * page_size) * nbpt).to(tl.pointer_type(tl.int64))
         b_acc = tl.zeros([BLOCK_T], tl.int64).to(tl.uint64, bitcast=True)
-        for w in range(nbpt // 8):
-            b_acc = splitmix64(b_acc ^ tl.load(p_tok + w, mask=m, other=0).to(tl.uint64, bitcast=True))
+        for w0 in range(0, nbpt // 8, BLOCK_W):
+            o_w = w0 + tl.arange(0, BLOCK_W).to(tl.int64)
+            m_w = m[:, None] & (o_w < nbpt // 8)[None, :]
+            b_w = tl.load(p_tok[:, None] + o_w[None, :], mask=m_w, other=0).to(tl.uint64, bitcast=True)
+            b_acc += tl.sum(digest_terms(b_w, o_w, m_w), axis=1)
         b_exp = tl.load(p_expected + s * exp_stride + o_t, mask=m, other=0)
         b_first = tl.where(m & (as_i64(b_acc) != b_exp), s, b_first)
     m_fail = b_first >= 0
@@ -106,7 +128,7 @@ def hash_rows(*, words, out, flag=None) -> None:
     triton_ops._launch(_hash_rows_kernel, (triton_ops._cdiv(n, HASH_TOKENS),),
         p_words=words, n=n, heads=words.shape[1], width=words.shape[2], s_t=words.stride(0), s_h=words.stride(1),
         s_w=words.stride(2), p_out=out, p_flag=out if flag is None else flag, BLOCK_T=HASH_TOKENS,
-        HAS_FLAG=flag is not None,
+        BLOCK_W=HASH_WORDS, HAS_FLAG=flag is not None,
     )
 
 
@@ -124,7 +146,7 @@ def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input
         p_rec=expected if records is None else records[0],  # (unread without records)
         p_rec_at=layers if records is None else _record_offsets(records),
         rec_stride=0 if records is None else records[0].stride(0), HAS_WRITERS=writer_ids is not None,
-        MARK=records is not None, BLOCK_T=CHECK_TOKENS,
+        MARK=records is not None, BLOCK_T=CHECK_TOKENS, BLOCK_W=CHECK_WORDS,
     )
 
 

@@ -4,16 +4,21 @@ compare it with what the slots it was written to hold.
 Two passes, each with one keyword signature in every implementation, agreeing bit for bit (the ring's rows as a
 multiset: the Triton kernel appends with one atomic per block, so rows of several blocks may land in either order):
 
-- ``hash_rows(words, out)``: ``out[i]`` = the real-KV hash of one source (SPEC 3.4: ``acc = 0``; ``acc =
-  splitmix64(acc ^ w)`` for each little-endian 8-byte word) over row ``i`` of ``words``, an int64 view ``[n, H, W]``
-  of the K (or V) the layer handed to its cache update, words in (h, w) order: the bytes its token's slot must hold.
-  Any strides: the engine's K is usually a transposed view, read where it lies. ``flag`` (optional, a one-element
-  int32 tensor): set to 1 with the hashes (the write check's "noted" flag, in the same launch inside the engine's
-  forward).
+- ``hash_rows(words, out)``: ``out[i]`` = the write digest of row ``i`` of ``words``, an int64 view ``[n, H, W]`` of
+  the K (or V) the layer handed to its cache update, words in (h, w) order: the bytes its token's slot must hold.
+  The write digest of words ``w_0 .. w_{m-1}`` (little-endian 8-byte words) is ``sum_i splitmix64(w_i + (i + 1) *
+  WRITE_GAMMA) mod 2^64`` (``write_digest``). It is the check's own: compared only with the digest of the slot's
+  bytes in the same forward, never stored in a record, so it need not be SPEC 3.4's fold, and unlike that fold
+  (each word waits for the one before) its terms are independent: a kernel loads a token's words as one tile and
+  sums them, where the fold walked them one dependent load and multiply chain at a time (about 13 us for one
+  decode token's 128 words on an H100). One word changed always changes it (splitmix64 is a bijection); words
+  swapped or moved change it through their index. Any strides: the engine's K is usually a transposed view, read
+  where it lies. ``flag`` (optional, a one-element int32 tensor): set to 1 with the hashes (the write check's
+  "noted" flag, in the same launch inside the engine's forward).
 - ``check_writes(...)``: for each live written token (index below ``write_offsets[num_requests]``) whose slot is in
   ``[1, num_slots)`` and is the last live token of the forward written to that slot (a sliding-window cache is a
   ring: a long prefill writes one slot several times, and the last write is what stays, as in the records), and
-  each source ``s`` whose layer was noted this forward (``noted[s] != 0``), the hash of the
+  each source ``s`` whose layer was noted this forward (``noted[s] != 0``), the write digest of the
   slot's ``num_bytes_per_token`` bytes in the source against ``expected[s, token]``; a token whose bytes differ in
   some source pushes one row, for its first such source:
   ``[tags[s], slot, position, token, s, writer request (-1 without ids), layers[s], WRITE_KV]``.
@@ -37,15 +42,32 @@ from types import SimpleNamespace
 import torch
 
 from kvcanary.format import MASK64, FailReason, RecordField, splitmix64, to_signed
-from kvcanary.ops.reference import _push_violation, _source_hash
+from kvcanary.ops.reference import _push_violation
 from kvcanary.ops.slot_ops import _live_tokens, _request_ids, _request_of
-from kvcanary.ops.torch_hash import source_hash as torch_source_hash
 from kvcanary.ops.torch_hash import splitmix64 as torch_splitmix64
 from kvcanary.ops.torch_ops import _host_reads, _push
 
 WRITE_KV = int(FailReason.WRITE_KV)
 REAL_KV = int(RecordField.REAL_KV_HASH)  # the record column a wrong write marks (``records``)
 NAMES = ("hash_rows", "check_writes")
+WRITE_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's own increment (the golden ratio's 64 fraction bits): word i's offset
+
+
+def write_digest(words) -> int:
+    """The write digest (uint64) of little-endian 8-byte words given as ints: ``sum_i splitmix64(w_i + (i + 1) *
+    WRITE_GAMMA) mod 2^64``, the scalar definition every implementation agrees with."""
+    acc = 0
+    for i, w in enumerate(words):
+        acc += splitmix64((w + (i + 1) * WRITE_GAMMA) & MASK64)
+    return acc & MASK64
+
+
+def _slot_words(src, slot: int) -> list:
+    """One slot's words in a source (its num_bytes_per_token // 8 little-endian words, as ints), read on the host."""
+    row, col = divmod(slot, src.page_size)
+    start = col * src.num_bytes_per_token
+    data = bytes(src.byte_rows()[row, start:start + src.num_bytes_per_token // 8 * 8].cpu().tolist())
+    return [int.from_bytes(data[k:k + 8], "little") for k in range(0, len(data), 8)]
 
 
 def write_impl(backend: str):
@@ -87,10 +109,7 @@ def written_later(slot: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
 # -- scalar reference ---------------------------------------------------------------------------------
 def reference_hash_rows(*, words, out, flag=None) -> None:
     for i in range(words.shape[0]):
-        acc = 0
-        for w in words[i].reshape(-1).tolist():
-            acc = splitmix64(acc ^ (w & MASK64))
-        out[i] = to_signed(acc)
+        out[i] = to_signed(write_digest([w & MASK64 for w in words[i].reshape(-1).tolist()]))
     if flag is not None:
         flag[0] = 1
 
@@ -106,7 +125,7 @@ def reference_check_writes(*, out_cache_loc, write_offsets, num_requests, positi
         for s, src in enumerate(sources):
             if int(noted[s]) == 0 or slot >= src.num_slots:
                 continue
-            if to_signed(_source_hash(src, slot, src.num_bytes_per_token)) != int(expected[s, t]):
+            if to_signed(write_digest(_slot_words(src, slot))) != int(expected[s, t]):
                 _push_violation(ring, [int(tags[s]), slot, int(positions[t]), int(input_ids[t]), s,
                                        _request_of(t, write_offsets, num_requests, writer_ids), int(layers[s]),
                                        WRITE_KV])
@@ -122,11 +141,24 @@ def torch_hash_rows(*, words, out, flag=None) -> None:
         flag.fill_(1)
     if not n:
         return
-    flat = words.reshape(n, -1)
-    acc = torch.zeros(n, dtype=torch.int64, device=words.device)
-    for k in range(flat.shape[1]):
-        acc = torch_splitmix64(acc ^ flat[:, k])
-    out[:n].copy_(acc)
+    out[:n].copy_(torch_digest(words.reshape(n, -1)))
+
+
+def torch_digest(flat: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: the write digest of each row of int64 words ``[n, m]`` (int64 addition and multiplication wrap
+    modulo 2^64 like uint64; a sum of wrapped terms is the same in any order)."""
+    offsets = torch.arange(1, flat.shape[1] + 1, dtype=torch.int64, device=flat.device) * to_signed(WRITE_GAMMA)
+    return torch_splitmix64(flat + offsets).sum(1)
+
+
+def torch_slot_digest(src, slots: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: the write digest of each slot's words in one source (``slots`` inside it; ``_slot_words``)."""
+    row = torch.div(slots, src.page_size, rounding_mode="floor")
+    base = (slots - row * src.page_size) * src.num_bytes_per_token
+    o_byte = torch.arange(src.num_bytes_per_token // 8 * 8, device=slots.device)
+    # (gathered bytes are contiguous per slot: 8 of them view as one little-endian word)
+    data = src.byte_rows()[row[:, None], base[:, None] + o_byte].contiguous()
+    return torch_digest(data.view(torch.int64))
 
 
 def torch_check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input_ids, writer_ids, num_slots,
@@ -141,7 +173,7 @@ def torch_check_writes(*, out_cache_loc, write_offsets, num_requests, positions,
     bad = []
     for s, src in enumerate(sources):
         inside = live & (slot < src.num_slots) & (noted[s] != 0)
-        h = torch_source_hash(src, torch.where(inside, slot, 0), src.num_bytes_per_token)
+        h = torch_slot_digest(src, torch.where(inside, slot, 0))
         bad.append(inside & (h != expected[s, :n]))
     bad = torch.stack(bad, 1)  # [n, S]
     hit = bad.any(1)

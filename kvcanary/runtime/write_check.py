@@ -10,10 +10,10 @@ sources of its own over the other layers' cache rows (the records do not change;
 
 - inside the forward, where the engine hands a layer's computed K and V to its cache update, the engine (or
   its adapter) calls ``canary.write_check.note_layer(layer, k, v)`` (after naming each layer's cache rows
-  once, ``name_layers``), or ``note(source, rows)`` per real-KV source: one hash per token of the rows' bytes
-  (the real-KV hash of SPEC 3.4 over every byte of the token) into a static ``expected[source, token]`` buffer,
+  once, ``name_layers``), or ``note(source, rows)`` per real-KV source: one digest per token of the rows' bytes
+  (the write digest over every word of the token, ``ops.write_ops``) into a static ``expected[source, token]`` buffer,
   and a flag that the source was noted this forward (device ops only: capturable in the engine's CUDA graph, no sync);
-- at TAIL, one pass per group over the forward's live written tokens hashes each noted source's bytes of the
+- at TAIL, one pass per group over the forward's live written tokens digests each noted source's bytes of the
   token's slot and compares: a token whose bytes differ pushes one ``write_kv`` row for its first such source,
   naming the slot, position, token, writer and layer, and marks the slot's TAIL record (bit 0 of its real-KV hash
   flipped), so that every later read of the slot fails verify under its reader's name (the writer's next steps, a
