@@ -211,6 +211,12 @@ class StepGraphs:
         self.inline = True
         return e.batch
 
+    def after_on_side(self, batch) -> None:
+        """A step's after work from the after plans on the side stream, behind its before work and the forward,
+        as ``after_forward`` runs it: a general captured step's, and an eager step's of a captured runner."""
+        with self.s.engine_stream():
+            self.afters.on_side(batch)
+
     def after(self, batch) -> None:
         """The after hook of a captured step (``_inline`` or ``_general`` launched it): its after work from the
         runner's after plans (``after.py``), then its close. An inline step's runs on the same stream after the
@@ -223,8 +229,7 @@ class StepGraphs:
             return
         s = self.s
         if general:
-            with s.engine_stream():
-                self.afters.on_side(batch)
+            self.after_on_side(batch)
             return
         c = s.canary
         if c.launcher.run_here(self.afters.here, batch, s.source.inputs.compute_stream):

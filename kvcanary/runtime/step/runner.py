@@ -224,10 +224,8 @@ class StepRunner:
             graphs.after(self.batch)
         elif graphs is not None and graphs.afters.takes_eager():
             # an eager step of a captured runner (a step its graphs cannot take: the block-table path, a
-            # sliding-window group, the token oracle): its after work from the same after plans, on the side
-            # stream behind its HEAD, as after_forward runs it
-            with self.engine_stream():
-                graphs.afters.on_side(self.batch)
+            # sliding-window group, the token oracle): its after work from the same after plans
+            graphs.after_on_side(self.batch)
         elif self.steady is None or not self.steady.after(self.batch):
             with self.engine_stream():
                 self.canary.after_forward(self.batch)
