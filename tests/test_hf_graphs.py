@@ -266,8 +266,10 @@ def late_drain(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="the CPU stand-in of CUDA's late drain (on CUDA it is the observer's own)")
-@pytest.mark.parametrize("bug", ["write-k-only", "sliding-v-into-k"])
-def test_a_late_drain_reports_what_the_step_close_reports(llama, monkeypatch, bug):
+@pytest.mark.parametrize("bug,backend", [("write-k-only", GRAPHED_BACKEND), ("sliding-v-into-k", GRAPHED_BACKEND),
+                                         pytest.param("write-k-only", "triton", marks=TRITON)],
+                         ids=["write-k-only", "sliding-v-into-k", "write-k-only-triton"])
+def test_a_late_drain_reports_what_the_step_close_reports(llama, monkeypatch, bug, backend):
     # A step's rows decoded steps after its check (CUDA's drain): by then the slot a row names may hold another
     # record, and the sliding group's full->SWA table is another step's. write-k-only: the wrong write's copy (slot
     # 1440, a fork's copy of the written block) is read at steps 2 and 3, then the prefix cache maps its reader back
@@ -275,13 +277,14 @@ def test_a_late_drain_reports_what_the_step_close_reports(llama, monkeypatch, bu
     # from that record, the read named that request as its writer, "a write of position 8 landed in a slot still
     # read as position 4", and lost the flag of a read of a wrong write. sliding-v-into-k: decoded through a later
     # step's table, a read of a sliding slot named no reader. The snapshot keeps each row's record and the table as
-    # the step closed them: the reports are the eager close's, line for line.
+    # the step closed them: the reports are the eager close's, line for line. (Triton: the snapshot's rows and
+    # records copied by its one-launch pass, ops/triton_snapshot.py.)
     set_device_bounds(monkeypatch)
     model, kw = (llama, {}) if bug == "write-k-only" else (build_tiny_model(DEV, sliding_window=8),
                                                           dict(max_new_tokens=14))
     eager = run_workload(model, bug=bug, backend="torch", **kw)
     late_drain(monkeypatch)
-    late, _ = graphed_run(model, monkeypatch, bug=bug, **kw)
+    late, _ = graphed_run(model, monkeypatch, backend, bug=bug, **kw)
     assert [str(v) for v in late.violations] == [str(v) for v in eager.violations]
     reads = [v for v in late.violations if v.reasons == ("verify_real_kv_hash",)]
     assert reads and all(v.written_wrong and v.writer_position is None for v in reads)

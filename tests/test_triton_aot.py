@@ -91,6 +91,12 @@ def _recorded_launches(monkeypatch) -> dict:
     pool = torch.zeros(4, 8, dtype=torch.int32)
     ops.scatter_req_token_ids(torch.arange(1, 8), torch.tensor([0, 4, 7]), torch.tensor([1, 3]), pool, backend="triton")
     ops.fingerprint(torch.arange(4), [kv_source(8, torch.bfloat16, 2)], backend="triton")
+    # the step snapshot's pass, which only CUDA's observer launches (the CPU reads the ring in place)
+    from kvcanary.ops.snapshot_ops import snapshot_impl
+
+    rows, recs = torch.zeros(64, 8, dtype=torch.int64), torch.zeros(5, 8, dtype=torch.int64)
+    snapshot_impl("triton").snapshot_rows(rows=rows, write_index=torch.tensor([3]), out_rows=torch.zeros_like(rows),
+                                          records=[recs[:, :6]], out_records=torch.zeros(1, 16, 6, dtype=torch.int64))
     return seen
 
 
@@ -119,7 +125,7 @@ def test_every_launched_kernel_compiles_for_sm90(monkeypatch, tmp_path):
     assert {"_plan_kernel", "_write_kernel", "_write_lanes_kernel", "_verify_kernel", "_accept_kernel",
             "_nonfinite_kernel", "_reserved_writes_kernel", "_scatter_kernel", "_fingerprint_kernel",
             "_attention_layout_kernel", "_attention_mask_kernel", "_attention_push_kernel", "_hash_rows_kernel",
-            "_check_writes_kernel"} <= names, names
+            "_check_writes_kernel", "_snapshot_kernel"} <= names, names
     # compiled in a process without the interpreter: there every kernel (and every helper it calls) is Triton's
     # JIT function, as on the GPU
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -16,6 +16,7 @@ from kvcanary.format import (
     link,
     to_unsigned,
 )
+from kvcanary.ops.api import resolve_backend
 from kvcanary.runtime import readers
 from kvcanary.runtime.abort import Aborts
 from kvcanary.runtime.allocator import is_allocator_row
@@ -49,7 +50,8 @@ class Monitor:
         # (and the sliding group's full->SWA table, refilled every step: a late drain finds a row's reader in the
         # table of the row's step)
         tables = {g.name: g.table for g in canary.groups if g.table is not None}
-        self.observer = HostObserver(canary.ring, watched, records=attributable, tables=tables)
+        self.observer = HostObserver(canary.ring, watched, records=attributable, tables=tables,
+                                     backend=resolve_backend(canary.config.backend, canary.device))
         self._count_keys = [(g, f"plan_count_{g.name}") for g in canary.groups]
         self.violations: list[Violation] = []
         self.total_violations = 0

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvcanary.ops.snapshot_ops import record_table, snapshot_impl
 from kvcanary.ops.types import ViolationRing
 from kvcanary.runtime.graphs import EagerGraphs, eager
 from kvcanary.runtime.streams import event_query, event_synchronize, record_event, stream_cache
@@ -65,11 +66,10 @@ class _Slot:
         self.rows = torch.empty_like(ring.rows)
         n = min(ring.capacity, RECORD_ROWS)
         device = ring.rows.device
-        # the rows' slots clamped into each buffer size (one per size), and the records gathered at them
-        self.record_index = {b.shape[0]: torch.zeros(n, dtype=torch.int64, device=device)
-                             for b in (records or {}).values()}
-        self.closed = {k: torch.zeros(n, RECORD_WORDS, dtype=torch.int64, device=device)
-                        for k in (records or {})}
+        # the records gathered at the rows' slots, one [n, RECORD_WORDS] block per attributable buffer (``closed``:
+        # views of one tensor, the snapshot pass's one output)
+        self.closed_all = torch.zeros(len(records or {}), n, RECORD_WORDS, dtype=torch.int64, device=device)
+        self.closed = {k: self.closed_all[i] for i, k in enumerate(records or {})}
         self.tables = {k: torch.zeros_like(t) for k, t in (tables or {}).items()}
         # the ring's write index, then every watched tensor flattened: one gather, one host copy
         self.small = torch.zeros(size, dtype=torch.int64, device=ring.rows.device)
@@ -110,14 +110,18 @@ class HostObserver:
     """Snapshots ``ring`` and ``watched`` tensors per step; ``collect`` returns finished ones in order."""
 
     def __init__(self, ring: ViolationRing, watched: dict[str, torch.Tensor], records: dict | None = None,
-                 tables: dict | None = None):
+                 tables: dict | None = None, backend: str = "torch"):
         """``records``: canary buffers (any keys) whose records a late drain reports from as they were at the
         step's close (``RECORD_ROWS``); every buffer needs ``RECORD_WORDS`` words a record. ``tables``: tensors
         (any keys: the groups' full->SWA tables, refilled every step) a late drain reads as the step closed them
-        (one copy a step each, read on the host only for a step with violations)."""
+        (one copy a step each, read on the host only for a step with violations). ``backend``: the resolved
+        backend whose snapshot pass copies the rows and records (``ops.snapshot_ops``)."""
         self.ring = ring
         self.tables = dict(tables or {})
         self.record_bufs = {k: b.view(torch.int64)[:, :RECORD_WORDS] for k, b in (records or {}).items()}
+        self.snapshot_rows = snapshot_impl(backend).snapshot_rows
+        self.record_list = list(self.record_bufs.values())
+        self.record_at = record_table(self.record_list, ring.rows.device) if backend == "triton" else None
         self.cuda = ring.rows.device.type == "cuda"
         self.parts = [ring.write_index] + [t.view(-1) for t in watched.values()]  # views: read at snapshot time
         self.layout, at = {}, 1
@@ -202,13 +206,9 @@ class HostObserver:
         return Observation(step, dict(host_meta), count, rows, small, self.layout)
 
     def _copy(self, slot: _Slot, call) -> None:
-        call(slot.rows.copy_, self.ring.rows)
-        if slot.closed:  # (a few launches a step, on the stream the step's TAIL ran on, after it)
-            slots = slot.rows[:next(iter(slot.closed.values())).shape[0], 1]
-            for n, index in slot.record_index.items():
-                call(torch.clamp, slots, 0, n - 1, out=index)
-            for k, words in self.record_bufs.items():
-                call(torch.index_select, words, 0, slot.record_index[words.shape[0]], out=slot.closed[k])
+        # the stored rows and their slots' records (one launch with Triton, on the stream the step's TAIL ran on)
+        call(self.snapshot_rows, rows=self.ring.rows, write_index=self.ring.write_index, out_rows=slot.rows,
+             records=self.record_list, record_at=self.record_at, out_records=slot.closed_all if slot.closed else None)
         for k, table in self.tables.items():
             call(slot.tables[k].copy_, table)
         call(torch.cat, self.parts, out=slot.small)
