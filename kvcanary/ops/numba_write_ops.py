@@ -10,7 +10,7 @@ import numba
 import numpy as np
 
 from kvcanary.ops import numba_kernels as k
-from kvcanary.ops.numba_views import _storage_bytes
+from kvcanary.ops.numba_views import _np, _storage_bytes
 from kvcanary.ops.write_ops import REAL_KV, WRITE_GAMMA, WRITE_KV
 
 jit = numba.njit(cache=True, nogil=True)
@@ -103,7 +103,7 @@ def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input
                                   host_reads=host_reads)
     i64 = lambda t: t.numpy().astype(np.int64, copy=False)  # noqa: E731
     writers = i64(writer_ids) if writer_ids is not None else np.zeros(1, dtype=np.int64)
-    widx = ring.write_index.numpy()
+    widx = _np(ring.write_index)  # (the ring's cached views, as the other numba ops take them)
     loc = i64(out_cache_loc)
     live = min(loc.shape[0], expected.shape[1], int(write_offsets[num_requests]))
     # (a tuple of one array type either way: numba compiles one signature)
@@ -111,7 +111,7 @@ def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input
     recs = tuple(r.numpy() for r in records) if records is not None else unmarked
     _check(loc, _written_later(loc[:live]), i64(write_offsets), int(num_requests), i64(positions), i64(input_ids),
            writers, writer_ids is not None, int(num_slots), expected.numpy(), noted.numpy(), tags.numpy(),
-           layers.numpy(), table, datas, ring.rows.numpy(), widx, recs, records is not None)
+           layers.numpy(), table, datas, _np(ring.rows), widx, recs, records is not None)
 
 
 def _written_later(loc: np.ndarray) -> np.ndarray:

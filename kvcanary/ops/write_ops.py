@@ -23,10 +23,11 @@ multiset: the Triton kernel appends with one atomic per block, so rows of severa
   some source pushes one row, for its first such source:
   ``[tags[s], slot, position, token, s, writer request (-1 without ids), layers[s], WRITE_KV]``.
   With ``records`` (per source, the int64 word view ``[slots, stride / 8]`` of the TAIL record buffer whose
-  REAL_KV_HASH covers it), that row's slot also gets bit 0 of its REAL_KV_HASH in ``records[s]`` flipped: TAIL stored the hash
-  of the bytes the slot holds, so the record then matches no read of those bytes, and every later reader of the
-  slot (the writer's next steps, a request sharing the block, a fork) fails ``verify_real_kv_hash`` under its own
-  name, until a write of the slot stores a new record. (Once per slot and pass: one token per slot is compared.)
+  REAL_KV_HASH covers it), that row's slot also gets bit 0 of its REAL_KV_HASH in ``records[s]`` flipped: TAIL
+  stored the hash of the bytes the slot holds, so the record then matches no read of those bytes, and every later
+  reader of the slot (the writer's next steps, a request sharing the block, a fork) fails ``verify_real_kv_hash``
+  under its own name, until a write of the slot stores a new record. (Once per slot and pass: one token per slot
+  is compared.)
 
 Implementations: ``reference_*`` (scalar loops, the oracle), ``torch_*`` (tensor ops, any device), ``numba_*`` (the
 CPU backend's compiled loops, ``numba_write_ops``) and ``kvcanary.ops.triton_write_ops`` (one kernel per pass, the
