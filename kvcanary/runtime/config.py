@@ -101,7 +101,7 @@ class CanaryConfig:
         poison_on_free: debug: ``Canary.poison_slots`` fills freed slots' KV with a NaN pattern, so a read of a freed slot fails its real-KV check.
         check_before_forward: read what HEAD found before the engine's forward runs (a device sync per forward on CUDA), so a bad read is reported, in mode "raise" raised, before the forward can fail on it.
         write_check: compare the KV bytes each written slot holds after the forward with the KV the layer computed for its token (the layers of ``write_check_layers``, K and V, where the engine hands the computed K/V over; docs/write_check.md); off: no hash at the cache update, no TAIL pass.
-        write_check_layers: which layers the write check compares: "fingerprinted" (the real-KV hash's layers: by default the first layer's K and the last layer's V) | "all" (every attention layer's K and V the engine names; costs a row hash per layer at each cache update, docs/write_check.md "Cost").
+        write_check_layers: which layers the write check compares: "fingerprinted" (the real-KV hash's layers: by default the first layer's K and the last layer's V) | "all" (every attention layer's K and V the engine names; costs a row digest per layer at each cache update, docs/write_check.md "Cost").
         attention_check: compare the attention metadata the engine hands its kernel (per-request key lengths, the attention mask) with the read index the canary verified (docs/write_check.md).
         allocator_check_interval: check the allocator invariants (docs/allocator.md) every N steps where the engine gives a snapshot (``Canary.watch_allocator``); 0 = off.
     """
