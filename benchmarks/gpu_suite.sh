@@ -15,8 +15,9 @@
 #                                         # graphs (faster there), ROUNDS alternating rounds (default 6); ARMS:
 #                                         # the decode workloads' arms (add canary_fast_nochecks: both checks off)
 #   bash benchmarks/gpu_suite.sh account    # where the time of the goal's short-margin workloads goes (carries
-#                                         # wheels/): call_trace.py's GPU busy time, CUDA calls and kernels per call,
-#                                         # 1B batch 1 at 4,096 (graphs) and 8B prefill (no graphs), about 5 minutes
+#                                         # wheels/): the traced kernels' op tests natively, then call_trace.py's GPU
+#                                         # busy time, CUDA calls and kernels per call (the canary's own listed),
+#                                         # 1B batch 1 at 4,096 (graphs) and 8B prefill (no graphs), about 6 minutes
 #   bash benchmarks/gpu_suite.sh fastpath # the fast path's open questions in one call (about 5 minutes; carries
 #                                         # wheels/ and wheels_sglang/): SGLang's kernels with and without the
 #                                         # decode-write lane kernel, the 1B prefill call trace, 1B user cost
@@ -138,6 +139,10 @@ case "$part" in
   account)
     t=${T525:-/tmp/t525}
     [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
+    # the kernels the traces time, natively against the reference first (the write digest, the step snapshot: a
+    # wrong kernel would show as violations in the traces, a right one is told apart here; about 30 s)
+    COLUMNS=250 timeout 90 $py -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_write_ops.py \
+      tests/test_snapshot_ops.py 2>&1 | tee "$OUT/account_tests.log" | tail -3
     PYTHONPATH=$t:$PYTHONPATH timeout 170 $py benchmarks/call_trace.py --model-size 1b --workload batch1_4k --top 14 \
       --arms fast,canary_fast,canary_fast_nochecks \
       > "$OUT/trace_1b_batch1_4k.txt" 2>&1; head -60 "$OUT/trace_1b_batch1_4k.txt"
