@@ -354,3 +354,21 @@ def test_a_wrong_write_marks_exactly_its_slots_record_so_no_later_read_matches(i
         assert marked == rows[0] == len({r[1] for r in rows[1]})  # (one cell per reported slot)
         found += marked
     assert found >= 3  # (the cases plant wrong writes)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_source_without_rows_is_skipped_and_the_others_compared(impl):
+    # (a group's pool may hold no rows yet for one source: its slots are outside it, nothing of it is read)
+    empty = RealKvSource(torch.zeros(0, 16, dtype=torch.float16, device=DEVICE), page_size=1, num_bytes_per_token=32,
+                         read_bytes=32)
+    rng = random.Random(9)
+    _, _, (full, _) = _pool(rng, torch.float16)
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    args = dict(out_cache_loc=t([1, 2]), write_offsets=t([0, 2]), num_requests=1, positions=t([0, 1]),
+                input_ids=t([5, 6]), writer_ids=None, num_slots=8, sources=[empty, full],
+                expected=torch.zeros(2, 4, dtype=torch.int64, device=DEVICE),
+                noted=torch.tensor([1, 1], dtype=torch.int32, device=DEVICE), tags=t([1, 2]), layers=t([0, 3]))
+    want, got = ViolationRing.allocate(16, DEVICE), ViolationRing.allocate(16, DEVICE)
+    write_impl("reference").check_writes(**args, ring=want)
+    write_impl(impl).check_writes(**args, ring=got)
+    assert _rows(got) == _rows(want) and _rows(want)[0] == 2  # (both tokens, from the source with rows)

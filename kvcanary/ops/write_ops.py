@@ -153,7 +153,10 @@ def torch_digest(flat: torch.Tensor) -> torch.Tensor:
 
 
 def torch_slot_digest(src, slots: torch.Tensor) -> torch.Tensor:
-    """int64 [n]: the write digest of each slot's words in one source (``slots`` inside it; ``_slot_words``)."""
+    """int64 [n]: the write digest of each slot's words in one source (``slots`` inside it; ``_slot_words``); 0s
+    for a source without rows (none of its slots is compared)."""
+    if src.tensor.shape[0] == 0:
+        return torch.zeros_like(slots)
     row = torch.div(slots, src.page_size, rounding_mode="floor")
     base = (slots - row * src.page_size) * src.num_bytes_per_token
     o_byte = torch.arange(src.num_bytes_per_token // 8 * 8, device=slots.device)
