@@ -161,12 +161,12 @@ class HostObserver:
 
             def both(call):
                 body(call)
-                self._copy(slot, call)
+                self.copy_into(slot, call)
             self.graphs.run(key0 + key, both, seen_as=key0)  # (TAIL ran before: its kernels are compiled)
         else:
             if before is not None:
                 self.graphs.run(*before)
-            self.graphs.run(key, lambda call: self._copy(slot, call))
+            self.graphs.run(key, lambda call: self.copy_into(slot, call))
         return done + self.taken(slot, step, host_meta)
 
     @property
@@ -176,7 +176,7 @@ class HostObserver:
 
     def take_slot(self) -> tuple[_Slot, list[Observation]]:
         """The slot the next snapshot copies into, and the observation it held (finished first: the
-        copy overwrites it). ``_copy`` into it, then ``taken``."""
+        copy overwrites it). ``copy_into`` it, then ``taken``."""
         slot = self.slots[self.next]
         self.next = (self.next + 1) % len(self.slots)
         return slot, (self._finish(slot) if slot.pending is not None else [])
@@ -188,7 +188,7 @@ class HostObserver:
         if not self.cuda:
             return self.collect(block=True)
         slot.records += 1
-        record_event(slot.event, self.streams.current())  # after the copy into pinned memory (_copy)
+        record_event(slot.event, self.streams.current())  # after the copy into pinned memory (copy_into)
         return []
 
     def _read_now(self, step: int, host_meta: dict) -> Observation:
@@ -205,7 +205,9 @@ class HostObserver:
         self._host_parts[0][0] = 0  # the ring's write index
         return Observation(step, dict(host_meta), count, rows, small, self.layout)
 
-    def _copy(self, slot: _Slot, call) -> None:
+    def copy_into(self, slot: _Slot, call) -> None:
+        """The step's snapshot copy into ``slot`` (``take_slot``), its launches through ``call`` (eager, or a
+        recorder's: the step recorders capture it with their own work)."""
         # the stored rows and their slots' records (one launch with Triton, on the stream the step's TAIL ran on)
         call(self.snapshot_rows, rows=self.ring.rows, write_index=self.ring.write_index, out_rows=slot.rows,
              records=self.record_list, record_at=self.record_at, out_records=slot.closed_all if slot.closed else None)

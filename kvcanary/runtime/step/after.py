@@ -52,12 +52,11 @@ from contextlib import nullcontext
 import torch
 
 from kvcanary.runtime.graphs import capture, eager, replay_of
+from kvcanary.runtime.observer import COMBINE_SIGHTINGS  # (a key's TAIL and snapshot copy as one recording after it)
 from kvcanary.runtime.step.plans import Plan, Plans
 from kvcanary.runtime.streams import capturing
 
 EAGER_SIGHTINGS = 1  # an after key's steps run eagerly before its capture (as a before plan's: graphs.py)
-# A key's TAIL and snapshot copy become one recording per slot once the key has closed this many steps.
-COMBINE_SIGHTINGS = 32
 MAX_AFTER = 32  # recordings kept: a few (bs, T) keys, the three snapshot slots, the combined ones per slot
 
 
@@ -119,17 +118,17 @@ class AfterPlans:
         if seen <= EAGER_SIGHTINGS:
             c.device_after(batch)
             if slot is not None:
-                obs._copy(slot, eager)
+                obs.copy_into(slot, eager)
             return
         if slot is not None and seen > COMBINE_SIGHTINGS:
             def both():
                 c.device_after(batch)
-                obs._copy(slot, eager)
+                obs.copy_into(slot, eager)
             self._replay((key, slot.key[1]), both)
             return
         self._replay(key, lambda: c.device_after(batch))
         if slot is not None:
-            self._replay(slot.key, lambda: obs._copy(slot, eager))
+            self._replay(slot.key, lambda: obs.copy_into(slot, eager))
 
     def _replay(self, key, body) -> None:
         """Replay the plan of ``key``, captured from ``body()`` first if there is none."""

@@ -216,7 +216,7 @@ class FusedSteps:
                 # TAIL verify and write, the device step, the non-finite KV check (as every unfused step runs them)
                 self.s.canary.device_after(e.batch)
                 if slot is not None:
-                    obs._copy(slot, eager)
+                    obs.copy_into(slot, eager)
 
         side = launcher.streams.side() if self.cache is not None else None  # (CUDA)
         waits = None
