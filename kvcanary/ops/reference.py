@@ -48,15 +48,20 @@ def _push_violation(ring, row: list[int]) -> None:
         ring.rows[i] = torch.tensor([to_signed(v) for v in row], dtype=torch.int64)
 
 
-def _source_hash(src, slot: int, num_bytes: int) -> int:
+def _slot_words(src, slot: int, num_bytes: int) -> list[int]:
+    """The first ``num_bytes`` bytes of a slot (inside the source) as little-endian words (the last one short
+    where ``num_bytes`` is not a multiple of 8), read on the host."""
     row, col = divmod(slot, src.page_size)
-    acc = 0
-    if slot < 0 or row >= src.tensor.shape[0]:
-        return acc
     start = col * src.num_bytes_per_token
-    data = src.byte_rows()[row, start:start + num_bytes].cpu().tolist()
-    for k in range(0, num_bytes, 8):
-        word = int.from_bytes(bytes(data[k:k + 8]), "little")
+    data = bytes(src.byte_rows()[row, start:start + num_bytes].cpu().tolist())
+    return [int.from_bytes(data[k:k + 8], "little") for k in range(0, num_bytes, 8)]
+
+
+def _source_hash(src, slot: int, num_bytes: int) -> int:
+    acc = 0
+    if slot < 0 or slot // src.page_size >= src.tensor.shape[0]:
+        return acc
+    for word in _slot_words(src, slot, num_bytes):
         acc = splitmix64(acc ^ word)
     return acc
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kvcanary.ops import triton_ops
+from kvcanary.ops.snapshot_ops import record_table
 
 SNAPSHOT_ROWS = 64  # rows per program
 ROW_WORDS = 8  # a violation row's fields
@@ -40,8 +41,6 @@ def snapshot_rows(*, rows, write_index, out_rows, records, record_at=None, out_r
     capacity = rows.shape[0]
     has_records = out_records is not None and len(records) > 0
     if record_at is None and has_records:
-        from kvcanary.ops.snapshot_ops import record_table
-
         record_at = record_table(records, rows.device)
     words = out_records.shape[2] if has_records else 1
     triton_ops._launch(_snapshot_kernel, (triton_ops._cdiv(capacity, SNAPSHOT_ROWS),),

@@ -43,7 +43,7 @@ from types import SimpleNamespace
 import torch
 
 from kvcanary.format import MASK64, FailReason, RecordField, splitmix64, to_signed
-from kvcanary.ops.reference import _push_violation
+from kvcanary.ops.reference import _push_violation, _slot_words
 from kvcanary.ops.slot_ops import _live_tokens, _request_ids, _request_of
 from kvcanary.ops.torch_hash import splitmix64 as torch_splitmix64
 from kvcanary.ops.torch_ops import _host_reads, _push
@@ -61,14 +61,6 @@ def write_digest(words) -> int:
     for i, w in enumerate(words):
         acc += splitmix64((w + (i + 1) * WRITE_GAMMA) & MASK64)
     return acc & MASK64
-
-
-def _slot_words(src, slot: int) -> list:
-    """One slot's words in a source (its num_bytes_per_token // 8 little-endian words, as ints), read on the host."""
-    row, col = divmod(slot, src.page_size)
-    start = col * src.num_bytes_per_token
-    data = bytes(src.byte_rows()[row, start:start + src.num_bytes_per_token // 8 * 8].cpu().tolist())
-    return [int.from_bytes(data[k:k + 8], "little") for k in range(0, len(data), 8)]
 
 
 def write_impl(backend: str):
@@ -126,7 +118,8 @@ def reference_check_writes(*, out_cache_loc, write_offsets, num_requests, positi
         for s, src in enumerate(sources):
             if int(noted[s]) == 0 or slot >= src.num_slots:
                 continue
-            if to_signed(write_digest(_slot_words(src, slot))) != int(expected[s, t]):
+            words = _slot_words(src, slot, src.num_bytes_per_token // 8 * 8)
+            if to_signed(write_digest(words)) != int(expected[s, t]):
                 _push_violation(ring, [int(tags[s]), slot, int(positions[t]), int(input_ids[t]), s,
                                        _request_of(t, write_offsets, num_requests, writer_ids), int(layers[s]),
                                        WRITE_KV])
@@ -153,8 +146,8 @@ def torch_digest(flat: torch.Tensor) -> torch.Tensor:
 
 
 def torch_slot_digest(src, slots: torch.Tensor) -> torch.Tensor:
-    """int64 [n]: the write digest of each slot's words in one source (``slots`` inside it; ``_slot_words``); 0s
-    for a source without rows (none of its slots is compared)."""
+    """int64 [n]: the write digest of each slot's num_bytes_per_token // 8 words in one source (``slots`` inside
+    it); 0s for a source without rows (none of its slots is compared)."""
     if src.tensor.shape[0] == 0:
         return torch.zeros_like(slots)
     row = torch.div(slots, src.page_size, rounding_mode="floor")
