@@ -84,20 +84,21 @@ def _pool(rng: random.Random, dtype, num_slots=48, page_size=1, dim=16):
     return k, v, [RealKvSource(t, page_size=page_size, num_bytes_per_token=nbpt, read_bytes=nbpt) for t in (k, v)]
 
 
-def _case(rng: random.Random, dtype, page_size=1):
+def _case(rng: random.Random, dtype, page_size=1, num_slots=48, max_len=5, max_pad=3, min_requests=0):
     """A forward's write into a pool: each token's computed K/V rows, the cache after the writes (some planted
     wrong: V never written, V into K, a short row, another slot), and the pass's other arguments."""
-    num_slots = 48
     dim = rng.choice([16, 160])  # (160: a token's words span several tiles of the Triton kernels)
     k_cache, v_cache, sources = _pool(rng, dtype, num_slots, page_size, dim)
-    n_req = rng.randint(0, 4)
-    lens = [rng.randint(0, 5) for _ in range(n_req)]
+    n_req = rng.randint(min_requests, 4)
+    lens = [rng.randint(0, max_len) for _ in range(n_req)]
     live = sum(lens)
-    pad = rng.randint(0, 3)
+    pad = rng.randint(0, max_pad)
     n = live + pad
     slots = rng.sample(range(1, num_slots), live) + [0] * pad
     if live >= 2 and rng.random() < 0.5:
         slots[rng.randrange(live - 1)] = slots[live - 1]  # (a ring: one slot written twice, the last one stays)
+    if live >= 2 and rng.random() < 0.5:
+        slots[0] = slots[live - 1]  # (the same, the two writes often in different blocks of tokens)
     if live and rng.random() < 0.3:
         slots[rng.randrange(live)] = rng.choice([0, -1, num_slots + 5])  # (slots the check skips)
     comp_k = torch.randn(n, dim).to(dtype).to(DEVICE)
@@ -165,6 +166,24 @@ def test_check_writes_agrees_with_the_reference(impl, page_size, seed):
     assert _rows(got) == _rows(want)
     # with the record buffers: the same rows, and the same records marked
     (ref_rows, ref_bufs), (rows, bufs) = _check_both(impl, args, seed)[0]
+    assert rows == ref_rows == _rows(want)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("seed", range(4))
+def test_check_writes_over_many_tokens_and_padding_agrees_with_the_reference(impl, seed):
+    # up to 80 live tokens and 60 padding ones: several of the Triton kernel's blocks of tokens, blocks past the
+    # live tokens (they return at once), a slot written in one block and again in a later one
+    rng = random.Random(1000 + seed)
+    args = _case(rng, DTYPES[seed % len(DTYPES)], page_size=1 + 3 * (seed % 2), num_slots=128, max_len=20,
+                 max_pad=60, min_requests=3)
+    assert int(args["write_offsets"][args["num_requests"]]) > 16  # (live tokens over several blocks of 16)
+    want, got = ViolationRing.allocate(256, DEVICE), ViolationRing.allocate(256, DEVICE)
+    write_impl("reference").check_writes(**args, ring=want)
+    write_impl(impl).check_writes(**args, ring=got)
+    assert _rows(got) == _rows(want)
+    (ref_rows, ref_bufs), (rows, bufs) = _check_both(impl, args, seed, capacity=256)[0]
     assert rows == ref_rows == _rows(want)
     assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
 

@@ -27,9 +27,10 @@ WRITE_GAMMA_C = tl.constexpr(WRITE_GAMMA)
 HASH_TOKENS = 16
 HASH_WORDS = 64
 # tokens per program of the check (its "written later" scan compares a block of tokens with every later one) and
-# words per tile of a slot's digest
-CHECK_TOKENS = 64
-CHECK_WORDS = 32
+# words per tile of a slot's digest: the row digest's tile, since a tile's terms are computed for its masked tokens
+# too (one live decode token in a tile of 64 x 32 words cost 25 us a launch on an H100 at 3c29a6f)
+CHECK_TOKENS = 16
+CHECK_WORDS = 64
 # A source's row of the check's table: its byte offset from the first source, row stride, page size, bytes per
 # token, slots.
 TABLE_COLUMNS = 5
@@ -68,55 +69,58 @@ def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_id
                          p_table, num_sources, p_expected, exp_stride, p_noted, p_tags, p_layers, p_ring,
                          p_write_index, ring_capacity, p_rec, p_rec_at, rec_stride, HAS_WRITERS: tl.constexpr,
                          MARK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
-    o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     n_live = tl.minimum(tl.load(p_offsets + num_requests), num_tokens)
-    m_t = o_t < n_live
-    b_slot = tl.load(p_loc + o_t, mask=m_t, other=0).to(tl.int64)
-    m_t = m_t & (b_slot >= 1) & (b_slot < num_slots)
-    # the last live token written to each slot holds it: earlier ones (a sliding window's ring) are not compared
-    b_later = tl.zeros([BLOCK_T], tl.int32)
-    for c0 in range(tl.program_id(0).to(tl.int64) * BLOCK_T, n_live, BLOCK_T):
-        o_c = c0 + tl.arange(0, BLOCK_T)
-        b_c = tl.load(p_loc + o_c, mask=o_c < n_live, other=-1).to(tl.int64)
-        m_same = (b_slot[:, None] == b_c[None, :]) & (o_c[None, :] > o_t[:, None]) & (o_c[None, :] < n_live)
-        b_later |= tl.max(m_same.to(tl.int32), axis=1)
-    m_t = m_t & (b_later == 0)
-    b_first = tl.full([BLOCK_T], -1, tl.int64)  # each token's first source whose bytes differ
-    for s in range(num_sources):
-        p_row = p_table + s * TABLE_COLUMNS_C
-        offset, row_stride, page_size = tl.load(p_row), tl.load(p_row + 1), tl.load(p_row + 2)
-        nbpt, src_slots = tl.load(p_row + 3), tl.load(p_row + 4)
-        m = m_t & (b_slot < src_slots) & (tl.load(p_noted + s + o_t * 0) != 0) & (b_first < 0)  # [BLOCK_T]
-        b_r = b_slot // page_size
-        p_tok = (p_base.to(tl.pointer_type(tl.uint8)) + offset + b_r * row_stride
-                 + (b_slot - b_r * page_size) * nbpt).to(tl.pointer_type(tl.int64))
-        b_acc = tl.zeros([BLOCK_T], tl.int64).to(tl.uint64, bitcast=True)
-        for w0 in range(0, nbpt // 8, BLOCK_W):
-            o_w = w0 + tl.arange(0, BLOCK_W).to(tl.int64)
-            m_w = m[:, None] & (o_w < nbpt // 8)[None, :]
-            b_w = tl.load(p_tok[:, None] + o_w[None, :], mask=m_w, other=0).to(tl.uint64, bitcast=True)
-            b_acc += tl.sum(digest_terms(b_w, o_w, m_w), axis=1)
-        b_exp = tl.load(p_expected + s * exp_stride + o_t, mask=m, other=0)
-        b_first = tl.where(m & (as_i64(b_acc) != b_exp), s, b_first)
-    m_fail = b_first >= 0
-    if tl.sum(m_fail.to(tl.int32), axis=0) > 0:
-        b_s = tl.maximum(b_first, 0)
-        b_req = tl.full([BLOCK_T], -1, tl.int64)
-        if HAS_WRITERS:
-            if num_requests > 0:
-                b_r = tl.zeros([BLOCK_T], tl.int64)
-                for j in range(1, num_requests + 1):
-                    b_r += (tl.load(p_offsets + j) <= o_t).to(tl.int64)
-                b_req = tl.load(p_writers + tl.minimum(b_r, num_requests - 1), mask=m_fail, other=-1).to(tl.int64)
-        b_row = violation_rows(tl.load(p_tags + b_s, mask=m_fail, other=0)[:, None], b_slot,
-                               tl.load(p_pos + o_t, mask=m_fail, other=0).to(tl.int64),
-                               tl.load(p_ids + o_t, mask=m_fail, other=0).to(tl.int64), b_s,
-                               b_req, tl.load(p_layers + b_s, mask=m_fail, other=0),
-                               tl.full([BLOCK_T], WRITE_KV_C, tl.int64), tl.arange(0, 8))
-        push_violations(m_fail, b_row, p_ring, p_write_index, ring_capacity)
-        if MARK:  # (write_ops: the slot's record then certifies no bytes; one token per slot: no two lanes meet)
-            p_mark = p_rec + tl.load(p_rec_at + b_s, mask=m_fail, other=0) + b_slot * rec_stride + REAL_KV_C
-            tl.store(p_mark, tl.load(p_mark, mask=m_fail, other=0) ^ 1, mask=m_fail)
+    if t0 < n_live:  # (the grid covers the static token count: blocks past the live tokens do nothing)
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = o_t < n_live
+        b_slot = tl.load(p_loc + o_t, mask=m_t, other=0).to(tl.int64)
+        m_t = m_t & (b_slot >= 1) & (b_slot < num_slots)
+        # the last live token written to each slot holds it: earlier ones (a sliding window's ring) are not compared
+        b_later = tl.zeros([BLOCK_T], tl.int32)
+        for c0 in range(t0, n_live, BLOCK_T):
+            o_c = c0 + tl.arange(0, BLOCK_T)
+            b_c = tl.load(p_loc + o_c, mask=o_c < n_live, other=-1).to(tl.int64)
+            m_same = (b_slot[:, None] == b_c[None, :]) & (o_c[None, :] > o_t[:, None]) & (o_c[None, :] < n_live)
+            b_later |= tl.max(m_same.to(tl.int32), axis=1)
+        m_t = m_t & (b_later == 0)
+        b_first = tl.full([BLOCK_T], -1, tl.int64)  # each token's first source whose bytes differ
+        for s in range(num_sources):
+            p_row = p_table + s * TABLE_COLUMNS_C
+            offset, row_stride, page_size = tl.load(p_row), tl.load(p_row + 1), tl.load(p_row + 2)
+            nbpt, src_slots = tl.load(p_row + 3), tl.load(p_row + 4)
+            m = m_t & (b_slot < src_slots) & (tl.load(p_noted + s + o_t * 0) != 0) & (b_first < 0)  # [BLOCK_T]
+            b_r = b_slot // page_size
+            p_tok = (p_base.to(tl.pointer_type(tl.uint8)) + offset + b_r * row_stride
+                     + (b_slot - b_r * page_size) * nbpt).to(tl.pointer_type(tl.int64))
+            b_acc = tl.zeros([BLOCK_T], tl.int64).to(tl.uint64, bitcast=True)
+            for w0 in range(0, nbpt // 8, BLOCK_W):
+                o_w = w0 + tl.arange(0, BLOCK_W).to(tl.int64)
+                m_w = m[:, None] & (o_w < nbpt // 8)[None, :]
+                b_w = tl.load(p_tok[:, None] + o_w[None, :], mask=m_w, other=0).to(tl.uint64, bitcast=True)
+                b_acc += tl.sum(digest_terms(b_w, o_w, m_w), axis=1)
+            b_exp = tl.load(p_expected + s * exp_stride + o_t, mask=m, other=0)
+            b_first = tl.where(m & (as_i64(b_acc) != b_exp), s, b_first)
+        m_fail = b_first >= 0
+        if tl.sum(m_fail.to(tl.int32), axis=0) > 0:
+            b_s = tl.maximum(b_first, 0)
+            b_req = tl.full([BLOCK_T], -1, tl.int64)
+            if HAS_WRITERS:
+                if num_requests > 0:
+                    b_r = tl.zeros([BLOCK_T], tl.int64)
+                    for j in range(1, num_requests + 1):
+                        b_r += (tl.load(p_offsets + j) <= o_t).to(tl.int64)
+                    b_req = tl.load(p_writers + tl.minimum(b_r, num_requests - 1), mask=m_fail,
+                                    other=-1).to(tl.int64)
+            b_row = violation_rows(tl.load(p_tags + b_s, mask=m_fail, other=0)[:, None], b_slot,
+                                   tl.load(p_pos + o_t, mask=m_fail, other=0).to(tl.int64),
+                                   tl.load(p_ids + o_t, mask=m_fail, other=0).to(tl.int64), b_s,
+                                   b_req, tl.load(p_layers + b_s, mask=m_fail, other=0),
+                                   tl.full([BLOCK_T], WRITE_KV_C, tl.int64), tl.arange(0, 8))
+            push_violations(m_fail, b_row, p_ring, p_write_index, ring_capacity)
+            if MARK:  # (write_ops: the slot's record then certifies no bytes; one token per slot: no two lanes meet)
+                p_mark = p_rec + tl.load(p_rec_at + b_s, mask=m_fail, other=0) + b_slot * rec_stride + REAL_KV_C
+                tl.store(p_mark, tl.load(p_mark, mask=m_fail, other=0) ^ 1, mask=m_fail)
 
 
 def hash_rows(*, words, out, flag=None) -> None:
