@@ -12,8 +12,9 @@
 #   bash benchmarks/gpu_suite.sh cost [1b|8b] # the performance goal's matrix for one model size (carries wheels/):
 #                                         # batch 1 at 512, 1,024 and 4,096-token prompts and serving against the
 #                                         # engine's graphs+async configuration, prefill against both it and no
-#                                         # graphs (faster there), ROUNDS alternating rounds (default 6); ARMS:
-#                                         # the decode workloads' arms (add canary_fast_nochecks: both checks off)
+#                                         # graphs (faster there), ROUNDS alternating rounds (default 6; prefill:
+#                                         # PREFILL_ROUNDS, 16, while its budget lasts); ARMS: the decode
+#                                         # workloads' arms (add canary_fast_nochecks: both checks off)
 #   bash benchmarks/gpu_suite.sh account    # where the time of the goal's short-margin workloads goes (carries
 #                                         # wheels/): the traced kernels' op tests natively, then call_trace.py's GPU
 #                                         # busy time, CUDA calls and kernels per call (the canary's own listed),
@@ -128,12 +129,15 @@ case "$part" in
   cost)
     size=${2:-1b}; t=${T525:-/tmp/t525}
     [ -d "$t" ] || bash benchmarks/gpu_wheels.sh install "$t" > "$OUT/wheels.log" 2>&1
-    # (without graphs the engine decodes at a tenth of its speed at batch 1: only prefill needs the no-graph arms)
+    # (without graphs the engine decodes at a tenth of its speed at batch 1: only prefill needs the no-graph arms;
+    # a prefill call lasts 1-2 s and the engine alone spread 0.84-1.03x over 6 rounds at 3c29a6f: up to 16 rounds
+    # while the budget lasts)
     PYTHONPATH=$t:$PYTHONPATH timeout ${COST_TIMEOUT:-330} $py benchmarks/user_cost.py --model-size "$size" \
       --workloads batch1,batch1_1k,batch1_4k,serving --arms ${ARMS:-fast,canary_fast} --rounds ${ROUNDS:-6} \
       --budget-s ${BUDGET_S:-280} --json "$OUT/uc_${size}_decode.json" 2>&1 | tail -16
     PYTHONPATH=$t:$PYTHONPATH timeout ${PREFILL_TIMEOUT:-200} $py benchmarks/user_cost.py --model-size "$size" \
-      --workloads prefill --arms fast,sync,canary_fast,canary --rounds ${ROUNDS:-6} --budget-s ${PREFILL_BUDGET_S:-150} \
+      --workloads prefill --arms fast,sync,canary_fast,canary --rounds ${PREFILL_ROUNDS:-16} \
+      --budget-s ${PREFILL_BUDGET_S:-150} \
       --json "$OUT/uc_${size}_prefill.json" 2>&1 | tail -8
     ;;
   account)
