@@ -31,6 +31,8 @@ HASH_WORDS = 64
 # too (one live decode token in a tile of 64 x 32 words cost 25 us a launch on an H100 at 3c29a6f)
 CHECK_TOKENS = 16
 CHECK_WORDS = 64
+# later tokens per step of the check's "written later" scan (a prefill's thousands in fewer, wider steps)
+SCAN_TOKENS = 64
 # A source's row of the check's table: its byte offset from the first source, row stride, page size, bytes per
 # token, slots.
 TABLE_COLUMNS = 5
@@ -68,7 +70,7 @@ def _hash_rows_kernel(p_words, n, heads, width, s_t, s_h, s_w, p_out, p_flag, BL
 def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_ids, p_writers, num_slots, p_base,
                          p_table, num_sources, p_expected, exp_stride, p_noted, p_tags, p_layers, p_ring,
                          p_write_index, ring_capacity, p_rec, p_rec_at, rec_stride, HAS_WRITERS: tl.constexpr,
-                         MARK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+                         MARK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, SCAN: tl.constexpr):
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     n_live = tl.minimum(tl.load(p_offsets + num_requests), num_tokens)
     if t0 < n_live:  # (the grid covers the static token count: blocks past the live tokens do nothing)
@@ -78,8 +80,8 @@ def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_id
         m_t = m_t & (b_slot >= 1) & (b_slot < num_slots)
         # the last live token written to each slot holds it: earlier ones (a sliding window's ring) are not compared
         b_later = tl.zeros([BLOCK_T], tl.int32)
-        for c0 in range(t0, n_live, BLOCK_T):
-            o_c = c0 + tl.arange(0, BLOCK_T)
+        for c0 in range(t0, n_live, SCAN):
+            o_c = c0 + tl.arange(0, SCAN)
             b_c = tl.load(p_loc + o_c, mask=o_c < n_live, other=-1).to(tl.int64)
             m_same = (b_slot[:, None] == b_c[None, :]) & (o_c[None, :] > o_t[:, None]) & (o_c[None, :] < n_live)
             b_later |= tl.max(m_same.to(tl.int32), axis=1)
@@ -150,7 +152,7 @@ def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input
         p_rec=expected if records is None else records[0],  # (unread without records)
         p_rec_at=layers if records is None else _record_offsets(records),
         rec_stride=0 if records is None else records[0].stride(0), HAS_WRITERS=writer_ids is not None,
-        MARK=records is not None, BLOCK_T=CHECK_TOKENS, BLOCK_W=CHECK_WORDS,
+        MARK=records is not None, BLOCK_T=CHECK_TOKENS, BLOCK_W=CHECK_WORDS, SCAN=SCAN_TOKENS,
     )
 
 
