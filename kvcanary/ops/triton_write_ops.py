@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvcanary.ops import triton_ops
+from kvcanary.ops.snapshot_ops import record_table
 from kvcanary.ops.triton_hash import as_i64, push_violations, splitmix64, violation_rows
 from kvcanary.ops.write_ops import REAL_KV, WRITE_GAMMA, WRITE_KV
 
@@ -69,7 +70,7 @@ def _hash_rows_kernel(p_words, n, heads, width, s_t, s_h, s_w, p_out, p_flag, BL
 @triton.jit
 def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_ids, p_writers, num_slots, p_base,
                          p_table, num_sources, p_expected, exp_stride, p_noted, p_tags, p_layers, p_ring,
-                         p_write_index, ring_capacity, p_rec, p_rec_at, rec_stride, HAS_WRITERS: tl.constexpr,
+                         p_write_index, ring_capacity, p_rec, p_rec_at, HAS_WRITERS: tl.constexpr,
                          MARK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, SCAN: tl.constexpr):
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     n_live = tl.minimum(tl.load(p_offsets + num_requests), num_tokens)
@@ -121,7 +122,9 @@ def _check_writes_kernel(p_loc, num_tokens, p_offsets, num_requests, p_pos, p_id
                                    tl.full([BLOCK_T], WRITE_KV_C, tl.int64), tl.arange(0, 8))
             push_violations(m_fail, b_row, p_ring, p_write_index, ring_capacity)
             if MARK:  # (write_ops: the slot's record then certifies no bytes; one token per slot: no two lanes meet)
-                p_mark = p_rec + tl.load(p_rec_at + b_s, mask=m_fail, other=0) + b_slot * rec_stride + REAL_KV_C
+                p_at = p_rec_at + b_s * 3  # (its row of record_table: first element, slots, row stride)
+                p_mark = (p_rec + tl.load(p_at, mask=m_fail, other=0)
+                          + b_slot * tl.load(p_at + 2, mask=m_fail, other=0) + REAL_KV_C)
                 tl.store(p_mark, tl.load(p_mark, mask=m_fail, other=0) ^ 1, mask=m_fail)
 
 
@@ -150,25 +153,22 @@ def check_writes(*, out_cache_loc, write_offsets, num_requests, positions, input
         exp_stride=expected.stride(0), p_noted=noted, p_tags=tags, p_layers=layers, p_ring=ring.rows,
         p_write_index=ring.write_index, ring_capacity=ring.capacity,
         p_rec=expected if records is None else records[0],  # (unread without records)
-        p_rec_at=layers if records is None else _record_offsets(records),
-        rec_stride=0 if records is None else records[0].stride(0), HAS_WRITERS=writer_ids is not None,
+        p_rec_at=layers if records is None else _record_table(records), HAS_WRITERS=writer_ids is not None,
         MARK=records is not None, BLOCK_T=CHECK_TOKENS, BLOCK_W=CHECK_WORDS, SCAN=SCAN_TOKENS,
     )
 
 
-# the record buffers' (first element, row stride) -> their offsets (``_record_offsets``)
+# the record buffers' (first element, shape, row stride) -> their ``record_table`` (``_record_table``)
 _RECORDS: dict = {}
 
 
-def _record_offsets(records) -> torch.Tensor:
-    """int64 [k] on the records' device: each record buffer's first element from the first one's (in elements; one
-    row stride for all: the canary's buffers share one record stride), made once per set of buffers."""
-    key = tuple((r.data_ptr(), r.stride(0)) for r in records)
+def _record_table(records) -> torch.Tensor:
+    """The snapshot's ``record_table`` of the record buffers (each one's first element from the first one's, its
+    slots, its row stride), made once per set of buffers: the runtime passes the same ones every step."""
+    key = tuple((r.data_ptr(), r.shape[0], r.stride(0)) for r in records)
     known = _RECORDS.get(key)
     if known is None:
-        first = records[0].data_ptr()
-        known = torch.tensor([(r.data_ptr() - first) // 8 for r in records], dtype=torch.int64,
-                             device=records[0].device)
+        known = record_table(records, records[0].device)
         if len(_RECORDS) >= 64:
             _RECORDS.clear()
         _RECORDS[key] = known
