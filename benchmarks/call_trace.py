@@ -5,7 +5,8 @@ the difference lies. After warm-up calls of each arm, two calls per arm (alterna
 (CPU and CUDA activity) and the script prints, per call: its seconds, the GPU's busy time (the union of its kernel
 and copy intervals: a call whose busy time is far below its length is bound by the host), the host's time in
 each CUDA runtime/driver call (synchronizes, graph launches and instantiations, allocations), and for canary
-arms the GPU's kernels by total time. Then a cProfile of the adapter's hooks in one more canary call: who
+arms the GPU's kernels by total time, the kernels only the canary runs, and the kernels and copies of names the
+engine runs too that the canary launches more often (its generic torch work: copies, fills, gathers). Then a cProfile of the adapter's hooks in one more canary call: who
 allocates, copies, captures and synchronizes.
 
     PYTHONPATH=$PWD python3 benchmarks/call_trace.py --model-size 1b --workload prefill
@@ -44,7 +45,16 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-ENGINE_KERNELS: set = set()  # kernel names the arms without the canary ran (traced_call): the rest are the canary's
+# kernel name -> [launches, us] of the latest call of an arm without the canary (traced_call): names not in it are
+# the canary's own; names in it run more often with the canary are the generic work (copies, fills) it adds
+ENGINE_KERNELS: dict = {}
+
+
+def added_kernels(engine: dict, canary: dict) -> dict:
+    """name -> (more launches, more us) for the kernels and copies that both calls ran, the canary's more often:
+    the torch copies, fills and gathers the canary adds under the engine's own kernel names."""
+    return {name: (n - engine[name][0], us - engine[name][1]) for name, (n, us) in canary.items()
+            if name in engine and n > engine[name][0]}
 
 
 def traced_call(model, arm: str, prompts, new, top: int) -> list[str]:
@@ -66,6 +76,7 @@ def traced_call(model, arm: str, prompts, new, top: int) -> list[str]:
     lines += [f"   host {name}: {n} calls, {us / 1e3:.1f} ms" for name, (n, us) in
               sorted(api.items(), key=lambda kv: -kv[1][1])[:top]]
     if not arm.startswith("canary"):
+        ENGINE_KERNELS.clear()
         ENGINE_KERNELS.update(kernels)
     else:
         lines += [f"   GPU {name}: {n}, {us / 1e3:.2f} ms" for name, (n, us) in
@@ -76,6 +87,11 @@ def traced_call(model, arm: str, prompts, new, top: int) -> list[str]:
             lines.append(f"   canary-only kernels (names no arm without the canary ran): {n_own}, {us_own / 1e3:.2f} ms")
             lines += [f"     {name}: {n}, {us / 1e3:.2f} ms" for name, (n, us) in
                       sorted(own.items(), key=lambda kv: -kv[1][1])[:top]]
+            more = added_kernels(ENGINE_KERNELS, kernels)
+            lines.append(f"   shared names run more often (than the last call without the canary): "
+                         f"{sum(v[0] for v in more.values())} more, {sum(v[1] for v in more.values()) / 1e3:.2f} ms")
+            lines += [f"     {name}: +{n}, {us / 1e3:+.2f} ms" for name, (n, us) in
+                      sorted(more.items(), key=lambda kv: -kv[1][0])[:top]]
     return lines
 
 
