@@ -2,20 +2,13 @@
 once) and the work the canary adds under the engine's own kernel names (copies, fills: more launches of a name
 that the call without the canary ran too)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_script import load
 
 
 @pytest.fixture(scope="module")
 def call_trace():
-    spec = importlib.util.spec_from_file_location("call_trace", ROOT / "benchmarks" / "call_trace.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("call_trace")
 
 
 def test_busy_time_counts_overlapping_intervals_once(call_trace):

@@ -1,10 +1,9 @@
 """benchmarks/graph_nodes.py: the calls a captured step replays, counted on the CPU stand-in of a CUDA graph."""
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
+from benchmark_script import load as load_script
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -12,11 +11,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_nodes.py"
-    spec = importlib.util.spec_from_file_location("graph_nodes", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("graph_nodes")
 
 
 def test_a_fused_step_replays_a_few_dozen_calls_with_every_check_in_it():

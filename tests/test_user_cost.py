@@ -1,21 +1,15 @@
 """benchmarks/user_cost.py off the GPU: a whole-call smoke run of the tiny model on the CPU, and ``--pool``, which
 joins the per-round ratios of several calls (the host drifts between calls: one call's rounds are few)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_script import load
 
 
 @pytest.fixture(scope="module")
 def user_cost():
-    spec = importlib.util.spec_from_file_location("user_cost", ROOT / "benchmarks" / "user_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("user_cost")
 
 
 def _result(tmp_path, name, model, ratios):
