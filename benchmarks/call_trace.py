@@ -45,8 +45,9 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-# kernel name -> [launches, us] of the latest call of an arm without the canary (traced_call): names not in it are
-# the canary's own; names in it run more often with the canary are the generic work (copies, fills) it adds
+ENGINE_NAMES: set = set()  # kernel names the arms without the canary ran (traced_call): the rest are the canary's
+# kernel name -> [launches, us] of the latest call of an arm without the canary: the names that the canary runs more
+# often than it are the generic work (copies, fills) it adds
 ENGINE_KERNELS: dict = {}
 
 
@@ -76,13 +77,14 @@ def traced_call(model, arm: str, prompts, new, top: int) -> list[str]:
     lines += [f"   host {name}: {n} calls, {us / 1e3:.1f} ms" for name, (n, us) in
               sorted(api.items(), key=lambda kv: -kv[1][1])[:top]]
     if not arm.startswith("canary"):
+        ENGINE_NAMES.update(kernels)
         ENGINE_KERNELS.clear()
         ENGINE_KERNELS.update(kernels)
     else:
         lines += [f"   GPU {name}: {n}, {us / 1e3:.2f} ms" for name, (n, us) in
                   sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]]
         if ENGINE_KERNELS:  # (an arm without the canary ran first: what only the canary runs, by total time)
-            own = {k: v for k, v in kernels.items() if k not in ENGINE_KERNELS}
+            own = {k: v for k, v in kernels.items() if k not in ENGINE_NAMES}
             n_own, us_own = sum(v[0] for v in own.values()), sum(v[1] for v in own.values())
             lines.append(f"   canary-only kernels (names no arm without the canary ran): {n_own}, {us_own / 1e3:.2f} ms")
             lines += [f"     {name}: {n}, {us / 1e3:.2f} ms" for name, (n, us) in
