@@ -6,8 +6,8 @@ the difference lies. After warm-up calls of each arm, two calls per arm (alterna
 and copy intervals: a call whose busy time is far below its length is bound by the host), the host's time in
 each CUDA runtime/driver call (synchronizes, graph launches and instantiations, allocations), and for canary
 arms the GPU's kernels by total time, the kernels only the canary runs, and the kernels and copies of names the
-engine runs too that the canary launches more often (its generic torch work: copies, fills, gathers). Then a cProfile of the adapter's hooks in one more canary call: who
-allocates, copies, captures and synchronizes.
+engine runs too that the canary launches more often (its generic torch work: copies, fills, gathers). Then a
+cProfile of the adapter's hooks in one more canary call: who allocates, copies, captures and synchronizes.
 
     PYTHONPATH=$PWD python3 benchmarks/call_trace.py --model-size 1b --workload prefill
 
@@ -86,7 +86,8 @@ def traced_call(model, arm: str, prompts, new, top: int) -> list[str]:
         if ENGINE_KERNELS:  # (an arm without the canary ran first: what only the canary runs, by total time)
             own = {k: v for k, v in kernels.items() if k not in ENGINE_NAMES}
             n_own, us_own = sum(v[0] for v in own.values()), sum(v[1] for v in own.values())
-            lines.append(f"   canary-only kernels (names no arm without the canary ran): {n_own}, {us_own / 1e3:.2f} ms")
+            lines.append(f"   canary-only kernels (names no arm without the canary ran): {n_own}, "
+                         f"{us_own / 1e3:.2f} ms")
             lines += [f"     {name}: {n}, {us / 1e3:.2f} ms" for name, (n, us) in
                       sorted(own.items(), key=lambda kv: -kv[1][1])[:top]]
             more = added_kernels(ENGINE_KERNELS, kernels)
