@@ -153,21 +153,26 @@ def _check_both(impl, args, seed, capacity=64):
     return out, bufs
 
 
+def _assert_agrees(impl, args, seed, capacity):
+    """``impl``'s check reports the reference's rows, without record buffers and with them (and marks the same
+    records)."""
+    want, got = ViolationRing.allocate(capacity, DEVICE), ViolationRing.allocate(capacity, DEVICE)
+    write_impl("reference").check_writes(**args, ring=want)
+    write_impl(impl).check_writes(**args, ring=got)
+    assert _rows(got) == _rows(want)
+    # with the record buffers: the same rows, and the same records marked
+    (ref_rows, ref_bufs), (rows, bufs) = _check_both(impl, args, seed, capacity=capacity)[0]
+    assert rows == ref_rows == _rows(want)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("seed", range(8))
 def test_check_writes_agrees_with_the_reference(impl, page_size, seed):
     rng = random.Random(seed * 10 + page_size)
     dtype = DTYPES[seed % len(DTYPES)]
-    args = _case(rng, dtype, page_size)
-    want, got = ViolationRing.allocate(64, DEVICE), ViolationRing.allocate(64, DEVICE)
-    write_impl("reference").check_writes(**args, ring=want)
-    write_impl(impl).check_writes(**args, ring=got)
-    assert _rows(got) == _rows(want)
-    # with the record buffers: the same rows, and the same records marked
-    (ref_rows, ref_bufs), (rows, bufs) = _check_both(impl, args, seed)[0]
-    assert rows == ref_rows == _rows(want)
-    assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
+    _assert_agrees(impl, _case(rng, dtype, page_size), seed, capacity=64)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -179,13 +184,7 @@ def test_check_writes_over_many_tokens_and_padding_agrees_with_the_reference(imp
     args = _case(rng, DTYPES[seed % len(DTYPES)], page_size=1 + 3 * (seed % 2), num_slots=128, max_len=20,
                  max_pad=60, min_requests=3)
     assert int(args["write_offsets"][args["num_requests"]]) > 16  # (live tokens over several blocks of 16)
-    want, got = ViolationRing.allocate(256, DEVICE), ViolationRing.allocate(256, DEVICE)
-    write_impl("reference").check_writes(**args, ring=want)
-    write_impl(impl).check_writes(**args, ring=got)
-    assert _rows(got) == _rows(want)
-    (ref_rows, ref_bufs), (rows, bufs) = _check_both(impl, args, seed, capacity=256)[0]
-    assert rows == ref_rows == _rows(want)
-    assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
+    _assert_agrees(impl, args, seed, capacity=256)
 
 
 def test_check_writes_names_the_write_that_went_wrong():
