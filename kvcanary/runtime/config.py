@@ -68,14 +68,16 @@ class CanaryConfig:
     """Knobs of a ``Canary``; ``CanaryConfig.from_env()`` reads the ``KV_CANARY_*`` variables.
 
     Attributes:
-        mode: "none" (nothing runs), "log" (warn and keep serving), "raise" (error after the drain), "abort" (fail the requests that read wrong KV through the engine's error path, keep serving; the engine must implement it).
+        mode: "none" (nothing runs), "log" (warn and keep serving), "raise" (error after the drain), "abort" (fail the
+            requests that read wrong KV through the engine's error path, keep serving; the engine must implement it).
         backend: op implementation, "auto" | "reference" | "torch" | "numba" | "triton" ("auto": Triton on
             CUDA, numba on the CPU when it imports, else torch).
         check_v: also keep V buffers (and V real-KV hashes) besides K.
         real_kv: real-KV fingerprint at TAIL and sweep: "none" | "partial" (16 bytes) | "all".
         token_check: verify stored tokens against request token histories when the engine gives them.
         input_check: write-input assert when the engine gives expected input ids/positions.
-        value_check: check batch values (rows, lengths, slots) before each forward: "auto" (when the canary is on the CPU, no device sync) | "always" (also on CUDA, where reading them syncs every forward) | "off".
+        value_check: check batch values (rows, lengths, slots) before each forward: "auto" (when the canary is on the
+            CPU, no device sync) | "always" (also on CUDA, where reading them syncs every forward) | "off".
         chain_position_check: chain-position assert at write (armed by ``Canary.mark_ready``).
         sweep_interval: run the prefix-cache sweep every N steps (0 = only on ``Canary.sweep`` calls).
         ring_capacity: violation rows kept per step (the count keeps growing past it).
@@ -95,15 +97,25 @@ class CanaryConfig:
         inject_warmup: forward steps before the first injection.
         inject_group: address space the KV-byte flips target: "full" | "swa".
         overlap: on CUDA, run verify and write launches on a side stream beside the forward (same results).
-        launch_graphs: with overlap, replay each batch shape's verify and write launches from a CUDA graph (not faster on H200).
-        reserved_check: report a live token whose table cell or write slot is slot 0 or a ``PoolSpec.reserved_slots`` slot (the ops skip slot 0 silently).
+        launch_graphs: with overlap, replay each batch shape's verify and write launches from a CUDA graph (not faster
+            on H200).
+        reserved_check: report a live token whose table cell or write slot is slot 0 or a ``PoolSpec.reserved_slots``
+            slot (the ops skip slot 0 silently).
         nonfinite_check: report NaN/Inf in the KV a forward wrote (floating real-KV sources, at TAIL).
-        poison_on_free: debug: ``Canary.poison_slots`` fills freed slots' KV with a NaN pattern, so a read of a freed slot fails its real-KV check.
-        check_before_forward: read what HEAD found before the engine's forward runs (a device sync per forward on CUDA), so a bad read is reported, in mode "raise" raised, before the forward can fail on it.
-        write_check: compare the KV bytes each written slot holds after the forward with the KV the layer computed for its token (the layers of ``write_check_layers``, K and V, where the engine hands the computed K/V over; docs/write_check.md); off: no hash at the cache update, no TAIL pass.
-        write_check_layers: which layers the write check compares: "fingerprinted" (the real-KV hash's layers: by default the first layer's K and the last layer's V) | "all" (every attention layer's K and V the engine names; costs a row digest per layer at each cache update, docs/write_check.md "Cost").
-        attention_check: compare the attention metadata the engine hands its kernel (per-request key lengths, the attention mask) with the read index the canary verified (docs/write_check.md).
-        allocator_check_interval: check the allocator invariants (docs/allocator.md) every N steps where the engine gives a snapshot (``Canary.watch_allocator``); 0 = off.
+        poison_on_free: debug: ``Canary.poison_slots`` fills freed slots' KV with a NaN pattern, so a read of a freed
+            slot fails its real-KV check.
+        check_before_forward: read what HEAD found before the engine's forward runs (a device sync per forward on CUDA),
+            so a bad read is reported, in mode "raise" raised, before the forward can fail on it.
+        write_check: compare the KV bytes each written slot holds after the forward with the KV the layer computed for
+            its token (the layers of ``write_check_layers``, K and V, where the engine hands the computed K/V over;
+            docs/write_check.md); off: no hash at the cache update, no TAIL pass.
+        write_check_layers: which layers the write check compares: "fingerprinted" (the real-KV hash's layers: by
+            default the first layer's K and the last layer's V) | "all" (every attention layer's K and V the engine
+            names; costs a row digest per layer at each cache update, docs/write_check.md "Cost").
+        attention_check: compare the attention metadata the engine hands its kernel (per-request key lengths, the
+            attention mask) with the read index the canary verified (docs/write_check.md).
+        allocator_check_interval: check the allocator invariants (docs/allocator.md) every N steps where the engine
+            gives a snapshot (``Canary.watch_allocator``); 0 = off.
     """
 
     mode: str = "log"
