@@ -63,7 +63,7 @@ def make_llm(model_dir: str, **engine_kwargs):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    from kvcanary.integrations.vllm.engine import _scannable_llvmlite
+    from kvcanary.integrations.vllm.engine import DTYPE, _scannable_llvmlite
 
     # (vLLM caches its environment once an engine is up; a later engine of other settings, e.g. the threads
     # each tensor-parallel rank binds, must read it again)
@@ -71,7 +71,7 @@ def make_llm(model_dir: str, **engine_kwargs):
 
     if hasattr(envs, "disable_envs_cache"):
         envs.disable_envs_cache()
-    kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK, max_model_len=512,
+    kw = dict(model=model_dir, skip_tokenizer_init=True, dtype=DTYPE, block_size=BLOCK, max_model_len=512,
               enforce_eager=True, gpu_memory_utilization=0.05, num_gpu_blocks_override=32, max_num_seqs=8,
               max_num_batched_tokens=256, enable_prefix_caching=True, seed=0)
     kw.update(engine_kwargs)

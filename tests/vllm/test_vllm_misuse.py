@@ -60,14 +60,27 @@ def test_separate_v_records_need_token_rows_of_k(model_dir):
     import torch
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(torch.bfloat16, 32, 32)
-    k_rows, _ = probe_rows(isa, torch.bfloat16, 32, 32, "auto")
+    dtype = getattr(torch, engine.DTYPE)
+    isa = _get_attn_isa(dtype, 32, 32)
+    k_rows, _ = probe_rows(isa, dtype, 32, 32, "auto")
     with engine.guarded(True, KV_CANARY_CHECK_V="1"):
         if k_rows:  # (a kernel that keeps K in rows: V records are fine)
             engine.stop(engine.start(model_dir, num_blocks=32))
             return
         with pytest.raises(Exception, match=f"KV_CANARY_CHECK_V=1 .* got K stored transposed by ISA '{isa}'"):
             engine.start(model_dir, num_blocks=32)
+
+
+def test_the_amx_kernels_interleaved_kv_is_refused_with_what_to_change(model_dir):
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX tiles: vLLM never picks its amx kernel here")
+    # (bf16 with blocks of 32 on an AMX CPU: vLLM's amx kernel, whose K and V interleave tokens)
+    with engine.guarded(True), pytest.raises(Exception, match="neither for ISA 'amx' .*dtype float16"):
+        engine.start(model_dir, num_blocks=32, dtype="bfloat16")
+    with engine.guarded(True, KV_CANARY_REAL_KV="none"):  # (the hint's other way: guarded without real-KV hashes)
+        engine.stop(engine.start(model_dir, num_blocks=32, dtype="bfloat16"))
 
 
 @pytest.mark.parametrize("world, backend", [(2, "mp"), (1, "mp")])

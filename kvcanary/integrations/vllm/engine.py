@@ -17,6 +17,10 @@ import os
 TINY_CONFIG = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    intermediate_size=256, vocab_size=512, max_position_embeddings=1024)
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+# float16, not bfloat16: on a CPU with AMX tiles vLLM runs bf16 attention with its "amx" kernel, whose KV layout
+# interleaves tokens (no token's K or V is one row: ``layout.probe_rows``), so the real-KV hash could not read it
+# and the engine would be refused; float16 takes the "vec" kernel on every x86 CPU, the same results on any host
+DTYPE = "float16"
 
 
 def tiny_model(directory: str, seed: int = 0, **overrides) -> str:
@@ -42,12 +46,12 @@ def kv_bytes(model_dir: str, num_blocks: int, block_size: int = BLOCK_SIZE, tp: 
 
 
 def start(model_dir: str, *, num_blocks: int = 256, max_num_seqs: int = 8, max_num_batched_tokens: int = 128,
-          max_model_len: int = 512, enable_prefix_caching: bool = True, tp: int = 1, **kwargs):
-    """A ``vllm.LLM`` on ``model_dir`` (bf16, no tokenizer, eager, ``num_blocks`` KV blocks of 32 tokens)."""
+          max_model_len: int = 512, enable_prefix_caching: bool = True, tp: int = 1, dtype: str = DTYPE, **kwargs):
+    """A ``vllm.LLM`` on ``model_dir`` (``DTYPE``, no tokenizer, eager, ``num_blocks`` KV blocks of 32 tokens)."""
     from vllm import LLM
 
     with _scannable_llvmlite():
-        return LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK_SIZE,
+        return LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, block_size=BLOCK_SIZE,
                max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                kv_cache_memory_bytes=kv_bytes(model_dir, num_blocks, tp=tp), enable_prefix_caching=enable_prefix_caching,
                    enforce_eager=True, tensor_parallel_size=tp, seed=0, **kwargs)

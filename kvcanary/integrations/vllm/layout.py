@@ -9,9 +9,12 @@ layer, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, read as ``[num
 2 * block_size, head_size]``: per block and head, ``block_size`` rows of K, then ``block_size`` rows of V. How a
 token's values lie inside those rows depends on the kernel's ISA: with ``vec`` (AVX-512/AVX2) V is one row per
 token but K is stored transposed (dimension-major), so one token's K bytes are not contiguous and a
-``RealKvSource`` (contiguous bytes per slot) cannot address them. ``probe_rows`` writes one token through vLLM's own
-cache-write op into a scratch block at start-up and finds which of K and V keep a token's values in one row; the
-canary hashes only those (V, on this ISA). With tensor parallelism each rank's cache holds its own heads.
+``RealKvSource`` (contiguous bytes per slot) cannot address them. ``probe_rows`` writes one token through vLLM's
+own cache-write op into a scratch block at start-up and finds which of K and V keep a token's values in one row;
+the canary hashes only those (V, with ``vec``). With ``amx`` (bf16 on a CPU with AMX tiles, a block size that is
+a multiple of 32) neither does: K lies in pairs of values across 16 tokens, V in single values across 2 tokens,
+and the engine is refused unless real-KV hashes are off (float16 or float32 take ``vec``). With tensor
+parallelism each rank's cache holds its own heads.
 """
 
 from __future__ import annotations
@@ -179,8 +182,12 @@ def check_engine(runner, config=None) -> KvLayout:
         refuse("attention layers with the CPU kernel's ISA set", f"isa={isa!r}")
     k_rows, v_rows = probe_rows(isa, caches[0].dtype, block_size, spec.head_size, runner.cache_config.cache_dtype)
     if config is not None and config.real_kv != "none" and not (k_rows or v_rows):
-        refuse("a KV layout with one row per token for K or V (what the real-KV hash reads)",
-               f"neither for ISA {isa!r}", "set KV_CANARY_REAL_KV=none to guard without real-KV hashes")
+        hint = "set KV_CANARY_REAL_KV=none to guard without real-KV hashes"
+        if isa == "amx":  # (bf16 on a CPU with AMX tiles, block size a multiple of 32: tokens interleaved)
+            hint = ("vLLM's AMX kernel interleaves tokens; dtype float16 or float32, or a block size that is not a "
+                    "multiple of 32, takes a kernel that keeps V in rows; or " + hint)
+        refuse("a KV layout with one row per token for K or V (what the real-KV hash reads)", f"neither for ISA {isa!r}",
+               hint)
     if config is not None and config.check_v and not k_rows:
         refuse("token rows of K for KV_CANARY_CHECK_V=1 (separate K and V records)",
                f"K stored transposed by ISA {isa!r}", "unset KV_CANARY_CHECK_V: the K record then hashes V bytes")
