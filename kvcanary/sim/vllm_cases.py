@@ -118,8 +118,9 @@ class Verdict:
     error: str = ""
 
 
-def judge(name: str, canary: bool = True, model_dir: str | None = None) -> dict:
-    """Run bug ``name``'s case under the shadow oracle (and the canary): the verdict as a dict."""
+def judge(name: str, canary: bool = True, model_dir: str | None = None, engine: dict | None = None) -> dict:
+    """Run bug ``name``'s case under the shadow oracle (and the canary): the verdict as a dict. ``engine``: more
+    ``make_llm`` arguments (e.g. another ``dtype``) over the case's."""
     if name not in BUGS:
         raise ValueError(f"kv-canary: vLLM bug must be one of {sorted(BUGS)}, got {name!r}")
     model_dir = model_dir or tiny_model_dir()
@@ -130,7 +131,7 @@ def judge(name: str, canary: bool = True, model_dir: str | None = None) -> dict:
         return judge_tp(name, case, canary, model_dir)
     t0 = time.perf_counter()
     with canary_on() if canary else contextlib.nullcontext():
-        llm = make_llm(model_dir, **case.engine)
+        llm = make_llm(model_dir, **{**case.engine, **(engine or {})})
         oracle = ShadowOracle(runner_of(llm)).install()
         error = ""
         with plant(name, llm) as state:

@@ -71,18 +71,6 @@ def test_separate_v_records_need_token_rows_of_k(model_dir):
             engine.start(model_dir, num_blocks=32)
 
 
-def test_the_amx_kernels_interleaved_kv_is_refused_with_what_to_change(model_dir):
-    import torch
-
-    if not torch.cpu._is_amx_tile_supported():
-        pytest.skip("this CPU has no AMX tiles: vLLM never picks its amx kernel here")
-    # (bf16 with blocks of 32 on an AMX CPU: vLLM's amx kernel, whose K and V interleave tokens)
-    with engine.guarded(True), pytest.raises(Exception, match="neither for ISA 'amx' .*dtype float16"):
-        engine.start(model_dir, num_blocks=32, dtype="bfloat16")
-    with engine.guarded(True, KV_CANARY_REAL_KV="none"):  # (the hint's other way: guarded without real-KV hashes)
-        engine.stop(engine.start(model_dir, num_blocks=32, dtype="bfloat16"))
-
-
 @pytest.mark.parametrize("world, backend", [(2, "mp"), (1, "mp")])
 def test_mode_abort_needs_the_scheduler_in_the_worker_process(world, backend):
     from types import SimpleNamespace

@@ -18,8 +18,9 @@ TINY_CONFIG = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, 
                    intermediate_size=256, vocab_size=512, max_position_embeddings=1024)
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 # float16, not bfloat16: on a CPU with AMX tiles vLLM runs bf16 attention with its "amx" kernel, whose KV layout
-# interleaves tokens (no token's K or V is one row: ``layout.probe_rows``), so the real-KV hash could not read it
-# and the engine would be refused; float16 takes the "vec" kernel on every x86 CPU, the same results on any host
+# interleaves tokens (the canary hashes token-row copies there: ``mirror.RowMirror``), elsewhere with "vec"; float16
+# takes "vec" on every x86 CPU, so the tests and campaigns run one path and give the same results on any host
+# (tests/vllm/test_vllm_mirror.py runs bf16 on the amx kernel where the CPU has it)
 DTYPE = "float16"
 
 

@@ -13,7 +13,8 @@ token but K is stored transposed (dimension-major), so one token's K bytes are n
 own cache-write op into a scratch block at start-up and finds which of K and V keep a token's values in one row;
 the canary hashes only those (V, with ``vec``). With ``amx`` (bf16 on a CPU with AMX tiles, a block size that is
 a multiple of 32) neither does: K lies in pairs of values across 16 tokens, V in single values across 2 tokens,
-and the engine is refused unless real-KV hashes are off (float16 or float32 take ``vec``). With tensor
+and ``probe_token_map`` finds where each of a token's values lands: the canary then hashes token-row copies of
+the fingerprinted heads, refreshed from the cache before each read (``mirror.RowMirror``). With tensor
 parallelism each rank's cache holds its own heads.
 """
 
@@ -41,6 +42,15 @@ class KvLayout:
     k_rows: bool = False  # one token's K is one row (probe_rows); False: K is not hashed
     v_rows: bool = False
     isa: str = ""
+    # where neither is one row (the amx kernel): per kind (K, V), int64 [block_size * head_size], the place in the
+    # head's K (V) span of a block of token t's value d at index t * head_size + d (probe_token_map); the canary
+    # then hashes token-row copies of the fingerprinted heads (mirror.RowMirror)
+    token_maps: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def mirrored(self) -> bool:
+        """The real-KV sources are token-row copies refreshed from the cache (``mirror.RowMirror``)."""
+        return self.token_maps is not None
 
     @property
     def num_slots(self) -> int:
@@ -73,9 +83,10 @@ class KvLayout:
         pairs = [(layer, h) for layer in layers for h in heads][:4]
         if check_v:
             return tuple((layer, h, "k") for layer, h in pairs), tuple((layer, h, "v") for layer, h in pairs)
-        if not (self.k_rows or self.v_rows):
+        k_rows, v_rows = (True, True) if self.mirrored else (self.k_rows, self.v_rows)
+        if not (k_rows or v_rows):
             return (), ()
-        first, last = ("k" if self.k_rows else "v"), ("v" if self.v_rows else "k")
+        first, last = ("k" if k_rows else "v"), ("v" if v_rows else "k")
         picks = [(0, h, first) for h in heads] + [(last_layer, h, last) for h in heads]
         return tuple(list(dict.fromkeys(picks))[:4]), ()
 
@@ -108,6 +119,44 @@ def probe_rows(isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv
                 region = {i for i in changed if base <= i < base + span}
                 ok[which] = ok[which] and region == row
     return ok["k"], ok["v"]
+
+
+def probe_token_map(isa: str, dtype: torch.dtype, block_size: int, head_size: int,
+                    kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where vLLM's CPU cache-write op (``isa``) puts each value of each token of a block, for K and for V: per kind,
+    int64 ``[block_size * head_size]``, the element of the head's K (V) span of the block holding token ``t``'s value
+    ``d`` at index ``t * head_size + d``; None when some layout is not one place per value (a cache that converts
+    what it stores, values that the dtype cannot hold exactly).
+
+    Writes one token at each offset of a scratch block, its values ``1 .. head_size`` in K and in V, and reads where
+    each value landed; nothing else of the scratch cache may change."""
+    from vllm import _custom_ops as ops
+
+    exact = {torch.bfloat16: 256, torch.float16: 2048}.get(dtype, 1 << 24)
+    if head_size > exact or kv_cache_dtype != "auto":
+        return None
+    span = block_size * head_size
+    kv = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = kv.view(2, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    values = torch.arange(1, head_size + 1, dtype=torch.float32).view(1, 1, head_size).to(dtype)
+    maps = torch.full((2, span), -1, dtype=torch.int64)
+    for t in range(block_size):
+        kv.zero_()
+        ops.cpu_attn_reshape_and_cache(values, values, key_cache, value_cache,
+                                       torch.tensor([block_size + t], dtype=torch.int64), isa,
+                                       kv_cache_dtype=kv_cache_dtype)
+        if (kv[0] != 0).any():
+            return None
+        spans = kv[1].view(2, span).float()
+        for which in range(2):
+            where = spans[which].nonzero().flatten()
+            got = spans[which][where].long() - 1  # the value index d each changed element holds
+            if where.numel() != head_size or not torch.equal(got.sort().values, torch.arange(head_size)):
+                return None
+            maps[which, t * head_size + got] = where
+    if (maps < 0).any() or any(int(m.unique().numel()) != span for m in maps):
+        return None
+    return maps[0].clone(), maps[1].clone()
 
 
 def check_engine(runner, config=None) -> KvLayout:
@@ -180,16 +229,24 @@ def check_engine(runner, config=None) -> KvLayout:
     isa = getattr(layer, "isa", None)
     if not isinstance(isa, str):
         refuse("attention layers with the CPU kernel's ISA set", f"isa={isa!r}")
-    k_rows, v_rows = probe_rows(isa, caches[0].dtype, block_size, spec.head_size, runner.cache_config.cache_dtype)
+    cache_dtype = runner.cache_config.cache_dtype
+    k_rows, v_rows = probe_rows(isa, caches[0].dtype, block_size, spec.head_size, cache_dtype)
+    token_maps = None
     if config is not None and config.real_kv != "none" and not (k_rows or v_rows):
-        hint = "set KV_CANARY_REAL_KV=none to guard without real-KV hashes"
-        if isa == "amx":  # (bf16 on a CPU with AMX tiles, block size a multiple of 32: tokens interleaved)
-            hint = ("vLLM's AMX kernel interleaves tokens; dtype float16 or float32, or a block size that is not a "
-                    "multiple of 32, takes a kernel that keeps V in rows; or " + hint)
-        refuse("a KV layout with one row per token for K or V (what the real-KV hash reads)", f"neither for ISA {isa!r}",
-               hint)
+        # (the amx kernel: tokens interleaved; the canary hashes token-row copies of the fingerprinted heads)
+        token_maps = probe_token_map(isa, caches[0].dtype, block_size, spec.head_size, cache_dtype)
+        if token_maps is None:
+            refuse("a KV layout with one row per token for K or V, or one place per value (what the real-KV hash "
+                   "reads)", f"neither for ISA {isa!r} (KV cache dtype {cache_dtype!r})",
+                   "set KV_CANARY_REAL_KV=none to guard without real-KV hashes")
+        if config.sweep_interval:
+            refuse("KV_CANARY_SWEEP_INTERVAL 0 with a layout the canary hashes through token-row copies (a sweep "
+                   "reads slots no forward refreshed)", f"{config.sweep_interval} for ISA {isa!r}")
+        k_rows = v_rows = True
     if config is not None and config.check_v and not k_rows:
         refuse("token rows of K for KV_CANARY_CHECK_V=1 (separate K and V records)",
                f"K stored transposed by ISA {isa!r}", "unset KV_CANARY_CHECK_V: the K record then hashes V bytes")
+    if token_maps is not None:
+        k_rows = v_rows = False  # (no row in the cache itself: ``mirrored`` says the sources are copies)
     return KvLayout(num_blocks, block_size, spec.num_kv_heads, spec.head_size, tuple(groups[0].layer_names),
-                    tuple(caches), k_rows, v_rows, isa)
+                    tuple(caches), k_rows, v_rows, isa, token_maps)

@@ -35,6 +35,7 @@ from kvcanary.integrations.vllm import written_kv
 from kvcanary.integrations.vllm.allocator import BlockPoolView
 from kvcanary.integrations.vllm.batch import BatchBuilder, waves
 from kvcanary.integrations.vllm.layout import KvLayout, check_engine
+from kvcanary.integrations.vllm.mirror import RowMirror
 from kvcanary.integrations.vllm.report import ReportFiles, RequestNames, describe, violation_row
 from kvcanary.integrations.vllm.settings import Settings
 
@@ -112,7 +113,10 @@ class Session:
             # pool's slots, but rarely twice as many (an overflow skips one verify, and warns with the count)
             config = config.replace(plan_capacity=min(max_batch * max_context, 2 * lay.num_slots + max_tokens))
         k_picks, v_picks = lay.real_kv_picks(config.check_v)
-        k_sources, v_sources = (tuple(lay.head_source(*p) for p in picks) for picks in (k_picks, v_picks))
+        # (a kernel that interleaves tokens: the sources are token-row copies, refreshed around each forward)
+        self.mirror = RowMirror(lay, k_picks + v_picks) if lay.mirrored and (k_picks or v_picks) else None
+        source = self.mirror.source if self.mirror is not None else (lambda pick: lay.head_source(*pick))
+        k_sources, v_sources = (tuple(source(p) for p in picks) for picks in (k_picks, v_picks))
         pool = PoolSpec(lay.num_slots, k_sources, v_sources, reserved_slots=lay.reserved_slots())
         if config.mode == "abort":
             _check_abort(r, "KV_CANARY_MODE=abort")
@@ -182,6 +186,9 @@ class Session:
         # (each wave's tokens among the forward's: its share of the write check's notes)
         tokens = [None] if len(parts) == 1 else [torch.from_numpy(fwd.tokens(idx)) for idx in parts]
         first = self._batch(fwd, None if len(parts) == 1 else parts[0])
+        blocks = self.mirror.blocks_of(fwd) if self.mirror is not None else None
+        if blocks is not None:
+            self.mirror.refresh(blocks)  # (the slots HEAD reads, as the cache holds them now)
         self.canary.before_forward(first)
         written = self.written
         try:
@@ -197,6 +204,8 @@ class Session:
         finally:
             if written is not None:
                 written.live = False
+        if blocks is not None:
+            self.mirror.refresh(blocks)  # (the forward's writes, for TAIL and the write check; later waves' reads)
         # the write check's notes are in the model forward's token order: each wave gets its own tokens' notes
         wc = self.canary.write_check
         notes = wc.save() if len(parts) > 1 else None
