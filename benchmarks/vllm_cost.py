@@ -117,18 +117,23 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=128, help="KV blocks of 32 tokens per engine")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds, time the canary's hooks in one run of its engine: the canary's share")
+    ap.add_argument("--dtype", default=None,
+                    help="the engines' dtype (default: the project's, float16; bfloat16 on a CPU with AMX takes vLLM's "
+                         "amx kernel, which the canary hashes through token-row copies)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     from kvcanary.integrations.vllm import collect, engine
     from kvcanary.sim.vllm_drive import make_llm, tiny_model_dir
 
+    dtype = args.dtype or engine.DTYPE
+
     cfg = MODELS[args.model]
     model_dir = tiny_model_dir(cfg)
     # (the CPU backend checks the memory the fraction gives against the weights: 0.5 B of bf16 needs about 1 GB)
     settings = dict(num_gpu_blocks_override=args.blocks, max_num_seqs=args.requests, gpu_memory_utilization=0.25,
                     max_num_batched_tokens=max(256, args.prompt_len * args.requests),
-                    max_model_len=min(2048, (args.blocks - 1) * 32))
+                    max_model_len=min(2048, (args.blocks - 1) * 32), dtype=dtype)
     t0 = time.perf_counter()
     with engine.guarded(False):
         engines = {"without": make_llm(model_dir, **settings)}
@@ -158,7 +163,7 @@ def main() -> None:
     tput = {arm: [gen / t for t in ts] for arm, ts in times.items()}
     ratios = [w / wo for w, wo in zip(tput["with"], tput["without"])]
     out = {
-        "model": args.model, "parameters": parameters(cfg), "dtype": "bfloat16", "rounds": args.rounds,
+        "model": args.model, "parameters": parameters(cfg), "dtype": dtype, "rounds": args.rounds,
         "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
         "throughput_tok_s": {arm: {"median": round(statistics.median(v), 2), "min": round(min(v), 2),
                                    "max": round(max(v), 2), "all": [round(x, 2) for x in v]} for arm, v in tput.items()},
@@ -170,6 +175,12 @@ def main() -> None:
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "canary_stats": report.stats if hasattr(report, "stats") else None,
     }
+    from kvcanary.integrations.vllm.session import session_of
+    from kvcanary.sim.vllm_drive import runner_of
+
+    session = session_of(runner_of(engines["with"]))
+    out["attention_isa"] = session.layout.isa if session is not None else None
+    out["token_row_copies"] = session is not None and session.mirror is not None
     if args.profile:
         out["profile"] = profile(engines["with"], workload(args.requests, args.prompt_len, cfg["vocab_size"], -2),
                                  args.max_tokens)
