@@ -93,12 +93,14 @@ def test_on_amx_bf16_is_guarded_through_the_mirror_clean_and_same_tokens(model_d
 
 
 @needs_amx
-def test_on_amx_a_store_that_never_writes_v_is_reported():
+@pytest.mark.parametrize("bug, reason", [("v-write-dropped", "write_kv"), ("zero-delivered-block", "verify_real_kv_hash")])
+def test_on_amx_wrong_bytes_are_reported_through_the_copies(bug, reason):
+    # (a store that never writes V: the write check; KV erased after it was written: the real-KV hash at a later read)
     from kvcanary.sim.vllm_cases import judge
 
-    v = judge("v-write-dropped", engine={"dtype": "bfloat16"})
+    v = judge(bug, engine={"dtype": "bfloat16"})
     assert v["verdict"] == "harmful" and v["detected"] and v["violations"] > 0, v
-    assert any("write_kv" in line for line in v["canary_first"]), v
+    assert any(reason in line for line in v["canary_first"]), v
 
 
 @needs_amx

@@ -4,16 +4,14 @@ A ``RealKvSource`` addresses one token's bytes as one contiguous row (SPEC 3.4).
 CPU with AMX tiles, a block size that is a multiple of 32) stores neither K nor V that way: K in pairs of values
 across 16 tokens, V in single values across 2 tokens (``layout.probe_token_map`` finds where each value goes). The
 canary cannot hash such bytes in place, so ``RowMirror`` keeps, per fingerprinted head, a copy of the cache's bytes
-rearranged one token per row, and the session refreshes it from the engine's cache right before the canary reads it:
-
-- before the canary's before work of a forward (HEAD verifies the slots the forward reads), and
-- after the model forward, before the after work (TAIL hashes the written slots, the write check compares them),
-
-each time for every block the forward's read index or slot mapping touches, so every slot the canary hashes holds,
-in the copy, the bytes the engine's cache holds at that moment, in the token's own value order. A corrupt byte in
-the cache is one in the copy at the next read of its slot; the copy is never written by the canary otherwise. What
-reads slots outside a forward's blocks (the prefix-cache sweep) would see stale rows: it is refused with a mirror.
-The cost is one gather per fingerprinted head of the forward's blocks, twice a forward.
+rearranged one token per row, and the session refreshes it from the engine's cache after each model forward,
+before the canary's after work: the only work that reads KV bytes (TAIL hashes the slots the forward read and
+wrote, the write check compares the written ones; HEAD and the checks before the forward read records only). The
+refresh covers every block the forward's read index or slot mapping names, so every slot the canary hashes holds,
+in the copy, the bytes the engine's cache holds at that moment, in the token's own value order: a corrupt byte in
+the cache is one in the copy at the next forward that reads its slot. The canary never writes the copy. What
+reads slots outside a forward's blocks (the prefix-cache sweep) would see stale rows: it is refused with a copy.
+The cost: one gather per fingerprinted head of the forward's blocks (bit-exact, through an integer view).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import torch
 from kvcanary.ops.types import RealKvSource
 
 KINDS = ("k", "v")
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class RowMirror:
@@ -63,8 +62,12 @@ class RowMirror:
             return
         lay = self.layout
         span = lay.block_size * lay.head_size
+        per_block = lay.num_kv_heads * 2 * span  # (elements of one block of one layer: each head's K span, V span)
         for (layer, head, kind), rows in self.rows.items():
-            cache = lay.caches[layer].view(lay.num_blocks, lay.num_kv_heads, 2, span)
-            region = cache[blocks, head, KINDS.index(kind)]  # [n, span]: the head's K or V bytes of each block
-            rows[blocks] = region.index_select(1, lay.token_maps[KINDS.index(kind)])
+            # (an integer view of the element size: the bytes move as they are, NaN payloads included)
+            bits = BITS[rows.element_size()]
+            flat = lay.caches[layer].view(-1).view(bits)
+            at = blocks * per_block + (2 * head + KINDS.index(kind)) * span
+            where = (at[:, None] + lay.token_maps[KINDS.index(kind)][None, :]).view(-1)
+            rows.view(bits).index_copy_(0, blocks, flat.index_select(0, where).view(-1, span))
         self.refreshes += 1

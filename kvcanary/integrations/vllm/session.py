@@ -186,9 +186,6 @@ class Session:
         # (each wave's tokens among the forward's: its share of the write check's notes)
         tokens = [None] if len(parts) == 1 else [torch.from_numpy(fwd.tokens(idx)) for idx in parts]
         first = self._batch(fwd, None if len(parts) == 1 else parts[0])
-        blocks = self.mirror.blocks_of(fwd) if self.mirror is not None else None
-        if blocks is not None:
-            self.mirror.refresh(blocks)  # (the slots HEAD reads, as the cache holds them now)
         self.canary.before_forward(first)
         written = self.written
         try:
@@ -204,8 +201,9 @@ class Session:
         finally:
             if written is not None:
                 written.live = False
-        if blocks is not None:
-            self.mirror.refresh(blocks)  # (the forward's writes, for TAIL and the write check; later waves' reads)
+        if self.mirror is not None:
+            # (the after work alone reads KV bytes: the slots the forward read and wrote, as the cache holds them now)
+            self.mirror.refresh(self.mirror.blocks_of(fwd))
         # the write check's notes are in the model forward's token order: each wave gets its own tokens' notes
         wc = self.canary.write_check
         notes = wc.save() if len(parts) > 1 else None
