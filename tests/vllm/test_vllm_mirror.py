@@ -108,3 +108,16 @@ def test_on_amx_a_sweep_is_refused_with_the_mirror(model_dir):
     with engine.guarded(True, KV_CANARY_SWEEP_INTERVAL="4"), pytest.raises(
             Exception, match="KV_CANARY_SWEEP_INTERVAL 0 with a layout the canary hashes through token-row copies"):
         engine.start(model_dir, num_blocks=32, dtype="bfloat16")
+
+
+@needs_amx
+def test_on_amx_separate_v_records_are_allowed_and_clean(model_dir, prompts):
+    # (the copies hold K in token rows too: K records hash K and V records V, which vec's transposed K refuses)
+    from kvcanary.integrations.vllm import collect
+
+    with engine.guarded(True, KV_CANARY_CHECK_V="1"):
+        llm = engine.start(model_dir, num_blocks=32, dtype="bfloat16")
+        engine.generate(llm, prompts, max_tokens=4)
+        report = collect(llm)
+        engine.stop(llm)
+    assert report.clean and report.forwards > 0, report.violations[:2]

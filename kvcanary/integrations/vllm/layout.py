@@ -14,7 +14,7 @@ own cache-write op into a scratch block at start-up and finds which of K and V k
 the canary hashes only those (V, with ``vec``). With ``amx`` (bf16 on a CPU with AMX tiles, a block size that is
 a multiple of 32) neither does: K lies in pairs of values across 16 tokens, V in single values across 2 tokens,
 and ``probe_token_map`` finds where each of a token's values lands: the canary then hashes token-row copies of
-the fingerprinted heads, refreshed from the cache before each read (``mirror.RowMirror``). With tensor
+the fingerprinted heads, refreshed from the cache after each forward (``mirror.RowMirror``). With tensor
 parallelism each rank's cache holds its own heads.
 """
 
@@ -242,11 +242,8 @@ def check_engine(runner, config=None) -> KvLayout:
         if config.sweep_interval:
             refuse("KV_CANARY_SWEEP_INTERVAL 0 with a layout the canary hashes through token-row copies (a sweep "
                    "reads slots no forward refreshed)", f"{config.sweep_interval} for ISA {isa!r}")
-        k_rows = v_rows = True
-    if config is not None and config.check_v and not k_rows:
+    if config is not None and config.check_v and not k_rows and token_maps is None:
         refuse("token rows of K for KV_CANARY_CHECK_V=1 (separate K and V records)",
                f"K stored transposed by ISA {isa!r}", "unset KV_CANARY_CHECK_V: the K record then hashes V bytes")
-    if token_maps is not None:
-        k_rows = v_rows = False  # (no row in the cache itself: ``mirrored`` says the sources are copies)
     return KvLayout(num_blocks, block_size, spec.num_kv_heads, spec.head_size, tuple(groups[0].layer_names),
                     tuple(caches), k_rows, v_rows, isa, token_maps)

@@ -113,7 +113,7 @@ class Session:
             # pool's slots, but rarely twice as many (an overflow skips one verify, and warns with the count)
             config = config.replace(plan_capacity=min(max_batch * max_context, 2 * lay.num_slots + max_tokens))
         k_picks, v_picks = lay.real_kv_picks(config.check_v)
-        # (a kernel that interleaves tokens: the sources are token-row copies, refreshed around each forward)
+        # (a kernel that interleaves tokens: the sources are token-row copies, refreshed after each forward)
         self.mirror = RowMirror(lay, k_picks + v_picks) if lay.mirrored and (k_picks or v_picks) else None
         source = self.mirror.source if self.mirror is not None else (lambda pick: lay.head_source(*pick))
         k_sources, v_sources = (tuple(source(p) for p in picks) for picks in (k_picks, v_picks))
