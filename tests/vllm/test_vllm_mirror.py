@@ -1,5 +1,5 @@
 """A KV layout that interleaves tokens (vLLM's CPU amx kernel): the canary hashes token-row copies of the
-fingerprinted heads, refreshed from the cache around each forward (kvcanary/integrations/vllm/mirror.py)."""
+fingerprinted heads, refreshed from the cache after each forward (kvcanary/integrations/vllm/mirror.py)."""
 
 import types
 

@@ -33,10 +33,9 @@ class RowMirror:
         """``picks``: ``(layer, head, kind)`` of each real-KV source (``KvLayout.real_kv_picks``, K then V buffers)."""
         self.layout = layout
         bs, hd = layout.block_size, layout.head_size
-        self.picks = list(picks)
         self.rows: dict[tuple[int, int, str], torch.Tensor] = {}
         self.sources: dict[tuple[int, int, str], RealKvSource] = {}
-        for pick in self.picks:
+        for pick in picks:
             if pick in self.rows:
                 continue
             t = layout.caches[pick[0]]
@@ -44,7 +43,6 @@ class RowMirror:
             nbpt = hd * t.element_size()
             self.rows[pick] = rows
             self.sources[pick] = RealKvSource(rows, page_size=bs, num_bytes_per_token=nbpt, read_bytes=nbpt)
-        self.refreshes = 0  # stats: refresh calls
 
     def source(self, pick: tuple[int, int, str]) -> RealKvSource:
         return self.sources[pick]
@@ -70,4 +68,3 @@ class RowMirror:
             at = blocks * per_block + (2 * head + KINDS.index(kind)) * span
             where = (at[:, None] + lay.token_maps[KINDS.index(kind)][None, :]).view(-1)
             rows.view(bits).index_copy_(0, blocks, flat.index_select(0, where).view(-1, span))
-        self.refreshes += 1
