@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvcanary.integrations.vllm import collect, engine
+from kvcanary.integrations.vllm import collect, engine, read_reports
 from kvcanary.vllm_demo import plant_on_rank
 
 
@@ -49,3 +49,41 @@ def test_tp2_clean_then_a_bug_on_one_rank_is_named(tp2, prompts):
     # the exchange names rank 1: its records differ from rank 0's (no majority of two: rank 0 is the reference)
     assert report.divergences and {d["rank"] for d in report.divergences} == {1}
     assert any("records:full" in d["fields"] for d in report.divergences)
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_tp2_mode_raise_fails_the_engine_whichever_rank_finds_it(model_dir, prompts, tmp_path, rank):
+    """Mode raise with a bug on one rank only: the engine fails at that forward (vLLM's executor awaits rank 0's
+    reply alone and only logs another rank's exception: raised there, the error left that rank a step behind and
+    the engine hung). Rank 1 stops its worker; rank 0's error reaches the caller. The rows are on disk either way."""
+    names = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS")
+    saved = {k: os.environ.get(k) for k in names}
+    # (a step that hangs ends in vLLM's own TimeoutError after 90 s instead of its default 300; vLLM caches its
+    # variables once an engine has started: an earlier engine of this process read them)
+    os.environ.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+                      VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="90")
+    import vllm.envs
+
+    getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+    reports = str(tmp_path / "reports")
+    try:
+        with engine.guarded(True, KV_CANARY_MODE="raise", KV_CANARY_VLLM_TP_INTERVAL="4",
+                            KV_CANARY_VLLM_REPORT_DIR=reports):
+            llm = engine.start(model_dir, tp=2, num_blocks=64, max_num_batched_tokens=64)
+            try:
+                engine.generate(llm, prompts[:3], max_tokens=4)  # clean: nothing raised
+                assert llm.collective_rpc(plant_on_rank, args=("slot-off-by-one", rank)) == [rank == 0, rank == 1]
+                assert llm.reset_prefix_cache()
+                with pytest.raises(Exception) as failed:
+                    engine.generate(llm, prompts, max_tokens=8)
+                # the failure, not vLLM's timeout of a step that never ended
+                assert not isinstance(failed.value, TimeoutError) and "timed out" not in str(failed.value)
+                if rank == 0:  # its reply carries the error
+                    assert "kv-canary" in str(failed.value) and "violation" in str(failed.value)
+            finally:
+                engine.stop(llm)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    found = read_reports(reports)
+    assert found.violations and {r["rank"] for r in found.violations} == {rank}

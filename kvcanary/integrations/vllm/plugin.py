@@ -129,8 +129,8 @@ def _install() -> None:
         session.begin_step(scheduler_output)
         try:
             out = execute(self, scheduler_output, *args, **kwargs)
-        except BaseException:
-            session.abandon_step()
+        except BaseException as e:
+            session.abandon_step(e)  # (mode raise, a rank other than 0: ends this worker, session.py)
             raise
         session.end_step()
         return out

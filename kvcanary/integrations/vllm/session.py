@@ -28,7 +28,9 @@ import time
 import numpy as np
 import torch
 
+from kvcanary.distributed.consistency import KvCanaryDivergenceError
 from kvcanary.runtime import Canary, PoolSpec
+from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError
 from kvcanary.runtime.step.tables import StepTables
 
 from kvcanary.integrations.vllm import written_kv
@@ -45,6 +47,8 @@ SESSIONS: list = []  # this process's sessions, newest last (live handles for in
 # mode "abort": vLLM request ids to fail, taken by the scheduler of this process after the step (plugin.py)
 PENDING_ABORTS: set[str] = set()
 MAX_ROWS = 10_000  # rows kept in memory per session (every row still goes to the report directory)
+# what mode "raise" raises in a worker (a rank other than 0 of a tensor-parallel engine stops its process on it)
+CANARY_ERRORS = (KvCanaryViolationError, KvCanaryHealthError, KvCanaryDivergenceError)
 STATS_EVERY_S = 1.0  # the stats file is rewritten at most this often while serving (and at every report)
 
 
@@ -236,8 +240,18 @@ class Session:
                                "supported)")
         self._write_stats()
 
-    def abandon_step(self) -> None:
+    def abandon_step(self, error: BaseException | None = None) -> None:
+        """The step raised (``error``). Mode raise with tensor parallelism: a canary error on a rank other than 0
+        ends this worker's process (``SystemExit``): vLLM's multiprocess executor awaits the step's reply from
+        rank 0 alone and only logs another rank's exception, so raised here it would leave that rank a step behind
+        its peers (their next collective never met: the engine hangs); a dead worker is what vLLM fails the whole
+        engine for (``EngineDeadError`` in the caller). Rank 0's error reaches the caller through its reply."""
         self.in_step = False
+        if self.tp_size > 1 and self.rank != 0 and isinstance(error, CANARY_ERRORS):
+            log.error("kv_canary: rank %d of %d stops its worker process (mode raise): %s", self.rank, self.tp_size,
+                      error)
+            self.close()
+            raise SystemExit(f"kv-canary: rank {self.rank} stopped its vLLM worker: {error}") from error
 
     # -- reports ---------------------------------------------------------------------------------
     def _on_violation(self, v) -> None:
