@@ -87,3 +87,31 @@ def test_tp2_mode_raise_fails_the_engine_whichever_rank_finds_it(model_dir, prom
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     found = read_reports(reports)
     assert found.violations and {r["rank"] for r in found.violations} == {rank}
+
+
+def test_only_the_canarys_own_errors_end_a_worker_other_than_rank_0():
+    """``abandon_step``'s rule without an engine: the canary's error (here end_step's) on rank 1 of 2 ends the
+    process; the engine's own error there, or any error on rank 0 or without parallelism, goes back unchanged."""
+    from types import SimpleNamespace
+
+    from kvcanary.integrations.vllm.session import Session
+
+    def session(rank, tp):
+        closed = []
+        s = SimpleNamespace(rank=rank, tp_size=tp, in_step=True, failure=None, engine_error=None,
+                            _expect_forward=True, _step_forwards=0, closed=closed, close=lambda: closed.append(1))
+        with pytest.raises(RuntimeError, match="must run a guarded forward") as own:
+            Session.end_step(s)  # a step that scheduled tokens ran no guarded forward: the canary's error
+        assert s.failure is own.value and not s.in_step
+        return s, own.value
+
+    s, own = session(rank=1, tp=2)
+    with pytest.raises(SystemExit, match="rank 1 stopped its vLLM worker"):
+        Session.abandon_step(s, own)
+    assert s.closed == [1]  # rows and stats written before the process ends
+    s, _ = session(rank=1, tp=2)
+    Session.abandon_step(s, ValueError("the engine's"))  # not the canary's: vLLM gets it as it was
+    for rank, tp in ((0, 2), (0, 1)):
+        s, own = session(rank=rank, tp=tp)
+        Session.abandon_step(s, own)
+        assert not s.closed

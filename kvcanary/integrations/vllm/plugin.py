@@ -126,13 +126,13 @@ def _install() -> None:
         session = S.session_of(self)
         if session is None:
             return execute(self, scheduler_output, *args, **kwargs)
-        session.begin_step(scheduler_output)
         try:
+            session.begin_step(scheduler_output)
             out = execute(self, scheduler_output, *args, **kwargs)
+            session.end_step()
         except BaseException as e:
-            session.abandon_step(e)  # (mode raise, a rank other than 0: ends this worker, session.py)
+            session.abandon_step(e)  # (the canary's error on a TP rank other than 0 ends this worker: session.py)
             raise
-        session.end_step()
         return out
 
     @functools.wraps(forward)

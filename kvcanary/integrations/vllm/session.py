@@ -21,6 +21,7 @@ Rows go to the report directory as they are drained and stay in memory for ``rep
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -28,9 +29,7 @@ import time
 import numpy as np
 import torch
 
-from kvcanary.distributed.consistency import KvCanaryDivergenceError
 from kvcanary.runtime import Canary, PoolSpec
-from kvcanary.runtime.report import KvCanaryHealthError, KvCanaryViolationError
 from kvcanary.runtime.step.tables import StepTables
 
 from kvcanary.integrations.vllm import written_kv
@@ -47,8 +46,6 @@ SESSIONS: list = []  # this process's sessions, newest last (live handles for in
 # mode "abort": vLLM request ids to fail, taken by the scheduler of this process after the step (plugin.py)
 PENDING_ABORTS: set[str] = set()
 MAX_ROWS = 10_000  # rows kept in memory per session (every row still goes to the report directory)
-# what mode "raise" raises in a worker (a rank other than 0 of a tensor-parallel engine stops its process on it)
-CANARY_ERRORS = (KvCanaryViolationError, KvCanaryHealthError, KvCanaryDivergenceError)
 STATS_EVERY_S = 1.0  # the stats file is rewritten at most this often while serving (and at every report)
 
 
@@ -71,6 +68,22 @@ def no_session_report() -> dict:
     return {"rows": [], "stats": {"pid": os.getpid(), "guarded": False, "forwards": 0, "violations": 0}}
 
 
+def _canary_work(method):
+    """A session method whose exceptions are the canary's own (``Session.failure``), not the engine's: all but the
+    model forward's, which ``guard_forward`` names ``engine_error``."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as e:
+            if e is not self.engine_error:
+                self.failure = e
+            raise
+
+    return run
+
+
 class Session:
     """The canary of one vLLM model runner."""
 
@@ -87,6 +100,10 @@ class Session:
                        "split_forwards": 0, "aborted": 0, "abandoned_forwards": 0}
         self.in_step = False
         self.closed = False
+        # this step's exception raised by the canary's work (mode raise, a divergence, a failure of its own), and
+        # the engine's own from the model forward: abandon_step tells them apart
+        self.failure: BaseException | None = None
+        self.engine_error: BaseException | None = None
         self._step_forwards = 0
         self._running_only = False  # this step schedules running requests only (begin_step)
         self._stats_at = 0.0
@@ -141,8 +158,10 @@ class Session:
         return canary
 
     # -- hooks -----------------------------------------------------------------------------------
+    @_canary_work
     def begin_step(self, so) -> None:
         """Before vLLM's ``execute_model`` applies the scheduler's step: its events and block copies."""
+        self.failure = self.engine_error = None
         if self.in_step:
             raise RuntimeError("kv-canary: vLLM's execute_model must not be re-entered, got a second call inside one")
         self.events["steps"] += 1
@@ -169,6 +188,7 @@ class Session:
         self.in_step, self._step_forwards = True, 0
         self._expect_forward = so.total_num_scheduled_tokens > 0
 
+    @_canary_work
     def guard_forward(self, forward, runner, args, kwargs):
         """vLLM's ``_model_forward`` between the canary's before and after work."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -196,7 +216,8 @@ class Session:
             if written is not None:
                 written.live = True
             out = forward(runner, *args, **kwargs)
-        except BaseException:
+        except BaseException as e:
+            self.engine_error = e
             # the engine's failure, not the canary's: the forward is abandoned (its unwritten KV stays unwritten
             # for the canary), so a later forward of this worker starts as any other (runtime/abandon.py)
             self.canary.abandon_forward()
@@ -232,6 +253,7 @@ class Session:
         b.set_wave(fwd, idx)
         return self.tables.build(b.host_part(), None)
 
+    @_canary_work
     def end_step(self) -> None:
         self.in_step = False
         if self._expect_forward and not self._step_forwards:
@@ -241,15 +263,15 @@ class Session:
         self._write_stats()
 
     def abandon_step(self, error: BaseException | None = None) -> None:
-        """The step raised (``error``). Mode raise with tensor parallelism: a canary error on a rank other than 0
-        ends this worker's process (``SystemExit``): vLLM's multiprocess executor awaits the step's reply from
-        rank 0 alone and only logs another rank's exception, so raised here it would leave that rank a step behind
-        its peers (their next collective never met: the engine hangs); a dead worker is what vLLM fails the whole
-        engine for (``EngineDeadError`` in the caller). Rank 0's error reaches the caller through its reply."""
+        """The step raised ``error``. With tensor parallelism, where it is the canary's (mode raise's violation or
+        divergence, or a failure of its own) on a rank other than 0, this worker's process ends (``SystemExit``):
+        vLLM's multiprocess executor awaits each step's reply from rank 0 alone and only logs another rank's
+        exception, so raised there the error would leave that rank a step behind its peers (their next collective
+        never met: the engine hangs); a worker that dies is what vLLM fails the whole engine for. Rank 0's error
+        reaches the caller in its reply; the engine's own errors go to vLLM unchanged."""
         self.in_step = False
-        if self.tp_size > 1 and self.rank != 0 and isinstance(error, CANARY_ERRORS):
-            log.error("kv_canary: rank %d of %d stops its worker process (mode raise): %s", self.rank, self.tp_size,
-                      error)
+        if self.tp_size > 1 and self.rank != 0 and error is not None and error is self.failure:
+            log.error("kv_canary: rank %d of %d stops its worker process: %r", self.rank, self.tp_size, error)
             self.close()
             raise SystemExit(f"kv-canary: rank {self.rank} stopped its vLLM worker: {error}") from error
 
