@@ -85,6 +85,7 @@ def test_tp2_mode_raise_fails_the_engine_whichever_rank_finds_it(model_dir, prom
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()  # (the next engine reads them afresh)
     found = read_reports(reports)
     assert found.violations and {r["rank"] for r in found.violations} == {rank}
 
