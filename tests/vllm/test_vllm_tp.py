@@ -112,6 +112,9 @@ def test_only_the_canarys_own_errors_end_a_worker_other_than_rank_0():
     assert s.closed == [1]  # rows and stats written before the process ends
     s, _ = session(rank=1, tp=2)
     Session.abandon_step(s, ValueError("the engine's"))  # not the canary's: vLLM gets it as it was
+    s.failure = KeyboardInterrupt()  # (an interrupt, or vLLM's SystemExit at a shutdown signal, inside the hooks)
+    Session.abandon_step(s, s.failure)
+    assert not s.closed
     for rank, tp in ((0, 2), (0, 1)):
         s, own = session(rank=rank, tp=tp)
         Session.abandon_step(s, own)

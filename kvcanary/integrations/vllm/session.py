@@ -270,7 +270,8 @@ class Session:
         never met: the engine hangs); a worker that dies is what vLLM fails the whole engine for. Rank 0's error
         reaches the caller in its reply; the engine's own errors go to vLLM unchanged."""
         self.in_step = False
-        if self.tp_size > 1 and self.rank != 0 and error is not None and error is self.failure:
+        # (an Exception: vLLM's own SystemExit at a shutdown signal, or an interrupt, passes unchanged)
+        if self.tp_size > 1 and self.rank != 0 and isinstance(error, Exception) and error is self.failure:
             log.error("kv_canary: rank %d of %d stops its worker process: %r", self.rank, self.tp_size, error)
             self.close()
             raise SystemExit(f"kv-canary: rank {self.rank} stopped its vLLM worker: {error}") from error
