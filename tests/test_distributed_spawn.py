@@ -130,3 +130,31 @@ def test_a_hung_run_times_out_and_a_failed_rank_is_reported():
     with pytest.raises(RuntimeError, match="planted failure on rank 1"):
         spawn(_fail, 2, timeout_s=30)
     assert time.monotonic() - t0 < 25
+
+
+def _finish_after_a_raising_flush(ctx):
+    """Rank 1's last drain raises (mode raise: violations it alone found); both ranks still meet in the exchange."""
+    from kvcanary import Canary, CanaryConfig, PoolSpec, RealKvSource
+    from kvcanary.distributed import ConsistencyCheck
+    from kvcanary.runtime.report import KvCanaryViolationError
+
+    k = torch.zeros(16, 8)
+    pool = PoolSpec(16, k_sources=(RealKvSource(k, page_size=1, num_bytes_per_token=32, read_bytes=32),))
+    canary = Canary(pool, CanaryConfig(mode="raise", backend="torch"), max_batch=2, max_tokens=8, max_context=8,
+                    num_rows=2)
+    check = ConsistencyCheck(canary, interval=0)
+    if ctx.rank == 1:
+        def flush():
+            raise KvCanaryViolationError([], 1)
+
+        canary.flush = flush
+        with pytest.raises(KvCanaryViolationError):
+            check.finish()
+    else:
+        check.finish()
+    assert check.exchanges == 1
+    return check.exchanges
+
+
+def test_finish_is_a_collective_even_where_the_last_drain_raises():
+    assert spawn(_finish_after_a_raising_flush, 2, timeout_s=40) == 1

@@ -181,8 +181,13 @@ class ConsistencyCheck:
         return self.exchange(settled=self.canary.step - SETTLE_STEPS)
 
     def finish(self) -> list[Divergence]:
-        """Flush the canary and exchange once more over everything (collective)."""
-        self.canary.flush()
+        """Flush the canary and exchange once more over everything (collective: every rank enters the exchange,
+        also one whose flush raised, mode raise's violations that rank alone found; its error follows)."""
+        try:
+            self.canary.flush()
+        except Exception:
+            self.exchange(settled=None)  # (else the other ranks wait in it for this one for ever)
+            raise
         return self.exchange(settled=None)
 
     def exchange(self, settled: int | None) -> list[Divergence]:
