@@ -324,9 +324,11 @@ class Session:
 
     def report(self, finish_tp: bool = True) -> dict:
         """Drain everything and return the rows and stats of this canary session (``kvcanary_report``; JSON-safe)."""
-        self.canary.flush()
         if finish_tp and self.consistency is not None and not self.closed:
+            # (the drain, then the exchange every rank enters, also one whose drain raised: ConsistencyCheck.finish)
             self._divergences(self.consistency.finish())
+        else:
+            self.canary.flush()
         self._write_stats(force=True)
         return {"rows": list(self.rows), "stats": self.stats()}
 
