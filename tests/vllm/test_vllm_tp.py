@@ -52,19 +52,19 @@ def test_tp2_clean_then_a_bug_on_one_rank_is_named(tp2, prompts):
 
 
 @pytest.mark.parametrize("rank", [1, 0])
-def test_tp2_mode_raise_fails_the_engine_whichever_rank_finds_it(model_dir, prompts, tmp_path, rank):
+def test_tp2_mode_raise_fails_the_engine_whichever_rank_finds_it(model_dir, prompts, tmp_path, monkeypatch, rank):
     """Mode raise with a bug on one rank only: the engine fails at that forward (vLLM's executor awaits rank 0's
     reply alone and only logs another rank's exception: raised there, the error left that rank a step behind and
     the engine hung). Rank 1 stops its worker; rank 0's error reaches the caller. The rows are on disk either way."""
-    names = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS")
-    saved = {k: os.environ.get(k) for k in names}
-    # (a step that hangs ends in vLLM's own TimeoutError after 90 s instead of its default 300; vLLM caches its
-    # variables once an engine has started: an earlier engine of this process read them)
-    os.environ.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-                      VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="90")
     import vllm.envs
 
-    getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+    for name, value in (("VLLM_CPU_OMP_THREADS_BIND", "0|1"), ("VLLM_ALLOW_INSECURE_SERIALIZATION", "1"),
+                        ("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "90")):
+        monkeypatch.setenv(name, value)
+    # (a step that hangs ends in vLLM's own TimeoutError after 90 s instead of its default 300; vLLM caches its
+    # variables once an engine has started: an earlier engine of this process read them)
+    clear_cache = getattr(vllm.envs, "disable_envs_cache", lambda: None)
+    clear_cache()
     reports = str(tmp_path / "reports")
     try:
         with engine.guarded(True, KV_CANARY_MODE="raise", KV_CANARY_VLLM_TP_INTERVAL="4",
@@ -83,9 +83,7 @@ def test_tp2_mode_raise_fails_the_engine_whichever_rank_finds_it(model_dir, prom
             finally:
                 engine.stop(llm)
     finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        getattr(vllm.envs, "disable_envs_cache", lambda: None)()  # (the next engine reads them afresh)
+        clear_cache()  # (the next engine reads the variables afresh, restored by then)
     found = read_reports(reports)
     assert found.violations and {r["rank"] for r in found.violations} == {rank}
 
